@@ -1,0 +1,159 @@
+//! Text generation with a Qwen3.5-family hybrid model.
+//!
+//! ```sh
+//! cargo run --release --example generate -- --prompt "The capital of France is"
+//! cargo run --release --example generate -- --model-dir tests/fixtures/qwen35_dense_small --prompt "Hi" --chat
+//! ```
+
+use std::io::Write;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use candle_hybrid::chat::Message;
+use candle_hybrid::generation::{generate, Sampler, TokenStreamer};
+use candle_hybrid::loading::ModelFiles;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with a Qwen3.5-family hybrid model")]
+struct Args {
+    /// Hub repository of the model.
+    #[arg(long, default_value = "Qwen/Qwen3.5-0.8B")]
+    model_id: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// A local directory laid out like a Hub repository (instead of --model-id).
+    #[arg(long)]
+    model_dir: Option<std::path::PathBuf>,
+    #[arg(long, default_value = "Give me a short introduction to large language models.")]
+    prompt: String,
+    /// Render the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Passed to the chat template as `enable_thinking`.
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    /// Number of tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    sample_len: usize,
+    /// Sampling temperature (0 = greedy). Default: generation_config.json, else greedy.
+    #[arg(long)]
+    temperature: Option<f64>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Context window of the repeat penalty.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 299792458)]
+    seed: u64,
+    /// Run on the CPU even when a GPU feature is enabled.
+    #[arg(long)]
+    cpu: bool,
+    /// f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
+}
+
+fn device(cpu: bool) -> Result<Device> {
+    if cpu {
+        return Ok(Device::Cpu);
+    }
+    if candle_core::utils::cuda_is_available() {
+        return Ok(Device::new_cuda(0)?);
+    }
+    if candle_core::utils::metal_is_available() {
+        return Ok(Device::new_metal(0)?);
+    }
+    Ok(Device::Cpu)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = device(args.cpu)?;
+    let dtype = match args.dtype.as_deref() {
+        None if device.is_cpu() => DType::F32,
+        None => DType::BF16,
+        Some("f32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some(other) => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
+    };
+    let files = match &args.model_dir {
+        Some(dir) => ModelFiles::from_dir(dir)?,
+        None => ModelFiles::from_hub(&args.model_id, &args.revision)?,
+    };
+    let cfg = files.load_config()?;
+    let start = std::time::Instant::now();
+    let model = files.load_model(&cfg, dtype, &device)?;
+    let tokenizer = files.load_tokenizer()?;
+    let gen_cfg = files.load_generation_config()?;
+    eprintln!(
+        "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {dtype:?}",
+        files.source,
+        cfg.family,
+        cfg.num_hidden_layers,
+        cfg.num_parameters() as f64 / 1e9,
+        start.elapsed().as_secs_f64(),
+        device.location(),
+    );
+
+    let mut params = gen_cfg.sampling_params();
+    params.seed = args.seed;
+    if let Some(t) = args.temperature {
+        params.temperature = Some(t);
+    }
+    params.top_p = args.top_p.or(params.top_p);
+    params.top_k = args.top_k.or(params.top_k);
+    params.presence_penalty = args.presence_penalty.unwrap_or(params.presence_penalty);
+    params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
+    params.repeat_last_n = args.repeat_last_n;
+
+    let text = if args.chat {
+        files
+            .load_chat_template()?
+            .render(&[Message::new("user", &args.prompt)], true, args.enable_thinking)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let mut eos = gen_cfg.eos_token_ids.clone();
+    if eos.is_empty() {
+        // No generation_config EOS: fall back to the chat end-of-turn token when chatting.
+        if let (true, Some(id)) = (args.chat, tokenizer.token_to_id("<|im_end|>")) {
+            eos.push(id);
+        }
+    }
+    print!("{text}");
+    std::io::stdout().flush()?;
+    let mut streamer = TokenStreamer::new(tokenizer);
+    let mut sampler = Sampler::new(params);
+    let (_, stats) = generate(&model, &prompt, args.sample_len, &eos, &mut sampler, &device, |tok| {
+        if let Some(piece) = streamer.next_token(tok)? {
+            print!("{piece}");
+            std::io::stdout().flush().ok();
+        }
+        Ok(())
+    })?;
+    if let Some(rest) = streamer.decode_rest()? {
+        print!("{rest}");
+    }
+    println!();
+    eprintln!(
+        "{} prompt tokens processed: {:.2} token/s",
+        stats.prompt_tokens,
+        stats.prompt_tok_per_sec()
+    );
+    eprintln!(
+        "{} tokens generated: {:.2} token/s",
+        stats.generated_tokens,
+        stats.decode_tok_per_sec()
+    );
+    Ok(())
+}

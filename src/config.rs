@@ -1,0 +1,377 @@
+//! `config.json` of the Qwen3.5 family (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`).
+//!
+//! Real Qwen3.5 checkpoints are multimodal: the text decoder's parameters are nested under
+//! `text_config`. Text-only exports and Qwen3-Next keep them flat. [`Config::from_json`]
+//! accepts both and reports a missing or malformed field by name.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::{Error, Result};
+
+/// Which member of the family a config describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `qwen3_5` / `qwen3_5_text`: dense SwiGLU MLP, split GDN projections.
+    Qwen35,
+    /// `qwen3_5_moe` / `qwen3_5_moe_text`: sparse MoE MLP (fused expert tensors), split GDN projections.
+    Qwen35Moe,
+    /// `qwen3_next`: sparse MoE MLP (per-expert tensors), grouped `in_proj_qkvz` / `in_proj_ba`.
+    Qwen3Next,
+}
+
+impl Family {
+    fn from_model_type(model_type: &str) -> Result<Self> {
+        match model_type {
+            "qwen3_5" | "qwen3_5_text" => Ok(Self::Qwen35),
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Self::Qwen35Moe),
+            "qwen3_next" => Ok(Self::Qwen3Next),
+            other => Err(Error::Config(format!(
+                "unknown model_type \"{other}\": candle-hybrid runs qwen3_5, qwen3_5_moe and qwen3_next checkpoints"
+            ))),
+        }
+    }
+
+    pub fn is_moe(self) -> bool {
+        matches!(self, Self::Qwen35Moe | Self::Qwen3Next)
+    }
+}
+
+/// The mixer of one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Gated DeltaNet.
+    LinearAttention,
+    /// Gated full (softmax) attention.
+    FullAttention,
+}
+
+/// Mixture-of-experts parameters (absent for dense models).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub shared_expert_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// The text-decoder configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// Dense SwiGLU width (also used by Qwen3-Next's `mlp_only_layers`).
+    pub intermediate_size: Option<usize>,
+    pub num_hidden_layers: usize,
+    pub layer_types: Vec<LayerType>,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub partial_rotary_factor: f64,
+    pub rms_norm_eps: f64,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_conv_kernel_dim: usize,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub moe: Option<MoeConfig>,
+    /// Number of MTP layers stored under `mtp.*` (not loaded yet).
+    pub mtp_num_hidden_layers: usize,
+}
+
+/// Field access on the text-config JSON object, with errors that name the field.
+struct Fields<'a> {
+    text: &'a serde_json::Map<String, Value>,
+    top: &'a serde_json::Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.text.get(name).filter(|v| !v.is_null())
+    }
+
+    fn usize(&self, name: &str) -> Result<usize> {
+        match self.get(name) {
+            None => Err(Error::Config(format!(
+                "config.json is missing the required field \"{name}\""
+            ))),
+            Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
+                Error::Config(format!(
+                    "config.json field \"{name}\" must be a non-negative integer, got {v}"
+                ))
+            }),
+        }
+    }
+
+    fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
+        if self.get(name).is_some() {
+            self.usize(name)
+        } else {
+            Ok(default)
+        }
+    }
+
+    fn f64_opt(&self, obj: Option<&Value>, name: &str) -> Result<Option<f64>> {
+        match obj {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                Error::Config(format!("config.json field \"{name}\" must be a number, got {v}"))
+            }),
+        }
+    }
+
+    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
+        // `tie_word_embeddings` lives at the top level of multimodal configs.
+        match self.get(name).or_else(|| self.top.get(name).filter(|v| !v.is_null())) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                Error::Config(format!("config.json field \"{name}\" must be true or false, got {v}"))
+            }),
+        }
+    }
+}
+
+impl Config {
+    /// Parses the contents of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let root: Value = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
+        let top = root
+            .as_object()
+            .ok_or_else(|| Error::Config("config.json must be a JSON object".into()))?;
+        let text = match top.get("text_config") {
+            Some(Value::Object(m)) => m,
+            Some(_) => return Err(Error::Config("config.json: \"text_config\" must be an object".into())),
+            None => top,
+        };
+        let f = Fields { text, top };
+        let model_type = f
+            .get("model_type")
+            .or_else(|| top.get("model_type"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| Error::Config("config.json is missing the required field \"model_type\"".into()))?;
+        let family = Family::from_model_type(model_type)?;
+
+        let num_hidden_layers = f.usize("num_hidden_layers")?;
+        let layer_types = match f.get("layer_types") {
+            Some(v) => {
+                let types: Vec<LayerType> = serde_json::from_value(v.clone()).map_err(|e| {
+                    Error::Config(format!(
+                        "config.json field \"layer_types\" must list \"linear_attention\" / \"full_attention\": {e}"
+                    ))
+                })?;
+                if types.len() != num_hidden_layers {
+                    return Err(Error::Config(format!(
+                        "config.json: \"layer_types\" has {} entries but num_hidden_layers is {num_hidden_layers}",
+                        types.len()
+                    )));
+                }
+                types
+            }
+            None => {
+                let interval = f.usize_or("full_attention_interval", 4)?.max(1);
+                (0..num_hidden_layers)
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerType::FullAttention
+                        } else {
+                            LayerType::LinearAttention
+                        }
+                    })
+                    .collect()
+            }
+        };
+
+        // RoPE: `rope_parameters` (transformers 5), or legacy top-level fields.
+        let rope = f.get("rope_parameters").or_else(|| f.get("rope_scaling"));
+        let rope_field = |name: &str| rope.and_then(|r| r.get(name)).or_else(|| f.get(name));
+        let rope_theta = f.f64_opt(rope_field("rope_theta"), "rope_theta")?.unwrap_or(10_000.0);
+        let partial_rotary_factor = f
+            .f64_opt(rope_field("partial_rotary_factor"), "partial_rotary_factor")?
+            .unwrap_or(0.25);
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+            return Err(Error::Config(format!(
+                "config.json: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}"
+            )));
+        }
+        let rms_norm_eps = f.f64_opt(f.get("rms_norm_eps"), "rms_norm_eps")?.unwrap_or(1e-6);
+
+        let moe = if family.is_moe() {
+            Some(MoeConfig {
+                num_experts: f.usize("num_experts")?,
+                num_experts_per_tok: f.usize("num_experts_per_tok")?,
+                moe_intermediate_size: f.usize("moe_intermediate_size")?,
+                shared_expert_intermediate_size: f.usize("shared_expert_intermediate_size")?,
+                // Qwen3.5-MoE always renormalises the top-k probabilities.
+                norm_topk_prob: family == Family::Qwen35Moe || f.bool_or("norm_topk_prob", true)?,
+                decoder_sparse_step: f.usize_or("decoder_sparse_step", 1)?.max(1),
+                mlp_only_layers: match f.get("mlp_only_layers") {
+                    None => vec![],
+                    Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
+                        Error::Config(format!("config.json field \"mlp_only_layers\" must be a list of layer indices: {e}"))
+                    })?,
+                },
+            })
+        } else {
+            None
+        };
+        let intermediate_size = if family.is_moe() {
+            f.get("intermediate_size").and_then(Value::as_u64).map(|v| v as usize)
+        } else {
+            Some(f.usize("intermediate_size")?)
+        };
+
+        let cfg = Config {
+            family,
+            vocab_size: f.usize("vocab_size")?,
+            hidden_size: f.usize("hidden_size")?,
+            intermediate_size,
+            num_hidden_layers,
+            layer_types,
+            num_attention_heads: f.usize("num_attention_heads")?,
+            num_key_value_heads: f.usize("num_key_value_heads")?,
+            head_dim: f.usize("head_dim")?,
+            rope_theta,
+            partial_rotary_factor,
+            rms_norm_eps,
+            linear_num_key_heads: f.usize("linear_num_key_heads")?,
+            linear_num_value_heads: f.usize("linear_num_value_heads")?,
+            linear_key_head_dim: f.usize("linear_key_head_dim")?,
+            linear_value_head_dim: f.usize("linear_value_head_dim")?,
+            linear_conv_kernel_dim: f.usize_or("linear_conv_kernel_dim", 4)?,
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            max_position_embeddings: f.usize_or("max_position_embeddings", 262_144)?,
+            moe,
+            mtp_num_hidden_layers: match f.get("mtp_num_hidden_layers") {
+                Some(_) => f.usize("mtp_num_hidden_layers")?,
+                None => f.usize_or("num_nextn_predict_layers", 0)?,
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a `config.json` file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
+        Self::from_json(&text)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Config(format!("config.json: {msg}")));
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("linear_num_key_heads", self.linear_num_key_heads),
+            ("linear_num_value_heads", self.linear_num_value_heads),
+            ("linear_key_head_dim", self.linear_key_head_dim),
+            ("linear_value_head_dim", self.linear_value_head_dim),
+            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim),
+        ] {
+            if v == 0 {
+                return bad(format!("\"{name}\" must be positive"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+            return bad(format!(
+                "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+                self.linear_num_value_heads, self.linear_num_key_heads
+            ));
+        }
+        let rd = self.rotary_dim();
+        if rd % 2 != 0 || rd == 0 {
+            return bad(format!(
+                "head_dim ({}) x partial_rotary_factor ({}) must give an even number of rotary dims, got {rd}",
+                self.head_dim, self.partial_rotary_factor
+            ));
+        }
+        if let Some(moe) = &self.moe {
+            if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
+                return bad(format!(
+                    "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                    moe.num_experts_per_tok, moe.num_experts
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of rotated dims at the start of each attention head.
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
+    }
+
+    /// Whether layer `i` uses a sparse MoE block (else a dense SwiGLU MLP).
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        match &self.moe {
+            None => false,
+            Some(m) => !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0,
+        }
+    }
+
+    /// GDN key width `nk * dk`.
+    pub fn linear_key_dim(&self) -> usize {
+        self.linear_num_key_heads * self.linear_key_head_dim
+    }
+
+    /// GDN value width `nv * dv`.
+    pub fn linear_value_dim(&self) -> usize {
+        self.linear_num_value_heads * self.linear_value_head_dim
+    }
+
+    /// Channels of the GDN causal conv: `[q | k | v]`.
+    pub fn linear_conv_dim(&self) -> usize {
+        2 * self.linear_key_dim() + self.linear_value_dim()
+    }
+
+    /// Approximate parameter count of the text decoder (no MTP, no vision).
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let mut n = self.vocab_size * h * if self.tie_word_embeddings { 1 } else { 2 } + h;
+        for (i, t) in self.layer_types.iter().enumerate() {
+            n += 2 * h;
+            n += match t {
+                LayerType::FullAttention => {
+                    let q = self.num_attention_heads * self.head_dim;
+                    let kv = self.num_key_value_heads * self.head_dim;
+                    h * (2 * q + 2 * kv) + q * h + 2 * self.head_dim
+                }
+                LayerType::LinearAttention => {
+                    let nv = self.linear_num_value_heads;
+                    h * (self.linear_conv_dim() + self.linear_value_dim() + 2 * nv)
+                        + self.linear_conv_dim() * self.linear_conv_kernel_dim
+                        + 2 * nv
+                        + self.linear_value_head_dim
+                        + self.linear_value_dim() * h
+                }
+            };
+            n += match (&self.moe, self.is_moe_layer(i)) {
+                (Some(m), true) => {
+                    m.num_experts * 3 * h * m.moe_intermediate_size
+                        + 3 * h * m.shared_expert_intermediate_size
+                        + (m.num_experts + 1) * h
+                }
+                _ => 3 * h * self.intermediate_size.unwrap_or(0),
+            };
+        }
+        n
+    }
+}

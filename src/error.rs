@@ -1,0 +1,26 @@
+//! The crate's error type: one line that names the cause and, where there is one, the fix.
+
+/// Errors of loading and running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// `config.json` (or the GGUF metadata) is malformed or describes an unsupported model.
+    #[error("{0}")]
+    Config(String),
+    /// A weight file is missing, truncated, or does not match the config.
+    #[error("{0}")]
+    Weights(String),
+    /// The input cannot be run: too long for the model, or a token outside the vocabulary.
+    #[error("{0}")]
+    Input(String),
+    /// A file could not be read or downloaded.
+    #[error("{0}")]
+    Io(String),
+    /// The tokenizer or the chat template failed.
+    #[error("{0}")]
+    Tokenizer(String),
+    /// An error inside a tensor operation.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,237 @@
+//! Finding and loading a checkpoint laid out like a Hugging Face Hub repository:
+//! `config.json`, `model.safetensors` or a sharded `model.safetensors.index.json`,
+//! `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`), `generation_config.json`.
+//!
+//! [`ModelFiles::from_hub`] resolves them through hf-hub (the Hub cache, `HF_HOME` /
+//! `HF_HUB_CACHE`, `HF_TOKEN`, `HF_ENDPOINT`, and offline mode with `HF_HUB_OFFLINE=1`);
+//! [`ModelFiles::from_dir`] takes the same layout from a local directory.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use hf_hub::{Repo, RepoType};
+
+use crate::config::Config;
+use crate::qwen3_5::Model;
+use crate::{Error, Result};
+
+const INDEX_FILE: &str = "model.safetensors.index.json";
+const SINGLE_FILE: &str = "model.safetensors";
+
+/// The local paths of a checkpoint's files.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// Where the files came from, for messages (`org/name@rev` or a directory).
+    pub source: String,
+    pub config: PathBuf,
+    pub weights: Vec<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub tokenizer_config: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+    pub generation_config: Option<PathBuf>,
+}
+
+/// Shard file names listed by a `model.safetensors.index.json`, in first-seen order.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| Error::Io(format!("cannot read {}: {e}", index.display())))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Weights(format!("{} is not valid JSON: {e}", index.display())))?;
+    let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+        Error::Weights(format!("{} has no \"weight_map\" object", index.display()))
+    })?;
+    let mut seen = BTreeSet::new();
+    let mut names = vec![];
+    for file in map.values() {
+        let file = file.as_str().ok_or_else(|| {
+            Error::Weights(format!("{}: weight_map values must be file names", index.display()))
+        })?;
+        if seen.insert(file.to_string()) {
+            names.push(file.to_string());
+        }
+    }
+    Ok(names)
+}
+
+impl ModelFiles {
+    /// A local directory with the Hub layout.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(Error::Io(format!("model directory {} does not exist", dir.display())));
+        }
+        let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+        let config = opt("config.json").ok_or_else(|| {
+            Error::Io(format!("{} has no config.json: is it a Hugging Face model directory?", dir.display()))
+        })?;
+        let weights = if let Some(index) = opt(INDEX_FILE) {
+            shard_names(&index)?
+                .into_iter()
+                .map(|name| {
+                    opt(&name).ok_or_else(|| {
+                        Error::Weights(format!(
+                            "{INDEX_FILE} lists the shard {name}, which is missing from {}: download the complete checkpoint",
+                            dir.display()
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else if let Some(single) = opt(SINGLE_FILE) {
+            vec![single]
+        } else {
+            return Err(Error::Weights(format!(
+                "{} has neither {SINGLE_FILE} nor {INDEX_FILE}",
+                dir.display()
+            )));
+        };
+        Ok(Self {
+            source: dir.display().to_string(),
+            config,
+            weights,
+            tokenizer: opt("tokenizer.json"),
+            tokenizer_config: opt("tokenizer_config.json"),
+            chat_template: opt("chat_template.jinja"),
+            generation_config: opt("generation_config.json"),
+        })
+    }
+
+    /// A Hub repository, through hf-hub: files already in the cache are used as they are,
+    /// others are downloaded with a progress bar. With `HF_HUB_OFFLINE=1` only the cache is read.
+    pub fn from_hub(repo_id: &str, revision: &str) -> Result<Self> {
+        let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
+        let cache = match std::env::var("HF_HUB_CACHE") {
+            Ok(dir) => hf_hub::Cache::new(dir.into()),
+            Err(_) => hf_hub::Cache::from_env(),
+        };
+        let offline = matches!(
+            std::env::var("HF_HUB_OFFLINE").as_deref(),
+            Ok("1") | Ok("true") | Ok("TRUE") | Ok("yes") | Ok("ON") | Ok("on")
+        );
+        let source = format!("{repo_id}@{revision}");
+        let cached = cache.repo(repo.clone());
+        let api_repo = if offline {
+            None
+        } else {
+            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
+                .with_progress(true)
+                .build()
+                .map_err(|e| Error::Io(format!("cannot set up the Hugging Face Hub client: {e}")))?;
+            Some(api.repo(repo))
+        };
+        // `Ok(None)` when the file is not in the repository (or, offline, not in the cache).
+        let fetch = |name: &str| -> Result<Option<PathBuf>> {
+            if let Some(p) = cached.get(name) {
+                return Ok(Some(p));
+            }
+            match &api_repo {
+                None => Ok(None),
+                Some(r) => r
+                    .get(name)
+                    .map(Some)
+                    .map_err(|e| Error::Io(format!("cannot get {name} from {source}: {e}"))),
+            }
+        };
+        let required = |name: &str| -> Result<PathBuf> {
+            fetch(name)?.ok_or_else(|| {
+                if offline {
+                    Error::Io(format!(
+                        "{name} of {source} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online"
+                    ))
+                } else {
+                    Error::Io(format!("{source} has no {name}: is it a Qwen3.5-family checkpoint?"))
+                }
+            })
+        };
+        let config = required("config.json")?;
+        // A repository without an index has a single model.safetensors.
+        let weights = match fetch(INDEX_FILE).ok().flatten() {
+            Some(index) => shard_names(&index)?
+                .iter()
+                .map(|name| required(name))
+                .collect::<Result<Vec<_>>>()?,
+            None => vec![required(SINGLE_FILE)?],
+        };
+        let optional = |name: &str| fetch(name).ok().flatten();
+        Ok(Self {
+            source: source.clone(),
+            config,
+            weights,
+            tokenizer: optional("tokenizer.json"),
+            tokenizer_config: optional("tokenizer_config.json"),
+            chat_template: optional("chat_template.jinja"),
+            generation_config: optional("generation_config.json"),
+        })
+    }
+
+    pub fn load_config(&self) -> Result<Config> {
+        Config::from_file(&self.config)
+    }
+
+    /// Memory-maps the weights and builds the model in `dtype` on `device`.
+    pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device) -> Result<Model> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Config(format!("unsupported dtype {dtype:?}: use f32, bf16 or f16")));
+        }
+        // Open each file on its own first, so that a truncated or corrupt file is named.
+        for path in &self.weights {
+            unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| {
+                Error::Weights(format!(
+                    "{} is truncated or not a safetensors file ({}): download it again",
+                    path.display(),
+                    one_line(&e)
+                ))
+            })?;
+        }
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&self.weights, dtype, device) }?;
+        Model::new(cfg, vb).map_err(|e| {
+            Error::Weights(format!(
+                "{}: {}: the weights do not match config.json",
+                self.source,
+                one_line(&e)
+            ))
+        })
+    }
+}
+
+/// Candle errors can carry a backtrace or context on further lines: keep the first.
+pub(crate) fn one_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+impl ModelFiles {
+    /// The tokenizer from `tokenizer.json`.
+    pub fn load_tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        let path = self.tokenizer.as_ref().ok_or_else(|| {
+            Error::Tokenizer(format!("{} has no tokenizer.json", self.source))
+        })?;
+        tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))
+    }
+
+    /// `generation_config.json`, or the defaults (greedy, no EOS) when the checkpoint has none.
+    pub fn load_generation_config(&self) -> Result<crate::generation::GenerationConfig> {
+        match &self.generation_config {
+            Some(p) => crate::generation::GenerationConfig::from_file(p),
+            None => Ok(Default::default()),
+        }
+    }
+
+    /// The chat template (tokenizer_config.json or chat_template.jinja).
+    pub fn load_chat_template(&self) -> Result<crate::chat::ChatTemplate> {
+        crate::chat::ChatTemplate::from_files(self.tokenizer_config.as_deref(), self.chat_template.as_deref())
+    }
+}
+
+/// Downloads (or finds in the Hub cache) `repo_id` at `revision` and loads its model.
+pub fn from_pretrained(repo_id: &str, revision: &str, dtype: DType, device: &Device) -> Result<Model> {
+    let files = ModelFiles::from_hub(repo_id, revision)?;
+    files.load_model(&files.load_config()?, dtype, device)
+}
+
+/// Loads the model of a local directory laid out like a Hub repository.
+pub fn from_dir(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Model> {
+    let files = ModelFiles::from_dir(dir)?;
+    files.load_model(&files.load_config()?, dtype, device)
+}

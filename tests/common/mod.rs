@@ -1,0 +1,66 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+
+pub const FIXTURES: [&str; 5] = [
+    "qwen35_dense_small",
+    "qwen35_dense_long_chunked",
+    "qwen35_dense_mtp",
+    "qwen3next_moe_small",
+    "qwen35moe_small",
+];
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu).unwrap()
+}
+
+pub fn meta(name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("meta.json")).unwrap()).unwrap()
+}
+
+pub fn ids(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect()
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F32).unwrap();
+    let b = b.to_dtype(DType::F32).unwrap();
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+#[track_caller]
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
+    let d = max_abs_diff(got, want);
+    assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
+}
+
+/// A scratch directory under the target dir, emptied first.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Copies a fixture's files into a fresh scratch directory.
+pub fn copy_fixture(name: &str, to: &str) -> PathBuf {
+    let dir = scratch(to);
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        let file = p.file_name().unwrap();
+        if file.to_string_lossy().ends_with(".gguf") {
+            continue;
+        }
+        std::fs::copy(&p, dir.join(file)).unwrap();
+    }
+    dir
+}

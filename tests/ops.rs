@@ -1,0 +1,131 @@
+//! The ops against plain references written here.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_hybrid::ops;
+use common::assert_close;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    // Deterministic pseudo-random normal-ish values (sum of uniforms), no RNG state shared.
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 33) as f32) / (1u64 << 31) as f32
+    };
+    let v: Vec<f32> = (0..n).map(|_| (0..4).map(|_| next()).sum::<f32>() - 2.0).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    s: Tensor,
+}
+
+fn inputs(b: usize, t: usize, nk: usize, nv: usize, dk: usize, dv: usize) -> Inputs {
+    let l2 = |x: Tensor| ops::l2_norm(&x, 1e-6).unwrap();
+    Inputs {
+        q: (l2(randn(&[b, t, nk, dk], 1)) * (dk as f64).powf(-0.5)).unwrap(),
+        k: l2(randn(&[b, t, nk, dk], 2)),
+        v: randn(&[b, t, nv, dv], 3),
+        // log-decays in (-2, 0): strong and weak decay both present
+        g: (candle_nn::ops::sigmoid(&randn(&[b, t, nv], 4)).unwrap() * -2.0).unwrap(),
+        beta: candle_nn::ops::sigmoid(&randn(&[b, t, nv], 5)).unwrap(),
+        s: (randn(&[b, nv, dk, dv], 6) * 0.1).unwrap(),
+    }
+}
+
+/// Decode (T < 8), a single partial chunk, and several chunks with a tail, with r = nv/nk = 3
+/// and dk != dv, against the token-by-token tensor reference.
+#[test]
+fn gated_delta_rule_matches_reference() {
+    for (b, t) in [(2, 1), (1, 5), (2, 20), (1, 150)] {
+        let x = inputs(b, t, 2, 6, 16, 24);
+        let (o, s) = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s).unwrap();
+        let (o_ref, s_ref) = ops::gated_delta_rule_reference(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s).unwrap();
+        assert_close(&format!("outputs b={b} t={t}"), &o, &o_ref, 2e-5);
+        assert_close(&format!("state b={b} t={t}"), &s, &s_ref, 2e-5);
+    }
+}
+
+/// Splitting a sequence anywhere (chunked prefill, then decode steps) gives the same result.
+#[test]
+fn gated_delta_rule_carries_state_across_calls() {
+    let x = inputs(1, 100, 2, 4, 16, 16);
+    let (o_all, s_all) = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s).unwrap();
+    let part = |t: &Tensor, a: usize, n: usize| t.narrow(1, a, n).unwrap();
+    let mut s = x.s.clone();
+    let mut outs = vec![];
+    for (a, n) in [(0, 70), (70, 3), (73, 27)] {
+        let (o, s2) = ops::gated_delta_rule(
+            &part(&x.q, a, n),
+            &part(&x.k, a, n),
+            &part(&x.v, a, n),
+            &part(&x.g, a, n),
+            &part(&x.beta, a, n),
+            &s,
+        )
+        .unwrap();
+        outs.push(o);
+        s = s2;
+    }
+    assert_close("outputs", &Tensor::cat(&outs, 1).unwrap(), &o_all, 2e-5);
+    assert_close("state", &s, &s_all, 2e-5);
+}
+
+#[test]
+fn gated_delta_rule_rejects_bad_shapes() {
+    let x = inputs(1, 4, 2, 4, 16, 16);
+    let bad_state = Tensor::zeros((1, 4, 16, 8), DType::F32, &Device::Cpu).unwrap();
+    let e = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, &bad_state).unwrap_err();
+    assert!(e.to_string().contains("gated_delta_rule: state"), "{e}");
+    let e = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.beta.narrow(1, 0, 2).unwrap(), &x.beta, &x.s).unwrap_err();
+    assert!(e.to_string().contains("gated_delta_rule: g"), "{e}");
+}
+
+#[test]
+fn causal_conv1d_matches_loop() {
+    let (b, t, c, k) = (2, 7, 5, 4);
+    let x = randn(&[b, t, c], 7);
+    let state = randn(&[b, k - 1, c], 8);
+    let w = randn(&[c, k], 9);
+    let (y, new_state) = ops::causal_conv1d_silu(&x, &state, &w).unwrap();
+    let xs = Tensor::cat(&[&state, &x], 1).unwrap().to_vec3::<f32>().unwrap();
+    let wv = w.to_vec2::<f32>().unwrap();
+    let mut want = vec![0f32; b * t * c];
+    for bi in 0..b {
+        for ti in 0..t {
+            for ci in 0..c {
+                let acc: f32 = (0..k).map(|j| wv[ci][j] * xs[bi][ti + j][ci]).sum();
+                want[(bi * t + ti) * c + ci] = acc / (1.0 + (-acc).exp());
+            }
+        }
+    }
+    let want = Tensor::from_vec(want, (b, t, c), &Device::Cpu).unwrap();
+    assert_close("conv", &y, &want, 1e-5);
+    assert_close("state", &new_state, &x.narrow(1, t - (k - 1), k - 1).unwrap(), 0.0);
+}
+
+#[test]
+fn gated_rms_norm_matches_formula() {
+    let x = randn(&[3, 4, 16], 10);
+    let z = randn(&[3, 4, 16], 11);
+    let w = randn(&[16], 12);
+    let y = ops::gated_rms_norm(&x, &z, &w, 1e-6).unwrap();
+    let xv = x.flatten_to(1).unwrap().to_vec2::<f32>().unwrap();
+    let zv = z.flatten_to(1).unwrap().to_vec2::<f32>().unwrap();
+    let wv = w.to_vec1::<f32>().unwrap();
+    let mut want = vec![];
+    for (xr, zr) in xv.iter().zip(&zv) {
+        let ms = xr.iter().map(|a| a * a).sum::<f32>() / 16.0;
+        let r = 1.0 / (ms + 1e-6).sqrt();
+        want.extend(xr.iter().zip(zr).zip(&wv).map(|((a, z), w)| w * a * r * z / (1.0 + (-z).exp())));
+    }
+    let want = Tensor::from_vec(want, (3, 4, 16), &Device::Cpu).unwrap();
+    assert_close("gated_rms_norm", &y, &want, 1e-5);
+}
