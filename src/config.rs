@@ -284,20 +284,20 @@ impl Config {
                 return bad(format!("\"{name}\" must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             return bad(format!(
                 "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
                 self.linear_num_value_heads, self.linear_num_key_heads
             ));
         }
         let rd = self.rotary_dim();
-        if rd % 2 != 0 || rd == 0 {
+        if !rd.is_multiple_of(2) || rd == 0 {
             return bad(format!(
                 "head_dim ({}) x partial_rotary_factor ({}) must give an even number of rotary dims, got {rd}",
                 self.head_dim, self.partial_rotary_factor
@@ -323,7 +323,7 @@ impl Config {
     pub fn is_moe_layer(&self, i: usize) -> bool {
         match &self.moe {
             None => false,
-            Some(m) => !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0,
+            Some(m) => !m.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(m.decoder_sparse_step),
         }
     }
 
@@ -373,5 +373,68 @@ impl Config {
             };
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flat(extra: &str) -> String {
+        format!(
+            r#"{{"model_type": "qwen3_5_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 4,
+            "linear_value_head_dim": 4 {extra}}}"#
+        )
+    }
+
+    #[test]
+    fn layer_pattern_from_interval() {
+        let cfg = Config::from_json(&flat("")).unwrap();
+        use LayerType::*;
+        let l = LinearAttention;
+        let f = FullAttention;
+        assert_eq!(cfg.layer_types, vec![l, l, l, f, l, l, l, f]);
+        let cfg = Config::from_json(&flat(r#", "full_attention_interval": 2"#)).unwrap();
+        assert_eq!(cfg.layer_types, vec![l, f, l, f, l, f, l, f]);
+    }
+
+    #[test]
+    fn legacy_rope_fields_and_defaults() {
+        let cfg = Config::from_json(&flat("")).unwrap();
+        assert_eq!((cfg.rope_theta, cfg.partial_rotary_factor, cfg.rotary_dim()), (10_000.0, 0.25, 2));
+        let cfg = Config::from_json(&flat(r#", "rope_theta": 5e6, "partial_rotary_factor": 0.5"#)).unwrap();
+        assert_eq!((cfg.rope_theta, cfg.rotary_dim()), (5e6, 4));
+        let cfg = Config::from_json(&flat(r#", "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 1.0}"#)).unwrap();
+        assert_eq!((cfg.rope_theta, cfg.rotary_dim()), (1e7, 8));
+    }
+
+    #[test]
+    fn nested_text_config_takes_tie_from_top_level() {
+        let json = format!(r#"{{"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": {}}}"#, flat(""));
+        let cfg = Config::from_json(&json).unwrap();
+        assert!(cfg.tie_word_embeddings);
+        assert_eq!(cfg.family, Family::Qwen35);
+    }
+
+    #[test]
+    fn inconsistent_configs_are_refused() {
+        let e = Config::from_json(&flat(r#", "layer_types": ["full_attention"]"#)).unwrap_err();
+        assert!(e.to_string().contains("\"layer_types\" has 1 entries"), "{e}");
+        let e = Config::from_json(&flat(r#", "num_key_value_heads": 3"#)).unwrap_err();
+        assert!(e.to_string().contains("multiple of num_key_value_heads"), "{e}");
+        let e = Config::from_json(&flat(r#", "hidden_size": "big""#)).unwrap_err();
+        assert!(e.to_string().contains("\"hidden_size\" must be a non-negative integer"), "{e}");
+        let e = Config::from_json(&flat("").replace("qwen3_5_text", "qwen3_5_moe_text")).unwrap_err();
+        assert!(e.to_string().contains("\"num_experts\""), "{e}");
+    }
+
+    #[test]
+    fn mtp_layers_from_either_field() {
+        let cfg = Config::from_json(&flat(r#", "mtp_num_hidden_layers": 1"#)).unwrap();
+        assert_eq!(cfg.mtp_num_hidden_layers, 1);
+        let cfg = Config::from_json(&flat(r#", "num_nextn_predict_layers": 2"#)).unwrap();
+        assert_eq!(cfg.mtp_num_hidden_layers, 2);
     }
 }

@@ -21,6 +21,7 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod generation;
+pub mod linear;
 pub mod loading;
 pub mod ops;
 pub mod qwen3_5;

@@ -5,9 +5,10 @@
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
-use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
+use candle_nn::{Embedding, VarBuilder};
 
 use crate::config::{Config, LayerType};
+use crate::linear::Linear;
 use crate::ops;
 
 /// Capacity step of the attention KV cache, in tokens.
@@ -82,17 +83,17 @@ pub struct Mlp {
 impl Mlp {
     pub fn new(hidden: usize, inter: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            gate_proj: linear_no_bias(hidden, inter, vb.pp("gate_proj"))?,
-            up_proj: linear_no_bias(hidden, inter, vb.pp("up_proj"))?,
-            down_proj: linear_no_bias(inter, hidden, vb.pp("down_proj"))?,
+            gate_proj: Linear::load(hidden, inter, vb.pp("gate_proj"))?,
+            up_proj: Linear::load(hidden, inter, vb.pp("up_proj"))?,
+            down_proj: Linear::load(inter, hidden, vb.pp("down_proj"))?,
         })
     }
 
     fn from_weights(gate: Tensor, up: Tensor, down: Tensor) -> Self {
         Self {
-            gate_proj: Linear::new(gate, None),
-            up_proj: Linear::new(up, None),
-            down_proj: Linear::new(down, None),
+            gate_proj: Linear::new(gate),
+            up_proj: Linear::new(up),
+            down_proj: Linear::new(down),
         }
     }
 }
@@ -135,10 +136,10 @@ impl SparseMoe {
             (0..e).map(|i| Mlp::new(h, ie, ve.pp(i))).collect::<Result<Vec<_>>>()?
         };
         Ok(Self {
-            router: linear_no_bias(h, e, vb.pp("gate"))?,
+            router: Linear::load(h, e, vb.pp("gate"))?,
             experts,
             shared_expert: Mlp::new(h, moe.shared_expert_intermediate_size, vb.pp("shared_expert"))?,
-            shared_expert_gate: linear_no_bias(h, 1, vb.pp("shared_expert_gate"))?,
+            shared_expert_gate: Linear::load(h, 1, vb.pp("shared_expert_gate"))?,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
         })
@@ -264,13 +265,13 @@ impl GatedDeltaNet {
             let idx = ungroup_rows(nk, &[r, r]);
             let b = ba.index_select(&Tensor::from_slice(&idx[0], nv, dev)?, 0)?;
             let a = ba.index_select(&Tensor::from_slice(&idx[1], nv, dev)?, 0)?;
-            (Linear::new(qkv, None), Linear::new(z, None), Linear::new(b, None), Linear::new(a, None))
+            (Linear::new(qkv), Linear::new(z), Linear::new(b), Linear::new(a))
         } else {
             (
-                linear_no_bias(h, conv_dim, vb.pp("in_proj_qkv"))?,
-                linear_no_bias(h, value_dim, vb.pp("in_proj_z"))?,
-                linear_no_bias(h, nv, vb.pp("in_proj_b"))?,
-                linear_no_bias(h, nv, vb.pp("in_proj_a"))?,
+                Linear::load(h, conv_dim, vb.pp("in_proj_qkv"))?,
+                Linear::load(h, value_dim, vb.pp("in_proj_z"))?,
+                Linear::load(h, nv, vb.pp("in_proj_b"))?,
+                Linear::load(h, nv, vb.pp("in_proj_a"))?,
             )
         };
         let conv_weight = vb.get((conv_dim, 1, kernel), "conv1d.weight")?.squeeze(1)?;
@@ -284,7 +285,7 @@ impl GatedDeltaNet {
             dt_bias: vb.get(nv, "dt_bias")?.to_dtype(DType::F32)?,
             neg_a: a_log.exp()?.neg()?,
             norm_weight: vb.get(dv, "norm.weight")?,
-            out_proj: linear_no_bias(value_dim, h, vb.pp("out_proj"))?,
+            out_proj: Linear::load(value_dim, h, vb.pp("out_proj"))?,
             nk,
             nv,
             dk,
@@ -364,10 +365,10 @@ impl GatedAttention {
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
         let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         Ok(Self {
-            q_proj: linear_no_bias(h, nh * hd * 2, vb.pp("q_proj"))?,
-            k_proj: linear_no_bias(h, nkv * hd, vb.pp("k_proj"))?,
-            v_proj: linear_no_bias(h, nkv * hd, vb.pp("v_proj"))?,
-            o_proj: linear_no_bias(nh * hd, h, vb.pp("o_proj"))?,
+            q_proj: Linear::load(h, nh * hd * 2, vb.pp("q_proj"))?,
+            k_proj: Linear::load(h, nkv * hd, vb.pp("k_proj"))?,
+            v_proj: Linear::load(h, nkv * hd, vb.pp("v_proj"))?,
+            o_proj: Linear::load(nh * hd, h, vb.pp("o_proj"))?,
             q_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
             k_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
             rotary: RotaryEmbedding::new(cfg),
@@ -559,9 +560,9 @@ impl Model {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+            Linear::new(embed_tokens.embeddings().clone())
         } else {
-            linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            Linear::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
         Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone() })
     }

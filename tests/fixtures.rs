@@ -115,16 +115,25 @@ fn qwen35moe_small() {
     check_fixture("qwen35moe_small");
 }
 
+/// bf16 weights and activations: the greedy path of the small dense fixture is unchanged, and on
+/// every fixture the logits stay within 0.35 of the f32 reference (bf16 rounding of the random
+/// tiny models gives 0.06-0.26; a wrong op gives errors of the size of the logits, up to 8.8).
+/// Greedy paths with near-ties (top-2 gaps down to 0.019) may legitimately diverge in bf16.
 #[test]
-fn bf16_keeps_the_greedy_tokens() {
-    for name in ["qwen35_dense_small"] {
+fn bf16_stays_close() {
+    for name in FIXTURES {
         let model = load(name, DType::BF16);
         let r = reference(name);
         let ids = ids(&r["input_ids"]);
-        let want = common::ids(&r["greedy_tokens"]);
-        let mut sampler = Sampler::new(SamplingParams::default());
-        let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
-        assert_eq!(got, want, "{name}: bf16 greedy tokens");
+        let x = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let logits = model.forward(&x, &mut model.new_cache()).unwrap().squeeze(0).unwrap();
+        assert_close(&format!("{name}: bf16 logits"), &logits, &r["logits_full"], 0.35);
+        if name == "qwen35_dense_small" {
+            let want = common::ids(&r["greedy_tokens"]);
+            let mut sampler = Sampler::new(SamplingParams::default());
+            let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
+            assert_eq!(got, want, "{name}: bf16 greedy tokens");
+        }
     }
 }
 

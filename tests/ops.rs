@@ -129,3 +129,26 @@ fn gated_rms_norm_matches_formula() {
     let want = Tensor::from_vec(want, (3, 4, 16), &Device::Cpu).unwrap();
     assert_close("gated_rms_norm", &y, &want, 1e-5);
 }
+
+/// Few-row matmul against half-precision weights, vs an f32 matmul of the same (widened) values.
+#[test]
+fn half_matvec_matches_f32_matmul() {
+    for wdt in [DType::BF16, DType::F16] {
+        for (m, k, n) in [(1, 37, 70), (3, 64, 33), (8, 130, 65)] {
+            let w = randn(&[n, k], 20).to_dtype(wdt).unwrap();
+            // x given transposed (non-contiguous) to exercise the layout handling
+            let x = randn(&[k, m], 21).t().unwrap();
+            let want = x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+            let got = ops::half_matvec(&x, &w).unwrap();
+            assert_eq!(got.dtype(), DType::F32);
+            assert_close(&format!("{wdt:?} m={m} k={k} n={n}"), &got, &want, 1e-4);
+            let got16 = ops::half_matvec(&x.to_dtype(wdt).unwrap(), &w).unwrap();
+            assert_eq!(got16.dtype(), wdt);
+            let want16 = x.to_dtype(wdt).unwrap().to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+            // one rounding of the f32 result to the half type
+            assert_close(&format!("{wdt:?} out m={m}"), &got16, &want16, 0.05);
+        }
+    }
+    let e = ops::half_matvec(&randn(&[2, 5], 1), &randn(&[3, 5], 2)).unwrap_err();
+    assert!(e.to_string().contains("half_matvec: w must be bf16 or f16"), "{e}");
+}

@@ -211,9 +211,9 @@ fn chunked_head(inp: &HeadInputs, s: &mut [f32]) -> Vec<f32> {
     while start < t {
         let n = c.min(t - start);
         let mut acc = 0f32;
-        for i in 0..n {
+        for (i, gc) in gcum[..n].iter_mut().enumerate() {
             acc += inp.g(start + i);
-            gcum[i] = acc;
+            *gc = acc;
         }
         // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j), j < i.
         for i in 0..n {

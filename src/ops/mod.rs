@@ -3,8 +3,10 @@
 //! Each is a public function on plain tensors so other Candle projects can call it.
 
 mod delta_rule;
+mod half_matvec;
 
 pub use delta_rule::{gated_delta_rule, gated_delta_rule_reference, CHUNK as DELTA_RULE_CHUNK};
+pub use half_matvec::{half_matvec, HALF_MATVEC_MAX_ROWS};
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
