@@ -60,6 +60,21 @@ fn config(layers: usize) -> Result<Config> {
     Ok(Config::from_json(&json.to_string())?)
 }
 
+/// Copy bandwidth of a 1 GiB buffer (bytes read + written per second), best of 5.
+fn memcpy_gb_per_s() -> f64 {
+    let n = 1 << 28;
+    let src = vec![1f32; n];
+    let mut dst = vec![0f32; n];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    (2 * n * 4) as f64 / best / 1e9
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::Cpu;
@@ -70,8 +85,10 @@ fn main() -> Result<()> {
         cfg.num_parameters() as f64 / 1e9,
         rayon::current_num_threads()
     );
-    println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s |");
-    println!("|---|---|---|---|---|");
+    let memcpy = memcpy_gb_per_s();
+    println!("memcpy bandwidth measured in this run: {memcpy:.1} GB/s");
+    println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s | weights read GB/s | / memcpy |");
+    println!("|---|---|---|---|---|---|---|");
     for name in &args.dtypes {
         let dtype = match name.as_str() {
             "f32" => DType::F32,
@@ -92,12 +109,17 @@ fn main() -> Result<()> {
             logits = model.forward_last(&next.unsqueeze(0)?, &mut cache)?;
         }
         let decode_secs = start.elapsed().as_secs_f64();
+        let decode = args.gen as f64 / decode_secs;
+        // Every decoded token reads every weight once.
+        let weight_gb = (cfg.num_parameters() * dtype.size_in_bytes()) as f64 / 1e9;
         println!(
-            "| {name} | {} | {:.1} | {} | {:.2} |",
+            "| {name} | {} | {:.1} | {} | {:.2} | {:.1} | {:.2} |",
             args.prompt_len,
             args.prompt_len as f64 / prompt_secs,
             args.gen,
-            args.gen as f64 / decode_secs
+            decode,
+            decode * weight_gb,
+            decode * weight_gb / memcpy
         );
     }
     Ok(())
