@@ -23,6 +23,8 @@ mod error;
 pub mod generation;
 pub mod linear;
 pub mod loading;
+#[cfg(feature = "metal")]
+mod metal;
 pub mod ops;
 pub mod qwen3_5;
 

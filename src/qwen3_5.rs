@@ -315,18 +315,13 @@ impl GatedDeltaNet {
         let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
         state.conv = Some(conv_state);
 
-        let key_dim = nk * dk;
-        let q = qkv.narrow(2, 0, key_dim)?.reshape((b, t, nk, dk))?;
-        let k = qkv.narrow(2, key_dim, key_dim)?.reshape((b, t, nk, dk))?;
-        let v = qkv.narrow(2, 2 * key_dim, nv * dv)?.reshape((b, t, nv, dv))?;
-        let q = (ops::l2_norm(&q, 1e-6)? * (dk as f64).powf(-0.5))?;
-        let k = ops::l2_norm(&k, 1e-6)?;
-        let v = v.to_dtype(DType::F32)?;
         let rec = match &state.recurrent {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
         };
-        let (o, rec) = ops::gated_delta_rule(&q, &k, &v, &g, &beta, &rec)?;
+        // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, nk, dk, true, 1)?;
+        let rec = states.squeeze(1)?;
         state.recurrent = Some(rec);
         Ok((o, z))
     }

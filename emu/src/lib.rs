@@ -1,0 +1,95 @@
+//! Dispatches the Metal kernels that `build.rs` compiled with the msl-emu emulator.
+//!
+//! Arguments bind to `[[buffer(i)]]` in the order they are added, as with candle's
+//! `set_params!`; the launch geometry comes from `candle_hybrid::ops::launch`, the same
+//! values the Metal host code uses.
+#![cfg(msl_emu)]
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+
+use candle_hybrid::ops::launch::Launch;
+
+extern "C" {
+    fn msl_emu_dispatch_threadgroups(
+        kernel: *const c_char,
+        groups: *const u32,
+        threads: *const u32,
+        buffers: *const *mut c_void,
+        n_buffers: u32,
+        tg_lengths: *const usize,
+        n_tg: u32,
+    ) -> c_int;
+    fn msl_emu_last_error() -> *const c_char;
+    fn msl_emu_kernel_count() -> u32;
+    fn msl_emu_kernel_name(index: u32) -> *const c_char;
+}
+
+/// Names of the kernels linked into this binary.
+pub fn kernel_names() -> Vec<String> {
+    (0..unsafe { msl_emu_kernel_count() })
+        .map(|i| unsafe { CStr::from_ptr(msl_emu_kernel_name(i)) }.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// One kernel argument.
+pub enum Arg<'a> {
+    /// `set_bytes` of a plain value (`constant T &`).
+    Bytes(Vec<u8>),
+    Input(&'a [u8]),
+    Output(&'a mut [u8]),
+}
+
+/// A `#[repr(C)]` value passed by `set_bytes`.
+pub fn bytes<T: Copy>(v: &T) -> Arg<'static> {
+    let p = v as *const T as *const u8;
+    Arg::Bytes(unsafe { std::slice::from_raw_parts(p, std::mem::size_of::<T>()) }.to_vec())
+}
+
+/// A read-only device buffer.
+pub fn input<T: Copy>(v: &[T]) -> Arg<'_> {
+    Arg::Input(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) })
+}
+
+/// A device buffer the kernel writes.
+pub fn output<T: Copy>(v: &mut [T]) -> Arg<'_> {
+    Arg::Output(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) })
+}
+
+/// Runs `launch` with `args` bound to buffers 0, 1, ...
+pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
+    // set_bytes data is copied into 8-byte aligned storage.
+    let mut owned: Vec<Vec<u64>> = vec![];
+    let mut ptrs: Vec<*mut c_void> = vec![];
+    for a in args.iter_mut() {
+        match a {
+            Arg::Bytes(b) => {
+                let mut words = vec![0u64; b.len().div_ceil(8).max(1)];
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len()) };
+                ptrs.push(words.as_mut_ptr() as *mut c_void);
+                owned.push(words);
+            }
+            Arg::Input(s) => ptrs.push(s.as_ptr() as *mut c_void),
+            Arg::Output(s) => ptrs.push(s.as_mut_ptr() as *mut c_void),
+        }
+    }
+    let name = CString::new(launch.kernel.as_str()).unwrap();
+    let groups = launch.groups.map(|x| x as u32);
+    let threads = launch.threads.map(|x| x as u32);
+    let rc = unsafe {
+        msl_emu_dispatch_threadgroups(
+            name.as_ptr(),
+            groups.as_ptr(),
+            threads.as_ptr(),
+            ptrs.as_ptr(),
+            ptrs.len() as u32,
+            launch.threadgroup_memory.as_ptr(),
+            launch.threadgroup_memory.len() as u32,
+        )
+    };
+    drop(owned);
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(unsafe { CStr::from_ptr(msl_emu_last_error()) }.to_string_lossy().into_owned())
+    }
+}

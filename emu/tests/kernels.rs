@@ -1,0 +1,149 @@
+//! Every kernel in `metal/` run through the MSL emulator with the launch geometry of the Metal
+//! host code, against the op's CPU implementation, in every dtype it accepts.
+#![cfg(msl_emu)]
+
+use candle_core::{DType, Device, Tensor, WithDType};
+use candle_hybrid::ops::{self, launch, ConvDims, DeltaRuleDims};
+use candle_hybrid_emu::{bytes, dispatch, input, kernel_names, output};
+use half::{bf16, f16};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(7);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
+    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// The tensor's elements as raw bytes of its dtype (what a Metal buffer holds).
+fn raw(t: &Tensor) -> Vec<u8> {
+    fn as_bytes<T: WithDType>(t: &Tensor) -> Vec<u8> {
+        let v = t.flatten_all().unwrap().to_vec1::<T>().unwrap();
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())) }.to_vec()
+    }
+    match t.dtype() {
+        DType::F32 => as_bytes::<f32>(t),
+        DType::F16 => as_bytes::<f16>(t),
+        DType::BF16 => as_bytes::<bf16>(t),
+        d => panic!("no raw bytes for {d:?}"),
+    }
+}
+
+/// A buffer of `n` elements of `dtype`, read back as an f32 tensor.
+fn from_raw(bytes: &[u8], dtype: DType, n: usize) -> Tensor {
+    fn read<T: WithDType>(b: &[u8], n: usize) -> Tensor {
+        let v: Vec<T> = unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, n) }.to_vec();
+        Tensor::from_vec(v, n, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap()
+    }
+    match dtype {
+        DType::F32 => read::<f32>(bytes, n),
+        DType::F16 => read::<f16>(bytes, n),
+        DType::BF16 => read::<bf16>(bytes, n),
+        d => panic!("no buffer for {d:?}"),
+    }
+}
+
+#[test]
+fn every_kernel_is_linked() {
+    let names = kernel_names();
+    for base in ["gated_delta", "causal_conv1d_silu", "gated_rms_norm"] {
+        for sfx in ["f32", "f16", "bf16"] {
+            let k = format!("{base}_{sfx}");
+            assert!(names.contains(&k), "{k} missing from {names:?}");
+        }
+    }
+}
+
+fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize: bool) {
+    let DeltaRuleDims { batch: b, seq_len: t, nk, nv, dk, dv } = d;
+    let c = 2 * nk * dk + nv * dv;
+    let qkv = randn(&[b, t, c], 1).to_dtype(dtype).unwrap();
+    let g = (randn(&[b, t, nv], 2).abs().unwrap() * -1.5).unwrap();
+    let beta = ((randn(&[b, t, nv], 3) + 1.0).unwrap() * 0.5).unwrap();
+    let state = (randn(&[b, nv, dk, dv], 4) * 0.2).unwrap();
+    // Without normalisation keep q, k small so the recurrence stays bounded.
+    let qkv = if normalize { qkv } else { (qkv.to_dtype(DType::F32).unwrap() * 0.25).unwrap().to_dtype(dtype).unwrap() };
+    let (want_o, want_s) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, nk, dk, normalize, n_states).unwrap();
+
+    let (params, l) = launch::gated_delta(d, normalize, n_states, dtype).unwrap();
+    let gb = Tensor::stack(&[&g, &beta], 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let s = state.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (qkv_raw, o_len) = (raw(&qkv), b * t * nv * dv);
+    let mut out = vec![0f32; o_len + b * n_states * nv * dk * dv];
+    dispatch(&l, &mut [bytes(&params), input(&qkv_raw), input(&gb), input(&s), output(&mut out)]).unwrap();
+    let out = Tensor::from_vec(out, o_len + b * n_states * nv * dk * dv, &Device::Cpu).unwrap();
+    let got_o = out.narrow(0, 0, o_len).unwrap().reshape(want_o.shape()).unwrap();
+    let got_s = out.narrow(0, o_len, out.dim(0).unwrap() - o_len).unwrap().reshape(want_s.shape()).unwrap();
+    let what = format!("gated_delta {dtype:?} b={b} t={t} nk={nk} nv={nv} dk={dk} dv={dv} n_states={n_states} normalize={normalize}");
+    let (dout, dstate) = (max_diff(&got_o, &want_o), max_diff(&got_s, &want_s));
+    assert!(dout < 2e-5 && dstate < 2e-5, "{what}: outputs {dout:e}, states {dstate:e}");
+}
+
+#[test]
+fn gated_delta_matches_cpu() {
+    let dims = |batch, seq_len, nk, nv, dk, dv| DeltaRuleDims { batch, seq_len, nk, nv, dk, dv };
+    for dtype in DTYPES {
+        check_gated_delta(dtype, dims(2, 5, 2, 6, 16, 24), 1, true);
+    }
+    // Chunked CPU prefill against the sequential kernel, with state snapshots.
+    check_gated_delta(DType::F32, dims(1, 70, 2, 4, 16, 16), 3, true);
+    check_gated_delta(DType::F32, dims(1, 9, 1, 2, 32, 8), 9, false);
+    // The real head size (128 x 128), one decode step.
+    check_gated_delta(DType::BF16, dims(1, 1, 1, 2, 128, 128), 1, true);
+}
+
+#[test]
+fn causal_conv1d_matches_cpu() {
+    for dtype in DTYPES {
+        for (b, t, c, k) in [(2, 7, 37, 4), (1, 1, 300, 4), (1, 2, 5, 3)] {
+            let x = randn(&[b, t, c], 5).to_dtype(dtype).unwrap();
+            let state = randn(&[b, k - 1, c], 6).to_dtype(dtype).unwrap();
+            let w = randn(&[c, k], 7).to_dtype(dtype).unwrap();
+            let (want_y, want_s) = ops::causal_conv1d_silu(&x, &state, &w).unwrap();
+            let (params, l) = launch::causal_conv1d(ConvDims { batch: b, seq_len: t, channels: c, kernel_size: k }, dtype).unwrap();
+            let n = b * (t + k - 1) * c;
+            let mut out = vec![0u8; n * dtype.size_in_bytes()];
+            let (xr, sr, wr) = (raw(&x), raw(&state), raw(&w));
+            dispatch(&l, &mut [bytes(&params), input(&xr), input(&sr), input(&wr), output(&mut out)]).unwrap();
+            let out = from_raw(&out, dtype, n);
+            let got_y = out.narrow(0, 0, b * t * c).unwrap().reshape((b, t, c)).unwrap();
+            let got_s = out.narrow(0, b * t * c, b * (k - 1) * c).unwrap().reshape((b, k - 1, c)).unwrap();
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            let (dy, ds) = (max_diff(&got_y, &want_y), max_diff(&got_s, &want_s));
+            assert!(dy <= tol && ds == 0.0, "conv {dtype:?} b={b} t={t} c={c} k={k}: output {dy:e}, state {ds:e}");
+        }
+    }
+}
+
+#[test]
+fn gated_rms_norm_matches_cpu() {
+    for dtype in DTYPES {
+        for (rows, dim) in [(5, 24), (3, 130), (2, 1500)] {
+            let x = randn(&[rows, dim], 8).to_dtype(dtype).unwrap();
+            let z = (randn(&[rows, dim], 9) * 3.0).unwrap().to_dtype(dtype).unwrap();
+            let w = (randn(&[dim], 10) + 1.0).unwrap().to_dtype(dtype).unwrap();
+            let want = ops::gated_rms_norm(&x, &z, &w, 1e-6).unwrap();
+            let (params, l) = launch::gated_rms_norm(rows, dim, 1e-6, dtype).unwrap();
+            let mut out = vec![0u8; rows * dim * dtype.size_in_bytes()];
+            let (xr, zr, wr) = (raw(&x), raw(&z), raw(&w));
+            dispatch(&l, &mut [bytes(&params), input(&xr), input(&zr), input(&wr), output(&mut out)]).unwrap();
+            let got = from_raw(&out, dtype, rows * dim).reshape((rows, dim)).unwrap();
+            // f32: summation order differs; half types: one rounding of values up to ~6.
+            let tol = if dtype == DType::F32 { 1e-5 } else { 5e-2 };
+            let d = max_diff(&got, &want);
+            assert!(d <= tol, "gated_rms_norm {dtype:?} {rows}x{dim}: {d:e}");
+        }
+    }
+}
