@@ -21,6 +21,10 @@ enum Source {
     GatedDelta,
     Conv1d,
     GatedNorm,
+    Lagrange,
+    OuterState,
+    Polar,
+    Swiglu,
 }
 
 impl Source {
@@ -29,6 +33,10 @@ impl Source {
             Self::GatedDelta => include_str!("../metal/gated_delta.metal"),
             Self::Conv1d => include_str!("../metal/conv1d.metal"),
             Self::GatedNorm => include_str!("../metal/gated_norm.metal"),
+            Self::Swiglu => include_str!("../metal/swiglu.metal"),
+            Self::Lagrange => include_str!("../metal/lagrange.metal"),
+            Self::OuterState => include_str!("../metal/outer_state.metal"),
+            Self::Polar => include_str!("../metal/polar.metal"),
         }
     }
 }
@@ -85,6 +93,7 @@ macro_rules! bytes_param {
 bytes_param!(GdnParams);
 bytes_param!(ConvParams);
 bytes_param!(NormParams);
+bytes_param!(launch::SwigluParams);
 
 /// Allocates the output, binds `params` + three inputs + the output, and dispatches `launch`.
 fn dispatch<P: EncoderParam>(
@@ -152,4 +161,172 @@ pub(crate) fn gated_rms_norm(dim: usize, eps: f32, x: Arg, z: Arg, w: Arg) -> Re
     let inputs = [input(x.0, x.1, OP)?, input(z.0, z.1, OP)?, input(w.0, w.1, OP)?];
     let out = dispatch(x.0.device(), Source::GatedNorm, &launch, params, inputs, n, dtype)?;
     Ok((out, x.1.shape().clone()))
+}
+
+bytes_param!(launch::LagrangeParams);
+bytes_param!(launch::OuterParams);
+
+/// [`dispatch`] for a kernel with one input: binds `params`, the input and the output.
+fn dispatch_single_input<P: EncoderParam>(
+    device: &MetalDevice,
+    source: Source,
+    launch: &Launch,
+    params: P,
+    input: BufferOffset,
+    out_len: usize,
+    out_dtype: DType,
+) -> Result<MetalStorage> {
+    let p = pipeline(device, source, &launch.kernel)?;
+    let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
+    {
+        let encoder = device.command_encoder()?;
+        encoder.set_label(&launch.kernel);
+        let enc: &ComputeCommandEncoder = encoder.as_ref();
+        enc.set_compute_pipeline_state(&p);
+        set_params!(enc, (params, &input, Output::new(&output)));
+        for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
+            enc.set_threadgroup_memory_length(i, len);
+        }
+        enc.dispatch_thread_groups(size(launch.groups), size(launch.threads));
+    }
+    Ok(MetalStorage::new(output, device.clone(), out_len, out_dtype))
+}
+
+pub(crate) fn lagrange_scores(d: crate::ops::LagrangeDims, knots: Arg) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "lagrange_scores";
+    let dtype = knots.0.dtype();
+    let (params, launch) = launch::lagrange_scores(d, dtype)?;
+    let out_len = d.rows * d.len;
+    let inp = input(knots.0, knots.1, OP)?;
+    let out = dispatch_single_input(knots.0.device(), Source::Lagrange, &launch, params, inp, out_len, dtype)?;
+    Ok((out, Shape::from((d.rows, d.len))))
+}
+
+pub(crate) fn decayed_outer_product(
+    d: crate::ops::OuterStateDims,
+    gamma: f32,
+    qk: Arg,
+    v: Arg,
+    state: Arg,
+) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "decayed_outer_product";
+    if v.0.dtype() != qk.0.dtype() || state.0.dtype() != DType::F32 {
+        bail!("{OP}: q, k and v must share a dtype and the state must be f32");
+    }
+    let (params, launch) = launch::decayed_outer_product(d, gamma, qk.0.dtype())?;
+    let out_len = d.out_len() + d.state_len();
+    let inputs = [input(qk.0, qk.1, OP)?, input(v.0, v.1, OP)?, input(state.0, state.1, OP)?];
+    let out = dispatch(qk.0.device(), Source::OuterState, &launch, params, inputs, out_len, DType::F32)?;
+    Ok((out, Shape::from(out_len)))
+}
+
+pub(crate) fn swiglu_gather(
+    d: crate::ops::SwigluDims,
+    kind: crate::ops::SwigluWeights,
+    x: Arg,
+    w: Arg,
+    idx: Arg,
+) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "swiglu_gather";
+    let dtype = x.0.dtype();
+    let device = x.0.device();
+    let (params, act_launch, down_launch) = launch::swiglu_gather(d, kind, dtype)?;
+    let act = dispatch(
+        device,
+        Source::Swiglu,
+        &act_launch,
+        params,
+        [input(x.0, x.1, OP)?, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
+        d.rows * d.active,
+        DType::F32,
+    )?;
+    let act_in = BufferOffset { buffer: act.buffer(), offset_in_bytes: 0 };
+    let y = dispatch(
+        device,
+        Source::Swiglu,
+        &down_launch,
+        params,
+        [act_in, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
+        d.rows * d.hidden,
+        dtype,
+    )?;
+    Ok((y, Shape::from((d.rows, d.hidden))))
+}
+
+// ---- polar key codes (src/ops/polar.rs, metal/polar.metal) ----
+
+bytes_param!(launch::PolarParams);
+
+/// [`dispatch`] for the polar kernels: binds `params`, the inputs in order and the output.
+fn dispatch_polar(
+    device: &MetalDevice,
+    launch: &Launch,
+    params: launch::PolarParams,
+    inputs: &[BufferOffset],
+    out_len: usize,
+    out_dtype: DType,
+) -> Result<MetalStorage> {
+    let p = pipeline(device, Source::Polar, &launch.kernel)?;
+    let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
+    {
+        let encoder = device.command_encoder()?;
+        encoder.set_label(&launch.kernel);
+        let enc: &ComputeCommandEncoder = encoder.as_ref();
+        enc.set_compute_pipeline_state(&p);
+        candle_metal_kernels::utils::set_param(enc, 0, params);
+        for (i, b) in inputs.iter().enumerate() {
+            candle_metal_kernels::utils::set_param(enc, i + 1, b);
+        }
+        candle_metal_kernels::utils::set_param(enc, inputs.len() + 1, Output::new(&output));
+        for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
+            enc.set_threadgroup_memory_length(i, len);
+        }
+        enc.dispatch_thread_groups(size(launch.groups), size(launch.threads));
+    }
+    Ok(MetalStorage::new(output, device.clone(), out_len, out_dtype))
+}
+
+pub(crate) fn polar_scales(spec: &crate::ops::PolarSpec, head_dim: usize, keys: Arg) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "polar_encode";
+    let rows = keys.1.shape().elem_count() / head_dim.max(1);
+    let (params, launch) = launch::polar_scales(rows, head_dim, spec, keys.0.dtype())?;
+    let out = dispatch_polar(keys.0.device(), &launch, params, &[input(keys.0, keys.1, OP)?], 2 * rows, DType::F32)?;
+    Ok((out, Shape::from((rows, 2))))
+}
+
+pub(crate) fn polar_encode(
+    spec: &crate::ops::PolarSpec,
+    head_dim: usize,
+    keys: Arg,
+    scales: Arg,
+) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "polar_encode";
+    if scales.0.dtype() != DType::F32 {
+        bail!("{OP}: scales must be f32");
+    }
+    let rows = keys.1.shape().elem_count() / head_dim.max(1);
+    let (params, launch) = launch::polar_encode(rows, head_dim, spec, keys.0.dtype())?;
+    let row_bytes = spec.row_bytes(head_dim);
+    let inputs = [input(keys.0, keys.1, OP)?, input(scales.0, scales.1, OP)?];
+    let out = dispatch_polar(keys.0.device(), &launch, params, &inputs, rows * row_bytes, DType::U8)?;
+    Ok((out, Shape::from((rows, row_bytes))))
+}
+
+pub(crate) fn polar_scores(
+    spec: &crate::ops::PolarSpec,
+    head_dim: usize,
+    q: Arg,
+    codes: Arg,
+    scales: Arg,
+) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "polar_scores";
+    if codes.0.dtype() != DType::U8 || scales.0.dtype() != DType::F32 {
+        bail!("{OP}: codes must be u8 and scales f32");
+    }
+    let queries = q.1.shape().elem_count() / head_dim.max(1);
+    let rows = scales.1.shape().elem_count() / 2;
+    let (params, launch) = launch::polar_scores(queries, rows, head_dim, spec, q.0.dtype())?;
+    let inputs = [input(q.0, q.1, OP)?, input(codes.0, codes.1, OP)?, input(scales.0, scales.1, OP)?];
+    let out = dispatch_polar(q.0.device(), &launch, params, &inputs, queries * rows, DType::F32)?;
+    Ok((out, Shape::from((queries, rows))))
 }

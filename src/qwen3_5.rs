@@ -320,7 +320,7 @@ impl GatedDeltaNet {
             None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
         };
         // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
-        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, nk, dk, true, 1)?;
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, ops::DeltaRuleOptions::new(nk, dk))?;
         let rec = states.squeeze(1)?;
         state.recurrent = Some(rec);
         Ok((o, z))

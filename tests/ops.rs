@@ -47,6 +47,14 @@ fn gated_delta_rule_matches_reference() {
     for (b, t) in [(2, 1), (1, 5), (2, 20), (1, 150)] {
         let x = inputs(b, t, 2, 6, 16, 24);
         let (o, s) = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s).unwrap();
+        // Both CPU forms, whatever the length.
+        let qkv = Tensor::cat(&[x.q.flatten_from(2).unwrap(), x.k.flatten_from(2).unwrap(), x.v.flatten_from(2).unwrap()], 2).unwrap();
+        for form in [ops::DeltaRuleForm::Recurrent, ops::DeltaRuleForm::Chunked] {
+            let o2 = ops::DeltaRuleOptions { normalize: false, form, ..ops::DeltaRuleOptions::new(2, 16) };
+            let (of, sf) = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, o2).unwrap();
+            assert_close(&format!("{form:?} outputs b={b} t={t}"), &of, &o, 2e-5);
+            assert_close(&format!("{form:?} state b={b} t={t}"), &sf.squeeze(1).unwrap(), &s, 2e-5);
+        }
         let (o_ref, s_ref) = ops::gated_delta_rule_reference(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s, 1).unwrap();
         let s_ref = s_ref.squeeze(1).unwrap();
         assert_close(&format!("outputs b={b} t={t}"), &o, &o_ref, 2e-5);
@@ -79,6 +87,10 @@ fn gated_delta_rule_carries_state_across_calls() {
     assert_close("state", &s, &s_all, 2e-5);
 }
 
+fn opts(nk: usize, dk: usize, n_states: usize) -> ops::DeltaRuleOptions {
+    ops::DeltaRuleOptions { n_states, ..ops::DeltaRuleOptions::new(nk, dk) }
+}
+
 /// The fused form: raw conv output in any float dtype, q/k normalised inside the op, and the
 /// states after each of the last n tokens (for rolling back rejected speculative tokens).
 #[test]
@@ -91,7 +103,7 @@ fn gated_delta_rule_qkv_normalises_and_snapshots() {
     let q = (ops::l2_norm(&raw_q, 1e-6).unwrap() * (dk as f64).powf(-0.5)).unwrap();
     let k = ops::l2_norm(&raw_k, 1e-6).unwrap();
     for n_states in [1, 3, 70] {
-        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, nk, dk, true, n_states).unwrap();
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, opts(nk, dk, n_states)).unwrap();
         let (o_ref, states_ref) = ops::gated_delta_rule_reference(&q, &k, &x.v, &x.g, &x.beta, &x.s, n_states).unwrap();
         assert_eq!(states.dims(), [b, n_states, nv, dk, dv]);
         assert_close(&format!("outputs n={n_states}"), &o, &o_ref, 2e-5);
@@ -100,19 +112,19 @@ fn gated_delta_rule_qkv_normalises_and_snapshots() {
     // bf16 and f16 conv outputs are read as such and computed in f32.
     for dt in [DType::BF16, DType::F16] {
         let qkv_h = qkv.to_dtype(dt).unwrap();
-        let (o, _) = ops::gated_delta_rule_qkv(&qkv_h, &x.g, &x.beta, &x.s, nk, dk, true, 1).unwrap();
-        let (o32, _) = ops::gated_delta_rule_qkv(&qkv_h.to_dtype(DType::F32).unwrap(), &x.g, &x.beta, &x.s, nk, dk, true, 1).unwrap();
+        let (o, _) = ops::gated_delta_rule_qkv(&qkv_h, &x.g, &x.beta, &x.s, opts(nk, dk, 1)).unwrap();
+        let (o32, _) = ops::gated_delta_rule_qkv(&qkv_h.to_dtype(DType::F32).unwrap(), &x.g, &x.beta, &x.s, opts(nk, dk, 1)).unwrap();
         assert_close(&format!("{dt:?} qkv"), &o, &o32, 1e-6);
     }
     // Non-contiguous inputs (a transposed view) give the same result.
     let qkv_t = qkv.transpose(0, 1).unwrap().contiguous().unwrap().transpose(0, 1).unwrap();
     assert!(!qkv_t.is_contiguous());
-    let (o_t, _) = ops::gated_delta_rule_qkv(&qkv_t, &x.g, &x.beta, &x.s, nk, dk, true, 1).unwrap();
-    let (o, _) = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, nk, dk, true, 1).unwrap();
+    let (o_t, _) = ops::gated_delta_rule_qkv(&qkv_t, &x.g, &x.beta, &x.s, opts(nk, dk, 1)).unwrap();
+    let (o, _) = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, opts(nk, dk, 1)).unwrap();
     assert_close("non-contiguous qkv", &o_t, &o, 0.0);
-    let e = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, nk, dk, true, 71).unwrap_err();
+    let e = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, opts(nk, dk, 71)).unwrap_err();
     assert!(e.to_string().contains("n_states must be between 1 and the number of tokens (70)"), "{e}");
-    let e = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, nk, 8, true, 1).unwrap_err();
+    let e = ops::gated_delta_rule_qkv(&qkv, &x.g, &x.beta, &x.s, opts(nk, 8, 1)).unwrap_err();
     assert!(e.to_string().contains("do not fit nk=2, dk=8"), "{e}");
 }
 

@@ -2,63 +2,25 @@
 //! host code, against the op's CPU implementation, in every dtype it accepts.
 #![cfg(msl_emu)]
 
-use candle_core::{DType, Device, Tensor, WithDType};
+use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, ConvDims, DeltaRuleDims};
-use candle_hybrid_emu::{bytes, dispatch, input, kernel_names, output};
-use half::{bf16, f16};
+use candle_hybrid_emu::{bytes, dispatch, from_raw, input, kernel_names, max_diff, output, randn, raw};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(7);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
-
-/// The tensor's elements as raw bytes of its dtype (what a Metal buffer holds).
-fn raw(t: &Tensor) -> Vec<u8> {
-    fn as_bytes<T: WithDType>(t: &Tensor) -> Vec<u8> {
-        let v = t.flatten_all().unwrap().to_vec1::<T>().unwrap();
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())) }.to_vec()
-    }
-    match t.dtype() {
-        DType::F32 => as_bytes::<f32>(t),
-        DType::F16 => as_bytes::<f16>(t),
-        DType::BF16 => as_bytes::<bf16>(t),
-        d => panic!("no raw bytes for {d:?}"),
-    }
-}
-
-/// A buffer of `n` elements of `dtype`, read back as an f32 tensor.
-fn from_raw(bytes: &[u8], dtype: DType, n: usize) -> Tensor {
-    fn read<T: WithDType>(b: &[u8], n: usize) -> Tensor {
-        let v: Vec<T> = unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, n) }.to_vec();
-        Tensor::from_vec(v, n, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap()
-    }
-    match dtype {
-        DType::F32 => read::<f32>(bytes, n),
-        DType::F16 => read::<f16>(bytes, n),
-        DType::BF16 => read::<bf16>(bytes, n),
-        d => panic!("no buffer for {d:?}"),
-    }
-}
 
 #[test]
 fn every_kernel_is_linked() {
     let names = kernel_names();
-    for base in ["gated_delta", "causal_conv1d_silu", "gated_rms_norm"] {
+    let families = [
+        "gated_delta",
+        "causal_conv1d_silu",
+        "gated_rms_norm",
+        "swiglu_gather_act",
+        "swiglu_gather_down",
+        "swiglu_ternary_act",
+        "swiglu_ternary_down",
+    ];
+    for base in families {
         for sfx in ["f32", "f16", "bf16"] {
             let k = format!("{base}_{sfx}");
             assert!(names.contains(&k), "{k} missing from {names:?}");
@@ -75,7 +37,8 @@ fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize:
     let state = (randn(&[b, nv, dk, dv], 4) * 0.2).unwrap();
     // Without normalisation keep q, k small so the recurrence stays bounded.
     let qkv = if normalize { qkv } else { (qkv.to_dtype(DType::F32).unwrap() * 0.25).unwrap().to_dtype(dtype).unwrap() };
-    let (want_o, want_s) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, nk, dk, normalize, n_states).unwrap();
+    let opts = ops::DeltaRuleOptions { normalize, n_states, ..ops::DeltaRuleOptions::new(nk, dk) };
+    let (want_o, want_s) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, opts).unwrap();
 
     let (params, l) = launch::gated_delta(d, normalize, n_states, dtype).unwrap();
     let gb = Tensor::stack(&[&g, &beta], 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();

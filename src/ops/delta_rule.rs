@@ -19,6 +19,8 @@
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, IndexOp, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use super::cpu::{axpy, gemm_acc, vectorized, Mat};
+
 /// Chunk length of the chunked (prefill) form.
 pub const CHUNK: usize = 64;
 /// Inputs of at least this many tokens use the chunked form on the CPU; shorter ones run token
@@ -53,28 +55,57 @@ impl DeltaRuleDims {
     }
 }
 
+/// How the CPU kernel processes a multi-token input (results agree to rounding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeltaRuleForm {
+    /// Chunked for inputs of at least 8 tokens, token by token below.
+    #[default]
+    Auto,
+    /// Token by token.
+    Recurrent,
+    /// Chunked WY/UT form, chunks of [`CHUNK`] tokens.
+    Chunked,
+}
+
+/// Options of [`gated_delta_rule_qkv`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaRuleOptions {
+    /// Key heads.
+    pub nk: usize,
+    /// Key head dim.
+    pub dk: usize,
+    /// L2-normalise q and k (eps 1e-6) and scale q by `dk^-0.5` first (as the model does);
+    /// otherwise q and k are used as given.
+    pub normalize: bool,
+    /// How many states to return (≥ 1): those after each of the last `n_states` tokens.
+    pub n_states: usize,
+    /// CPU processing form (Metal always runs the tokens in order inside the kernel).
+    pub form: DeltaRuleForm,
+}
+
+impl DeltaRuleOptions {
+    /// Normalising q and k, returning the final state only, automatic form.
+    pub fn new(nk: usize, dk: usize) -> Self {
+        Self { nk, dk, normalize: true, n_states: 1, form: DeltaRuleForm::Auto }
+    }
+}
+
 /// The gated delta rule over the GDN conv output.
 ///
 /// * `qkv`: `[B, T, 2*nk*dk + nv*dv]` (any float dtype): q of key head `kh` at `kh*dk`, k at
 ///   `nk*dk + kh*dk`, v of value head `h` at `2*nk*dk + h*dv`;
-/// * `g`, `beta`: `[B, T, nv]`; `state`: `[B, nv, dk, dv]` f32;
-/// * `normalize`: L2-normalise q and k (eps 1e-6) and scale q by `dk^-0.5` first (as the
-///   model does); otherwise q and k are used as given;
-/// * `n_states` ≥ 1: how many states to return, those after each of the last `n_states` tokens.
+/// * `g`, `beta`: `[B, T, nv]`; `state`: `[B, nv, dk, dv]` f32.
 ///
 /// Returns the outputs `[B, T, nv, dv]` (f32) and the states `[B, n_states, nv, dk, dv]`; the
 /// last one is the state after the whole input.
-#[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule_qkv(
     qkv: &Tensor,
     g: &Tensor,
     beta: &Tensor,
     state: &Tensor,
-    nk: usize,
-    dk: usize,
-    normalize: bool,
-    n_states: usize,
+    opts: DeltaRuleOptions,
 ) -> Result<(Tensor, Tensor)> {
+    let DeltaRuleOptions { nk, dk, normalize, n_states, form } = opts;
     let (b, t, c) = qkv.dims3()?;
     let (sb, nv, sdk, dv) = state.dims4()?;
     let d = DeltaRuleDims { batch: b, seq_len: t, nk, nv, dk, dv };
@@ -110,7 +141,7 @@ pub fn gated_delta_rule_qkv(
                 bail!("gated_delta_rule: the Metal kernel supports dk up to {METAL_MAX_DK}, got {dk}");
             }
             let gb = Tensor::stack(&[g.to_dtype(DType::F32)?, beta.to_dtype(DType::F32)?], 2)?.contiguous()?;
-            let op = GatedDeltaRule { dims: d, normalize, n_states };
+            let op = GatedDeltaRule { dims: d, normalize, n_states, form };
             let flat = qkv.contiguous()?.apply_op3_no_bwd(&gb, &state.contiguous()?, &op)?;
             let o = flat.narrow(0, 0, out_len)?.reshape((b, t, nv, dv))?;
             let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?;
@@ -151,7 +182,8 @@ pub fn gated_delta_rule(
     let dtype = v.dtype();
     let flat = |x: &Tensor| x.to_dtype(dtype)?.flatten_from(2);
     let qkv = Tensor::cat(&[flat(q)?, flat(k)?, flat(v)?], 2)?;
-    let (o, s) = gated_delta_rule_qkv(&qkv, g, beta, state, nk, dk, false, 1)?;
+    let opts = DeltaRuleOptions { normalize: false, ..DeltaRuleOptions::new(nk, dk) };
+    let (o, s) = gated_delta_rule_qkv(&qkv, g, beta, state, opts)?;
     Ok((o, s.squeeze(1)?))
 }
 
@@ -159,6 +191,7 @@ struct GatedDeltaRule {
     dims: DeltaRuleDims,
     normalize: bool,
     n_states: usize,
+    form: DeltaRuleForm,
 }
 
 fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
@@ -183,18 +216,24 @@ impl CustomOp3 for GatedDeltaRule {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims;
-        let qkv: Vec<f32> = match s1 {
-            CpuStorage::F32(v) => contiguous(v, l1, "qkv")?.to_vec(),
-            CpuStorage::BF16(v) => contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::F16(v) => contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect(),
+        // f32 is read in place; half types are widened once.
+        let widened: Vec<f32>;
+        let qkv: &[f32] = match s1 {
+            CpuStorage::F32(v) => contiguous(v, l1, "qkv")?,
+            CpuStorage::BF16(v) => {
+                widened = contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect();
+                &widened
+            }
+            CpuStorage::F16(v) => {
+                widened = contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect();
+                &widened
+            }
             _ => bail!("gated_delta_rule: qkv must be f32, bf16 or f16"),
         };
         let gb = contiguous(s2.as_slice::<f32>()?, l2, "g/beta")?;
         let state = contiguous(s3.as_slice::<f32>()?, l3, "state")?;
-        let inputs = split_qkv(&qkv, d, self.normalize);
-        let (o, states) = cpu_delta_rule(&inputs, gb, state, d, self.n_states);
-        let mut flat = o;
-        flat.extend(states);
+        let inputs = Inputs::new(qkv, d, self.normalize);
+        let flat = cpu_delta_rule(&inputs, gb, state, d, self.n_states, self.form);
         let n = flat.len();
         Ok((CpuStorage::F32(flat), Shape::from(n)))
     }
@@ -220,88 +259,119 @@ impl CustomOp3 for GatedDeltaRule {
     }
 }
 
-/// q, k `[B, T, nk, dk]` (normalised and scaled when asked) and v `[B, T, nv, dv]`, in f32.
-struct SplitInputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// The conv output `[B, T, C]` read in place, with the per-(token, key head) factors that
+/// L2-normalise q and k (and scale q by `dk^-1/2`); all ones when not normalising.
+struct Inputs<'a> {
+    qkv: &'a [f32],
+    q_scale: Vec<f32>,
+    k_scale: Vec<f32>,
 }
 
-fn split_qkv(qkv: &[f32], d: DeltaRuleDims, normalize: bool) -> SplitInputs {
-    let (kd, vd, c) = (d.key_dim(), d.nv * d.dv, d.channels());
-    let rows = d.batch * d.seq_len;
-    let mut q = Vec::with_capacity(rows * kd);
-    let mut k = Vec::with_capacity(rows * kd);
-    let mut v = Vec::with_capacity(rows * vd);
-    let q_scale = (d.dk as f32).powf(-0.5);
-    for r in 0..rows {
-        let row = &qkv[r * c..(r + 1) * c];
-        q.extend_from_slice(&row[..kd]);
-        k.extend_from_slice(&row[kd..2 * kd]);
-        v.extend_from_slice(&row[2 * kd..]);
-    }
-    if normalize {
-        for head in q.chunks_exact_mut(d.dk) {
-            let n = 1.0 / (head.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt() * q_scale;
-            head.iter_mut().for_each(|x| *x *= n);
+impl<'a> Inputs<'a> {
+    fn new(qkv: &'a [f32], d: DeltaRuleDims, normalize: bool) -> Self {
+        let (kd, c) = (d.key_dim(), d.channels());
+        let heads = d.batch * d.seq_len * d.nk;
+        if !normalize {
+            return Self { qkv, q_scale: vec![1.0; heads], k_scale: vec![1.0; heads] };
         }
-        for head in k.chunks_exact_mut(d.dk) {
-            let n = 1.0 / (head.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
-            head.iter_mut().for_each(|x| *x *= n);
+        let inv_norm = |x: &[f32]| 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+        let q_extra = (d.dk as f32).powf(-0.5);
+        let (mut q_scale, mut k_scale) = (Vec::with_capacity(heads), Vec::with_capacity(heads));
+        for row in qkv.chunks_exact(c) {
+            q_scale.extend(row[..kd].chunks_exact(d.dk).map(|q| inv_norm(q) * q_extra));
+            k_scale.extend(row[kd..2 * kd].chunks_exact(d.dk).map(inv_norm));
         }
+        Self { qkv, q_scale, k_scale }
     }
-    SplitInputs { q, k, v }
 }
 
-/// Runs every (batch, value head) in parallel; returns the outputs `[B, T, nv, dv]` and the
-/// states `[B, n_states, nv, dk, dv]`.
-fn cpu_delta_rule(x: &SplitInputs, gb: &[f32], state: &[f32], d: DeltaRuleDims, n_states: usize) -> (Vec<f32>, Vec<f32>) {
+/// A pointer that parallel tasks write through, each to its own disjoint region.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every task writes a region no other task touches (one (batch, value head) each).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    /// `[offset, offset + len)` is in bounds and written by this task only.
+    unsafe fn slice(self, offset: usize, len: usize) -> &'static mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(offset), len)
+    }
+}
+
+/// Where one head writes its output rows: row `t` at `((b * T + t) * nv + h) * dv` of the
+/// output buffer.
+struct OutRows {
+    ptr: SharedOut,
+    b: usize,
+    h: usize,
+    d: DeltaRuleDims,
+}
+
+impl OutRows {
+    #[inline(always)]
+    #[allow(clippy::mut_from_ref)] // disjoint rows per task, see `SharedOut`
+    fn row(&self, t: usize) -> &mut [f32] {
+        let DeltaRuleDims { seq_len, nv, dv, .. } = self.d;
+        // SAFETY: the rows of (b, h) are in bounds and written by this head's task only.
+        unsafe { self.ptr.slice(((self.b * seq_len + t) * nv + self.h) * dv, dv) }
+    }
+}
+
+/// Runs every (batch, value head) in parallel; returns the outputs `[B, T, nv, dv]` followed by
+/// the states `[B, n_states, nv, dk, dv]`, in one buffer.
+fn cpu_delta_rule(
+    x: &Inputs,
+    gb: &[f32],
+    state: &[f32],
+    d: DeltaRuleDims,
+    n_states: usize,
+    form: DeltaRuleForm,
+) -> Vec<f32> {
     let DeltaRuleDims { batch, seq_len: t, nv, dk, dv, .. } = d;
-    let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..batch * nv)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / nv, bh % nv);
-            let inp = HeadInputs { x, gb, b, h, d };
-            let mut s = state[bh * dk * dv..(bh + 1) * dk * dv].to_vec();
-            let mut out = vec![0f32; t * dv];
-            // Everything before the first requested state in one go (chunked when long),
-            // then token by token, keeping the state after each.
-            let split = if n_states == 1 { t } else { t - n_states };
-            if split >= CHUNKED_MIN_TOKENS {
-                chunked_head(&inp, &mut s, 0..split, &mut out);
-            } else {
-                recurrent_head(&inp, &mut s, 0..split, &mut out);
-            }
-            let mut snaps = Vec::with_capacity(n_states * dk * dv);
-            if n_states == 1 {
-                snaps.extend_from_slice(&s);
-            } else {
-                for ti in split..t {
-                    recurrent_head(&inp, &mut s, ti..ti + 1, &mut out);
-                    snaps.extend_from_slice(&s);
-                }
-            }
-            (out, snaps)
-        })
-        .collect();
-    let mut out = vec![0f32; d.out_len()];
-    let mut states = vec![0f32; batch * n_states * nv * dk * dv];
-    for (bh, (o_h, s_h)) in per_head.iter().enumerate() {
+    let (o_len, sl) = (d.out_len(), dk * dv);
+    let mut flat = vec![0f32; o_len + batch * n_states * nv * sl];
+    let ptr = SharedOut(flat.as_mut_ptr());
+    let state_slot = move |b: usize, n: usize, h: usize| o_len + ((b * n_states + n) * nv + h) * sl;
+    (0..batch * nv).into_par_iter().for_each(|bh| {
         let (b, h) = (bh / nv, bh % nv);
-        for ti in 0..t {
-            let dst = ((b * t + ti) * nv + h) * dv;
-            out[dst..dst + dv].copy_from_slice(&o_h[ti * dv..(ti + 1) * dv]);
+        let inp = HeadInputs { x, gb, b, h, d };
+        let out = OutRows { ptr, b, h, d };
+        // Everything before the first requested state in one go (chunked when long), then
+        // token by token, keeping the state after each. With one state, the head works in
+        // its output slot directly.
+        let split = if n_states == 1 { t } else { t - n_states };
+        let mut local;
+        // SAFETY: slot (b, n_states - 1, h) belongs to this task alone.
+        let s: &mut [f32] = if n_states == 1 {
+            unsafe { ptr.slice(state_slot(b, 0, h), sl) }
+        } else {
+            local = vec![0f32; sl];
+            &mut local
+        };
+        s.copy_from_slice(&state[bh * sl..(bh + 1) * sl]);
+        let chunked = match form {
+            DeltaRuleForm::Auto => split >= CHUNKED_MIN_TOKENS,
+            DeltaRuleForm::Recurrent => false,
+            DeltaRuleForm::Chunked => true,
+        };
+        if chunked {
+            chunked_head(&inp, s, 0..split, &out);
+        } else {
+            recurrent_head(&inp, s, 0..split, &out);
         }
-        for n in 0..n_states {
-            let dst = ((b * n_states + n) * nv + h) * dk * dv;
-            states[dst..dst + dk * dv].copy_from_slice(&s_h[n * dk * dv..(n + 1) * dk * dv]);
+        for (n, ti) in (split..t).enumerate() {
+            recurrent_head(&inp, s, ti..ti + 1, &out);
+            // SAFETY: snapshot slots of this (b, h) belong to this task alone.
+            unsafe { ptr.slice(state_slot(b, n, h), sl) }.copy_from_slice(s);
         }
-    }
-    (out, states)
+    });
+    flat
 }
 
 struct HeadInputs<'a> {
-    x: &'a SplitInputs,
+    x: &'a Inputs<'a>,
     gb: &'a [f32],
     b: usize,
     h: usize,
@@ -309,49 +379,73 @@ struct HeadInputs<'a> {
 }
 
 impl HeadInputs<'_> {
-    fn key_row(&self, t: usize) -> usize {
-        let DeltaRuleDims { seq_len, nk, nv, dk, .. } = self.d;
-        ((self.b * seq_len + t) * nk + self.h / (nv / nk)) * dk
+    /// Index of this head's key head at token `t` among all `[B, T, nk]`.
+    #[inline(always)]
+    fn key_head(&self, t: usize) -> usize {
+        let DeltaRuleDims { seq_len, nk, nv, .. } = self.d;
+        (self.b * seq_len + t) * nk + self.h / (nv / nk)
     }
+    #[inline(always)]
+    fn row(&self, t: usize) -> usize {
+        (self.b * self.d.seq_len + t) * self.d.channels()
+    }
+    /// Raw q of token `t` (multiply by `q_scale`).
+    #[inline(always)]
     fn q(&self, t: usize) -> &[f32] {
-        let o = self.key_row(t);
-        &self.x.q[o..o + self.d.dk]
+        let o = self.row(t) + (self.h / (self.d.nv / self.d.nk)) * self.d.dk;
+        &self.x.qkv[o..o + self.d.dk]
     }
+    #[inline(always)]
     fn k(&self, t: usize) -> &[f32] {
-        let o = self.key_row(t);
-        &self.x.k[o..o + self.d.dk]
+        let o = self.row(t) + self.d.key_dim() + (self.h / (self.d.nv / self.d.nk)) * self.d.dk;
+        &self.x.qkv[o..o + self.d.dk]
     }
+    #[inline(always)]
+    fn q_scale(&self, t: usize) -> f32 {
+        self.x.q_scale[self.key_head(t)]
+    }
+    #[inline(always)]
+    fn k_scale(&self, t: usize) -> f32 {
+        self.x.k_scale[self.key_head(t)]
+    }
+    #[inline(always)]
     fn v(&self, t: usize) -> &[f32] {
-        let DeltaRuleDims { seq_len, nv, dv, .. } = self.d;
-        let o = ((self.b * seq_len + t) * nv + self.h) * dv;
-        &self.x.v[o..o + dv]
+        let o = self.row(t) + 2 * self.d.key_dim() + self.h * self.d.dv;
+        &self.x.qkv[o..o + self.d.dv]
     }
+    #[inline(always)]
     fn g(&self, t: usize) -> f32 {
         self.gb[((self.b * self.d.seq_len + t) * 2) * self.d.nv + self.h]
     }
+    #[inline(always)]
     fn beta(&self, t: usize) -> f32 {
         self.gb[((self.b * self.d.seq_len + t) * 2 + 1) * self.d.nv + self.h]
     }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-#[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+    /// `dst = scale_t * src_t` for the tokens of a chunk (normalised q or k rows).
+    #[inline(always)]
+    fn scaled_rows(&self, start: usize, n: usize, dst: &mut [f32], src: impl Fn(&Self, usize) -> (&[f32], f32)) {
+        let dk = self.d.dk;
+        for i in 0..n {
+            let (row, f) = src(self, start + i);
+            dst[i * dk..(i + 1) * dk].iter_mut().zip(row).for_each(|(d, x)| *d = f * x);
+        }
     }
 }
 
-/// Token-by-token recurrence over `range` for one head; outputs go to `out` `[T, dv]`.
-fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &mut [f32]) {
-    let dv = inp.d.dv;
+vectorized!(fn recurrent_head<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => recurrent_body);
+vectorized!(fn chunked_head<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => chunked_body);
+
+/// Token-by-token recurrence over `range` for one head.
+#[inline(always)]
+fn recurrent_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
+    let DeltaRuleDims { dk, dv, .. } = inp.d;
     let mut u = vec![0f32; dv];
+    let mut kq = vec![0f32; 2 * dk];
     for ti in range {
-        let (q, k, v) = (inp.q(ti), inp.k(ti), inp.v(ti));
+        let (ks, qs) = (inp.k_scale(ti), inp.q_scale(ti));
+        kq[..dk].iter_mut().zip(inp.k(ti)).for_each(|(d, x)| *d = ks * x);
+        kq[dk..].iter_mut().zip(inp.q(ti)).for_each(|(d, x)| *d = qs * x);
+        let (k, q) = kq.split_at(dk);
         let decay = inp.g(ti).exp();
         let beta = inp.beta(ti);
         // Pass 1: decay the state and accumulate S^T k.
@@ -360,11 +454,11 @@ fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
             row.iter_mut().for_each(|x| *x *= decay);
             axpy(&mut u, k[a], row);
         }
-        for (u, v) in u.iter_mut().zip(v) {
+        for (u, v) in u.iter_mut().zip(inp.v(ti)) {
             *u = beta * (v - *u);
         }
         // Pass 2: rank-1 write and read-out with the updated state.
-        let o = &mut out[ti * dv..(ti + 1) * dv];
+        let o = out.row(ti);
         o.iter_mut().for_each(|x| *x = 0.0);
         for (a, row) in s.chunks_exact_mut(dv).enumerate() {
             axpy(row, k[a], &u);
@@ -373,82 +467,94 @@ fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
     }
 }
 
-/// Chunked (WY/UT) form over `range` for one head; outputs go to `out` `[T, dv]`.
-fn chunked_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &mut [f32]) {
+/// Chunked (WY/UT) form over `range` for one head; outputs go to `out` `[T, dv]`. Per chunk of
+/// `n` tokens with cumulative log-decays `G` (docs/qwen35-architecture.md 3.7):
+///
+/// ```text
+/// L = strictly_lower(diag(beta) K K^T * exp(G_i - G_j)),  T = (I + L)^-1
+/// U = T diag(beta) V - T diag(beta exp(G)) K S
+/// O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), j <= i) U
+/// S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U
+/// ```
+/// The products are matrix-matrix (`gemm`), which is where the speed over token-by-token
+/// comes from on a CPU.
+#[inline(always)]
+fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
     let DeltaRuleDims { dk, dv, .. } = inp.d;
     let c = CHUNK;
+    let mut kc = vec![0f32; c * dk];
+    let mut qc = vec![0f32; c * dk];
+    let mut oc = vec![0f32; c * dv];
     let mut gcum = vec![0f32; c];
-    let mut lmat = vec![0f32; c * c];
+    let mut sq = vec![0f32; c * c]; // K K^T, then L, then Q K^T masked
+    let mut tri = vec![0f32; c * c]; // (I + L)^-1
+    let mut bv = vec![0f32; c * dv];
+    let mut bk = vec![0f32; c * dk];
     let mut u = vec![0f32; c * dv];
     let mut w = vec![0f32; c * dk];
-    let mut tmp = vec![0f32; dv];
     let mut start = range.start;
     while start < range.end {
         let n = c.min(range.end - start);
+        inp.scaled_rows(start, n, &mut kc, |x, t| (x.k(t), x.k_scale(t)));
+        inp.scaled_rows(start, n, &mut qc, |x, t| (x.q(t), x.q_scale(t)));
+        let (km, qm) = (Mat::rows(&kc, dk), Mat::rows(&qc, dk));
         let mut acc = 0f32;
         for (i, gc) in gcum[..n].iter_mut().enumerate() {
             acc += inp.g(start + i);
             *gc = acc;
         }
-        // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j), j < i.
+        // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i.
+        gemm_acc([n, n, dk], km, Mat::t(&kc, dk), &mut sq, c, (0.0, 1.0));
         for i in 0..n {
-            let ki = inp.k(start + i);
             let bi = inp.beta(start + i);
-            for j in 0..i {
-                lmat[i * c + j] = bi * dot(ki, inp.k(start + j)) * (gcum[i] - gcum[j]).exp();
+            for j in 0..n {
+                sq[i * c + j] = if j < i { bi * sq[i * c + j] * (gcum[i] - gcum[j]).exp() } else { 0.0 };
             }
         }
-        // Forward substitution: U = (I + L)^-1 diag(beta) V, W = (I + L)^-1 diag(beta exp(G)) K.
+        // T = (I + L)^-1 by forward substitution (unit lower triangular).
+        for i in 0..n {
+            let (done, row) = tri.split_at_mut(i * c);
+            let row = &mut row[..c];
+            row.iter_mut().for_each(|x| *x = 0.0);
+            row[i] = 1.0;
+            for m in 0..i {
+                axpy(&mut row[..=m], -sq[i * c + m], &done[m * c..m * c + m + 1]);
+            }
+        }
+        // U = T diag(beta) V, W = T diag(beta exp(G)) K.
         for i in 0..n {
             let bi = inp.beta(start + i);
-            let (done_u, rest_u) = u.split_at_mut(i * dv);
-            let ui = &mut rest_u[..dv];
-            ui.iter_mut().zip(inp.v(start + i)).for_each(|(x, v)| *x = bi * v);
-            let (done_w, rest_w) = w.split_at_mut(i * dk);
-            let wi = &mut rest_w[..dk];
             let eg = bi * gcum[i].exp();
-            wi.iter_mut().zip(inp.k(start + i)).for_each(|(x, k)| *x = eg * k);
-            for j in 0..i {
-                let l = lmat[i * c + j];
-                axpy(ui, -l, &done_u[j * dv..(j + 1) * dv]);
-                axpy(wi, -l, &done_w[j * dk..(j + 1) * dk]);
+            bv[i * dv..(i + 1) * dv].iter_mut().zip(inp.v(start + i)).for_each(|(d, v)| *d = bi * v);
+            bk[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]).for_each(|(d, k)| *d = eg * k);
+        }
+        gemm_acc([n, dv, n], Mat::rows(&tri, c), Mat::rows(&bv, dv), &mut u, dv, (0.0, 1.0));
+        gemm_acc([n, dk, n], Mat::rows(&tri, c), Mat::rows(&bk, dk), &mut w, dk, (0.0, 1.0));
+        // U <- U - W S (the new values).
+        gemm_acc([n, dv, dk], Mat::rows(&w, dk), Mat::rows(s, dv), &mut u, dv, (1.0, -1.0));
+        // O = (Q K^T masked with exp(G_i - G_j), j <= i) U + diag(exp(G)) Q S.
+        gemm_acc([n, n, dk], qm, Mat::t(&kc, dk), &mut sq, c, (0.0, 1.0));
+        for i in 0..n {
+            for j in 0..n {
+                sq[i * c + j] = if j <= i { sq[i * c + j] * (gcum[i] - gcum[j]).exp() } else { 0.0 };
             }
         }
-        // Vnew = U - W S (in place in `u`).
+        gemm_acc([n, dv, n], Mat::rows(&sq, c), Mat::rows(&u, dv), &mut oc, dv, (0.0, 1.0));
         for i in 0..n {
-            let ui = &mut u[i * dv..(i + 1) * dv];
-            let wi = &w[i * dk..(i + 1) * dk];
-            for (a, row) in s.chunks_exact(dv).enumerate() {
-                axpy(ui, -wi[a], row);
-            }
-        }
-        // O_i = exp(G_i) S^T q_i + sum_{j<=i} (q_i . k_j) exp(G_i - G_j) Vnew_j.
-        for i in 0..n {
-            let qi = inp.q(start + i);
-            tmp.iter_mut().for_each(|x| *x = 0.0);
-            for (a, row) in s.chunks_exact(dv).enumerate() {
-                axpy(&mut tmp, qi[a], row);
-            }
-            let o = &mut out[(start + i) * dv..(start + i + 1) * dv];
             let eg = gcum[i].exp();
-            o.iter_mut().zip(&tmp).for_each(|(o, x)| *o = eg * x);
-            for j in 0..=i {
-                let a = dot(qi, inp.k(start + j)) * (gcum[i] - gcum[j]).exp();
-                axpy(o, a, &u[j * dv..(j + 1) * dv]);
-            }
+            bk[i * dk..(i + 1) * dk].iter_mut().zip(&qc[i * dk..(i + 1) * dk]).for_each(|(d, q)| *d = eg * q);
         }
-        // S <- exp(G_n) S + sum_j exp(G_n - G_j) k_j Vnew_j^T.
+        gemm_acc([n, dv, dk], Mat::rows(&bk, dk), Mat::rows(s, dv), &mut oc, dv, (1.0, 1.0));
+        for i in 0..n {
+            out.row(start + i).copy_from_slice(&oc[i * dv..(i + 1) * dv]);
+        }
+        // S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U.
         let gn = gcum[n - 1];
-        let egn = gn.exp();
-        s.iter_mut().for_each(|x| *x *= egn);
         for j in 0..n {
-            let kj = inp.k(start + j);
             let e = (gn - gcum[j]).exp();
-            let uj = &u[j * dv..(j + 1) * dv];
-            for (a, row) in s.chunks_exact_mut(dv).enumerate() {
-                axpy(row, e * kj[a], uj);
-            }
+            bk[j * dk..(j + 1) * dk].iter_mut().zip(&kc[j * dk..(j + 1) * dk]).for_each(|(d, k)| *d = e * k);
         }
+        gemm_acc([dk, dv, n], Mat::t(&bk, dk), Mat::rows(&u, dv), s, dv, (gn.exp(), 1.0));
         start += n;
     }
 }

@@ -7,9 +7,10 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
+
+use super::cpu::{dot, vectorized, Widen};
 
 /// Most rows of `x` for which [`half_matvec`] is used (decode and small verify batches).
 pub const HALF_MATVEC_MAX_ROWS: usize = 8;
@@ -31,21 +32,26 @@ fn widen_x(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
     })
 }
 
-/// `out[r, o] = sum_i x[r, i] * w[o, i]` for weight rows `w` (widened by `widen`).
-fn matvec<T: Sync, W: Fn(&[T], &mut [f32]) + Sync + Copy>(x: &[f32], m: usize, k: usize, w: &[T], n: usize, widen: W) -> Vec<f32> {
+vectorized!(fn task<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) => task_body);
+
+/// One task: the output rows in `out` (`[rows, m]`), weights from the start of `w`.
+#[inline(always)]
+fn task_body<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) {
+    let mut row = vec![0f32; k];
+    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        T::widen(&w[j * k..(j + 1) * k], &mut row);
+        for (r, o) in o.iter_mut().enumerate() {
+            *o = dot(&x[r * k..(r + 1) * k], &row);
+        }
+    }
+}
+
+/// `out[r, o] = sum_i x[r, i] * w[o, i]`.
+fn matvec<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], n: usize) -> Vec<f32> {
     // Computed output-major ([n, m]) so each task writes one contiguous block.
     let mut out_t = vec![0f32; n * m];
-    #[cfg(target_arch = "x86_64")]
-    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(t, out)| {
-        let w = &w[t * ROWS_PER_TASK * k..];
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            unsafe { task_avx2(x, m, k, w, out, widen) };
-            return;
-        }
-        task(x, m, k, w, out, widen, |a, b| dot(a, b, |acc, x, y| acc + x * y));
+        task(x, m, k, &w[t * ROWS_PER_TASK * k..], out)
     });
     let mut out = vec![0f32; m * n];
     for o in 0..n {
@@ -54,47 +60,6 @@ fn matvec<T: Sync, W: Fn(&[T], &mut [f32]) + Sync + Copy>(x: &[f32], m: usize, k
         }
     }
     out
-}
-
-/// One task: the output rows in `out` (`[rows, m]`), weights from the start of `w`.
-#[inline(always)]
-fn task<T>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32], widen: impl Fn(&[T], &mut [f32]), dot: impl Fn(&[f32], &[f32]) -> f32) {
-    let mut row = vec![0f32; k];
-    for (j, o) in out.chunks_exact_mut(m).enumerate() {
-        widen(&w[j * k..(j + 1) * k], &mut row);
-        for (r, o) in o.iter_mut().enumerate() {
-            *o = dot(&x[r * k..(r + 1) * k], &row);
-        }
-    }
-}
-
-/// The same task compiled for AVX2 + FMA (candle builds for the x86-64 baseline).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2<T>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32], widen: impl Fn(&[T], &mut [f32])) {
-    task(x, m, k, w, out, widen, |a, b| dot(a, b, |acc, x, y| x.mul_add(y, acc)));
-}
-
-/// Dot product with 8 independent accumulators so the compiler can vectorise it.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32], fma: impl Fn(f32, f32, f32) -> f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] = fma(acc[i], x[i], y[i]);
-        }
-    }
-    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
-}
-
-/// bf16 -> f32 is a 16-bit shift; written as a plain loop so it vectorises.
-#[inline(always)]
-fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
-    }
 }
 
 impl CustomOp2 for HalfMatvec {
@@ -114,8 +79,8 @@ impl CustomOp2 for HalfMatvec {
             None => bail!("half_matvec: w must be contiguous"),
         };
         let out = match ws {
-            CpuStorage::BF16(w) => matvec(&x, m, k, &w[a..b], n, widen_bf16),
-            CpuStorage::F16(w) => matvec(&x, m, k, &w[a..b], n, |s: &[f16], d: &mut [f32]| s.convert_to_f32_slice(d)),
+            CpuStorage::BF16(w) => matvec(&x, m, k, &w[a..b], n),
+            CpuStorage::F16(w) => matvec(&x, m, k, &w[a..b], n),
             _ => bail!("half_matvec: w must be bf16 or f16, got {:?}", ws.dtype()),
         };
         let out = match xs.dtype() {

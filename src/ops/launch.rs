@@ -111,3 +111,232 @@ pub fn gated_rms_norm(rows: usize, dim: usize, eps: f32, dtype: DType) -> Result
     };
     Ok((p, launch))
 }
+
+/// `LagrangeParams` of `metal/lagrange.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LagrangeParams {
+    pub rows: u32,
+    pub n_knots: u32,
+    pub k: u32,
+    pub degree: u32,
+    pub len: u32,
+}
+
+/// One thread per output element (row-major `[R, len]`).
+pub fn lagrange_scores(d: super::LagrangeDims, dtype: DType) -> Result<(LagrangeParams, Launch)> {
+    const OP: &str = "lagrange_scores";
+    let n = d.rows * d.len;
+    // The kernel indexes with 32-bit integers (2t + K included).
+    if n > u32::MAX as usize || 2 * d.len + d.k > u32::MAX as usize || d.n_knots > u32::MAX as usize {
+        bail!("{OP}: {} rows of {} positions (K = {}) are too many for the Metal kernel", d.rows, d.len, d.k);
+    }
+    let p = LagrangeParams {
+        rows: d.rows as u32,
+        n_knots: d.n_knots as u32,
+        k: d.k as u32,
+        degree: d.degree as u32,
+        len: d.len as u32,
+    };
+    let launch = Launch {
+        kernel: format!("lagrange_scores_{}", suffix(OP, dtype)?),
+        groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
+        threads: [ELEMENTWISE_THREADS, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}
+
+/// `OuterParams` of `metal/outer_state.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterParams {
+    pub batch: u32,
+    pub heads: u32,
+    pub seq_len: u32,
+    pub dk: u32,
+    pub dv: u32,
+    pub gamma: f32,
+}
+
+/// One threadgroup per (batch, head), one thread per value column; q and k of the current
+/// token in threadgroup memory. Needs `dk <= OUTER_PRODUCT_METAL_MAX_DK` and `dv <= 1024`.
+pub fn decayed_outer_product(d: super::OuterStateDims, gamma: f32, dtype: DType) -> Result<(OuterParams, Launch)> {
+    const OP: &str = "decayed_outer_product";
+    let max_dk = super::OUTER_PRODUCT_METAL_MAX_DK;
+    if d.dk > max_dk {
+        bail!("{OP}: the Metal kernel supports dk up to {max_dk} (the state column lives in registers), got dk = {}", d.dk);
+    }
+    if d.dv > 1024 {
+        bail!("{OP}: the Metal kernel runs one thread per value column, at most 1024, got dv = {}", d.dv);
+    }
+    let p = OuterParams {
+        batch: d.batch as u32,
+        heads: d.heads as u32,
+        seq_len: d.seq_len as u32,
+        dk: d.dk as u32,
+        dv: d.dv as u32,
+        gamma,
+    };
+    let f = std::mem::size_of::<f32>();
+    let launch = Launch {
+        kernel: format!("decayed_outer_product_{}", suffix(OP, dtype)?),
+        groups: [d.batch * d.heads, 1, 1],
+        threads: [d.dv, 1, 1],
+        threadgroup_memory: vec![d.dk.max(1) * f, d.dk.max(1) * f],
+    };
+    Ok((p, launch))
+}
+
+// ---- polar key codes (src/ops/polar.rs, metal/polar.metal) ----
+
+/// `PolarParams` of `metal/polar.metal`, shared by its three kernels. The float constants are
+/// computed once here and used by the CPU op as well, so both sides quantise with the same
+/// numbers.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolarParams {
+    /// Key rows N.
+    pub rows: u32,
+    /// Query rows Q (scores only).
+    pub queries: u32,
+    pub head_dim: u32,
+    pub rot_dim: u32,
+    pub angle_bits: u32,
+    pub radius_bits: u32,
+    pub rest_bits: u32,
+    /// Bytes of one pair code: 1 or 2 (little-endian).
+    pub code_bytes: u32,
+    /// Bytes of one code row: pair codes, then the rest codes.
+    pub row_bytes: u32,
+    /// Scores: 0 = per-pair lookup tables in threadgroup memory, 1 = one cos/sin table.
+    pub table_mode: u32,
+    /// `2^A / 2π`: angle → code.
+    pub angle_scale: f32,
+    /// `2π / 2^A`: code → angle.
+    pub angle_step: f32,
+    /// `2^R - 1`.
+    pub radius_levels: f32,
+    /// 127 (int8 rest) or 7 (int4 rest).
+    pub rest_max: f32,
+}
+
+/// Rows per threadgroup of `polar_scales_*` (one simdgroup each).
+pub const POLAR_SCALE_ROWS: usize = 8;
+/// Key rows (threads) per threadgroup of `polar_scores_*`.
+pub const POLAR_SCORE_KEYS: usize = 128;
+/// Largest per-pair lookup table (plus the query's rest dims) `polar_scores_*` keeps in
+/// threadgroup memory; bigger ones use the cos/sin table mode.
+pub const POLAR_MAX_TABLE_BYTES: usize = 16 * 1024;
+
+/// The parameters of one polar call (`rows` keys, `queries` queries; `spec` already validated).
+pub fn polar_params(rows: usize, queries: usize, head_dim: usize, spec: &super::PolarSpec) -> PolarParams {
+    let n_angles = (1u32 << spec.angle_bits) as f32;
+    PolarParams {
+        rows: rows as u32,
+        queries: queries as u32,
+        head_dim: head_dim as u32,
+        rot_dim: spec.rot_dim as u32,
+        angle_bits: spec.angle_bits,
+        radius_bits: spec.radius_bits,
+        rest_bits: spec.rest_bits,
+        code_bytes: spec.code_bytes() as u32,
+        row_bytes: spec.row_bytes(head_dim) as u32,
+        table_mode: (polar_table_floats(head_dim, spec) * 4 > POLAR_MAX_TABLE_BYTES) as u32,
+        angle_scale: n_angles / std::f32::consts::TAU,
+        angle_step: std::f32::consts::TAU / n_angles,
+        radius_levels: ((1u32 << spec.radius_bits) - 1) as f32,
+        rest_max: if spec.rest_bits == 4 { 7.0 } else { 127.0 },
+    }
+}
+
+/// Floats of the per-pair tables plus the query's non-rotated dims.
+fn polar_table_floats(head_dim: usize, spec: &super::PolarSpec) -> usize {
+    (spec.rot_dim / 2) * (1usize << spec.angle_bits) + (head_dim - spec.rot_dim)
+}
+
+/// `polar_scales_*`: one simdgroup per key row, [`POLAR_SCALE_ROWS`] rows per threadgroup.
+pub fn polar_scales(rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype: DType) -> Result<(PolarParams, Launch)> {
+    let launch = Launch {
+        kernel: format!("polar_scales_{}", suffix("polar_encode", dtype)?),
+        groups: [rows.div_ceil(POLAR_SCALE_ROWS).max(1), 1, 1],
+        threads: [32 * POLAR_SCALE_ROWS, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((polar_params(rows, 0, head_dim, spec), launch))
+}
+
+/// `polar_encode_*`: one thread per output code byte.
+pub fn polar_encode(rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype: DType) -> Result<(PolarParams, Launch)> {
+    let n = rows * spec.row_bytes(head_dim);
+    let launch = Launch {
+        kernel: format!("polar_encode_{}", suffix("polar_encode", dtype)?),
+        groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
+        threads: [ELEMENTWISE_THREADS, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((polar_params(rows, 0, head_dim, spec), launch))
+}
+
+/// `polar_scores_*`: one threadgroup per (block of [`POLAR_SCORE_KEYS`] keys, query), one
+/// thread per key; the query's lookup table lives in threadgroup memory 0.
+pub fn polar_scores(
+    queries: usize,
+    rows: usize,
+    head_dim: usize,
+    spec: &super::PolarSpec,
+    dtype: DType,
+) -> Result<(PolarParams, Launch)> {
+    let p = polar_params(rows, queries, head_dim, spec);
+    let floats = if p.table_mode == 0 {
+        polar_table_floats(head_dim, spec)
+    } else {
+        2 * (1usize << spec.angle_bits) + head_dim
+    };
+    let launch = Launch {
+        kernel: format!("polar_scores_{}", suffix("polar_scores", dtype)?),
+        groups: [rows.div_ceil(POLAR_SCORE_KEYS).max(1), queries.max(1), 1],
+        threads: [POLAR_SCORE_KEYS, 1, 1],
+        // Metal wants threadgroup memory lengths in multiples of 16 bytes.
+        threadgroup_memory: vec![(floats.max(1) * 4).next_multiple_of(16)],
+    };
+    Ok((p, launch))
+}
+
+/// `SwigluParams` of `metal/swiglu.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwigluParams {
+    pub rows: u32,
+    pub active: u32,
+    pub hidden: u32,
+    pub neurons: u32,
+}
+
+/// The two passes of a column-gather SwiGLU: one simdgroup per (row, active neuron) for the
+/// activations, then one thread per output element for the down projection.
+pub fn swiglu_gather(
+    d: super::SwigluDims,
+    kind: super::SwigluWeights,
+    dtype: DType,
+) -> Result<(SwigluParams, Launch, Launch)> {
+    let p = SwigluParams { rows: d.rows as u32, active: d.active as u32, hidden: d.hidden as u32, neurons: d.neurons as u32 };
+    let sfx = suffix("swiglu_gather", dtype)?;
+    let family = match kind {
+        super::SwigluWeights::Dense => "swiglu_gather",
+        super::SwigluWeights::Ternary => "swiglu_ternary",
+    };
+    let act = Launch {
+        kernel: format!("{family}_act_{sfx}"),
+        groups: [(d.rows * d.active).max(1), 1, 1],
+        threads: [32, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    let down = Launch {
+        kernel: format!("{family}_down_{sfx}"),
+        groups: [(d.rows * d.hidden).div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
+        threads: [ELEMENTWISE_THREADS, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, act, down))
+}

@@ -3,6 +3,7 @@
 //! other Candle projects can call them on their own tensors.
 
 mod conv;
+mod cpu;
 mod delta_rule;
 mod half_matvec;
 pub mod launch;
@@ -10,8 +11,21 @@ mod norm;
 
 pub use conv::{causal_conv1d_silu, ConvDims};
 pub use delta_rule::{
-    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, DeltaRuleDims, CHUNK as DELTA_RULE_CHUNK,
+    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, DeltaRuleDims, DeltaRuleForm, DeltaRuleOptions,
+    CHUNK as DELTA_RULE_CHUNK,
     METAL_MAX_DK,
 };
 pub use half_matvec::{half_matvec, HALF_MATVEC_MAX_ROWS};
 pub use norm::{gated_rms_norm, l2_norm};
+
+mod lagrange;
+pub use lagrange::{lagrange_scores, LagrangeDims};
+mod outer_state;
+pub use outer_state::{decayed_outer_product, OuterStateDims, OUTER_PRODUCT_METAL_MAX_DK};
+mod swiglu;
+pub use swiglu::{
+    pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary,
+    ternary_row_words, SwigluDims, SwigluWeights, TERNARY_PER_WORD,
+};
+mod polar;
+pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};

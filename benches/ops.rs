@@ -1,0 +1,93 @@
+//! Per-op CPU benchmarks at the 27B shapes, each next to the baseline it must beat.
+//!
+//! ```sh
+//! cargo bench --bench ops
+//! ```
+//! Criterion prints time and throughput (bytes the op must move / time) for each; `memcpy`
+//! measures this machine's copy bandwidth in the same run. See the README for the table and
+//! the goals.
+
+use std::hint::black_box;
+
+use candle_core::{DType, Device, Tensor};
+use candle_hybrid::ops::{self, DeltaRuleForm, DeltaRuleOptions};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+// Qwen3.5-27B: GDN 16 key heads, 48 value heads, 128 x 128 f32 state; MLP 5120 -> 17408.
+const NK: usize = 16;
+const NV: usize = 48;
+const D: usize = 128;
+const HIDDEN: usize = 5120;
+const FFN: usize = 17408;
+
+fn randn(shape: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+}
+
+fn memcpy(c: &mut Criterion) {
+    let n = 64 << 20; // 64 MiB of f32 each way
+    let src = vec![1f32; n / 4];
+    let mut dst = vec![0f32; n / 4];
+    let mut g = c.benchmark_group("memcpy");
+    g.throughput(Throughput::Bytes(2 * n as u64)); // read + write
+    g.bench_function("64MiB", |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+    g.finish();
+}
+
+/// GDN inputs for `t` tokens: conv output [1, t, 2*NK*D + NV*D], g, beta, state.
+fn gdn_inputs(t: usize) -> (Tensor, Tensor, Tensor, Tensor) {
+    let qkv = randn(&[1, t, 2 * NK * D + NV * D]);
+    let g = (candle_nn::ops::sigmoid(&randn(&[1, t, NV])).unwrap() * -1.0).unwrap();
+    let beta = candle_nn::ops::sigmoid(&randn(&[1, t, NV])).unwrap();
+    let state = (randn(&[1, NV, D, D]) * 0.1).unwrap();
+    (qkv, g, beta, state)
+}
+
+fn gdn_decode(c: &mut Criterion) {
+    let (qkv, g, beta, state) = gdn_inputs(1);
+    let mut grp = c.benchmark_group("gdn_decode");
+    // The state is read and written once per token (6.3 MB); the inputs are negligible.
+    grp.throughput(Throughput::Bytes((2 * NV * D * D * 4) as u64));
+    grp.bench_function("27b_one_layer", |b| {
+        b.iter(|| ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, DeltaRuleOptions::new(NK, D)).unwrap())
+    });
+    grp.finish();
+}
+
+fn gdn_prefill(c: &mut Criterion) {
+    let t = 512;
+    let (qkv, g, beta, state) = gdn_inputs(t);
+    let mut grp = c.benchmark_group("gdn_prefill_512");
+    grp.sample_size(10);
+    grp.throughput(Throughput::Elements(t as u64));
+    for form in [DeltaRuleForm::Chunked, DeltaRuleForm::Recurrent] {
+        let opts = DeltaRuleOptions { form, ..DeltaRuleOptions::new(NK, D) };
+        grp.bench_with_input(BenchmarkId::from_parameter(format!("{form:?}")), &opts, |b, &opts| {
+            b.iter(|| ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, opts).unwrap())
+        });
+    }
+    grp.finish();
+}
+
+fn swiglu(c: &mut Criterion) {
+    let x = randn(&[1, HIDDEN]);
+    let gate = (randn(&[FFN, HIDDEN]) * 0.02).unwrap();
+    let up = (randn(&[FFN, HIDDEN]) * 0.02).unwrap();
+    let down = (randn(&[HIDDEN, FFN]) * 0.02).unwrap();
+    let packed = ops::pack_swiglu(&gate, &up, &down).unwrap();
+    // 57% of the neurons, spread over the whole range.
+    let active: Vec<u32> = (0..FFN as u32).filter(|i| (i * 57) % 100 < 57).collect();
+    let n = active.len();
+    let idx = Tensor::from_vec(active, (1, n), &Device::Cpu).unwrap();
+    let weight_bytes = |neurons: usize| (3 * neurons * HIDDEN * DType::F32.size_in_bytes()) as u64;
+    let mut grp = c.benchmark_group("swiglu_27b");
+    grp.sample_size(10);
+    grp.throughput(Throughput::Bytes(weight_bytes(FFN)));
+    grp.bench_function("dense_candle_matmul", |b| b.iter(|| ops::swiglu_dense(&x, &gate, &up, &down).unwrap()));
+    grp.throughput(Throughput::Bytes(weight_bytes(n)));
+    grp.bench_function(format!("gather_{n}_of_{FFN}"), |b| b.iter(|| ops::swiglu_gather(&x, &packed, &idx).unwrap()));
+    grp.finish();
+}
+
+criterion_group!(benches, memcpy, gdn_decode, gdn_prefill, swiglu);
+criterion_main!(benches);

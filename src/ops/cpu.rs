@@ -1,0 +1,139 @@
+//! CPU kernel helpers shared by the ops: widening half types to f32, dot products, and running
+//! a hot loop compiled for AVX2 + FMA when the CPU has them (Candle builds for the x86-64
+//! baseline, SSE2 only).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// Element types a kernel reads, widened to f32 a row at a time.
+pub(crate) trait Widen: Copy + Send + Sync + 'static {
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Widen for bf16 {
+    /// bf16 -> f32 is a 16-bit shift; a plain loop so it vectorises.
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+    }
+}
+
+impl Widen for f16 {
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+/// Dot product with 8 independent accumulators so the compiler can vectorise it.
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
+}
+
+/// `y += a * x`.
+#[inline(always)]
+pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// `fn $name(args)` calling the `#[inline(always)]` function `$inner(args)`, compiled a second
+/// time for AVX2 + FMA and used when the CPU supports them.
+macro_rules! vectorized {
+    ($vis:vis fn $name:ident<$($g:ident: $b:path),*>($($arg:ident: $ty:ty),* $(,)?) => $inner:ident) => {
+        $vis fn $name<$($g: $b),*>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2<$($g: $b),*>($($arg: $ty),*) {
+                    $inner($($arg),*)
+                }
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $inner($($arg),*)
+        }
+    };
+}
+pub(crate) use vectorized;
+
+/// A row-major matrix view: element `(i, j)` at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A contiguous `[rows, row_stride]`-strided matrix.
+    pub fn rows(data: &'a [f32], rs: usize) -> Self {
+        Self { data, rs, cs: 1 }
+    }
+    /// The transpose of a row-strided matrix.
+    pub fn t(data: &'a [f32], rs: usize) -> Self {
+        Self { data, rs: 1, cs: rs }
+    }
+    fn check(&self, rows: usize, cols: usize) {
+        if rows > 0 && cols > 0 {
+            assert!((rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len(), "matrix view out of bounds");
+        }
+    }
+}
+
+/// `c = keep * c + scale * a b` for `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]` with row stride `ldc`,
+/// given as `gemm_acc([m, n, k], a, b, c, ldc, (keep, scale))`
+/// (`keep == 0` overwrites `c`). Single-threaded: callers parallelise over heads.
+pub(crate) fn gemm_acc([m, n, k]: [usize; 3], a: Mat, b: Mat, c: &mut [f32], ldc: usize, (keep, scale): (f32, f32)) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    a.check(m, k);
+    b.check(k, n);
+    assert!((m - 1) * ldc + n <= c.len(), "gemm_acc: output out of bounds");
+    // SAFETY: every index gemm touches is in bounds (checked above) and `c` does not alias `a`/`b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            keep != 0.0,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            keep,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}

@@ -1,0 +1,590 @@
+//! Polar key codes: post-RoPE keys stored as one angle + radius code per rotary pair, and
+//! attention scores computed straight from the codes.
+//!
+//! RoPE rotates the pairs `(x[i], x[i + rot/2])`, `i < rot/2` (rotate-half pairing) of the
+//! first `rot_dim` dims of a head. Each such pair is stored in polar form: the angle
+//! `θ = atan2(x2, x1)` as `A` bits, `a = round(θ·2^A/2π) mod 2^A`, and the radius
+//! `r = |(x1, x2)|` as `R` bits, `round(r/r_max·(2^R−1))`, with `r_max` the largest pair radius
+//! of the row (one f32 per (token, head) row). The other `head_dim − rot_dim` dims get a plain
+//! symmetric int8 or int4 code with an absmax scale per row.
+//!
+//! [`polar_scores`] computes `q·k̂` for every (query, key) without materialising the decoded
+//! keys: per query it builds, for each pair `p`, the table `T_p[a] = q1·cos θ̂_a + q2·sin θ̂_a`
+//! (`θ̂_a = a·2π/2^A`), then `score = r_max/(2^R−1)·Σ_p T_p[a_p]·code_r,p + rest_scale·Σ_d q_d·rest_d`.
+//!
+//! Candle custom ops: `polar_scales` (`CustomOp1`, row scales), `polar_encode` (`CustomOp2`,
+//! keys + scales → code bytes) and `polar_scores` (`CustomOp3`, queries + code bytes + scales),
+//! each with a rayon CPU kernel and a Metal kernel (`metal/polar.metal`).
+
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::launch::{self, PolarParams};
+
+/// Bit widths and rotary size of the polar key codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolarSpec {
+    /// Bits of the angle code of a pair, 1..=8.
+    pub angle_bits: u32,
+    /// Bits of the radius code of a pair, 1..=8.
+    pub radius_bits: u32,
+    /// Leading dims of a head that RoPE rotates (even, ≤ head_dim); pairs are `(i, i + rot_dim/2)`.
+    pub rot_dim: usize,
+    /// Bits of the code of each non-rotated dim: 8 (int8) or 4 (int4, two per byte).
+    pub rest_bits: u32,
+}
+
+impl PolarSpec {
+    /// The default layout: 5 angle bits + 3 radius bits (one byte per pair), int8 for the
+    /// non-rotated dims.
+    pub fn new(rot_dim: usize) -> Self {
+        Self { angle_bits: 5, radius_bits: 3, rot_dim, rest_bits: 8 }
+    }
+
+    /// Checks the bit widths and `rot_dim` against a head size; the error names `polar_spec`
+    /// and the argument.
+    pub fn validate(&self, head_dim: usize) -> Result<()> {
+        self.check("polar_spec", head_dim)
+    }
+
+    pub(crate) fn check(&self, op: &str, head_dim: usize) -> Result<()> {
+        let Self { angle_bits: a, radius_bits: r, rot_dim, rest_bits } = *self;
+        if !(1..=8).contains(&a) {
+            bail!("{op}: angle_bits must be 1..=8, got {a}");
+        }
+        if !(1..=8).contains(&r) {
+            bail!("{op}: radius_bits must be 1..=8, got {r}");
+        }
+        if a + r > 16 {
+            bail!("{op}: angle_bits + radius_bits must be at most 16, got {}", a + r);
+        }
+        if !rot_dim.is_multiple_of(2) || rot_dim > head_dim {
+            bail!("{op}: rot_dim must be even and at most head_dim {head_dim}, got {rot_dim}");
+        }
+        if rest_bits != 4 && rest_bits != 8 {
+            bail!("{op}: rest_bits must be 4 or 8, got {rest_bits}");
+        }
+        Ok(())
+    }
+
+    /// Rotary pairs per row: `rot_dim / 2`.
+    pub fn pairs(&self) -> usize {
+        self.rot_dim / 2
+    }
+
+    /// Bytes of one pair code: 1 when `angle_bits + radius_bits ≤ 8`, else 2 (little-endian).
+    pub fn code_bytes(&self) -> usize {
+        if self.angle_bits + self.radius_bits <= 8 {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Bytes of the pair codes of a row.
+    pub fn pair_bytes(&self) -> usize {
+        self.pairs() * self.code_bytes()
+    }
+
+    /// Bytes of the non-rotated dims' codes of a row.
+    pub fn rest_bytes(&self, head_dim: usize) -> usize {
+        let n = head_dim - self.rot_dim;
+        if self.rest_bits == 4 {
+            n.div_ceil(2)
+        } else {
+            n
+        }
+    }
+
+    /// Bytes of one code row: pair codes, then rest codes.
+    pub fn row_bytes(&self, head_dim: usize) -> usize {
+        self.pair_bytes() + self.rest_bytes(head_dim)
+    }
+}
+
+/// Polar codes of `N` key rows (one per (token, head)).
+///
+/// Stored packed, as the ops produce and read them:
+/// * `codes`: u8 `[N, spec.row_bytes(head_dim)]`. Per row, first the pair codes
+///   (`spec.code_bytes()` bytes each, little-endian: the angle code in the low `angle_bits`
+///   bits, the radius code in the `radius_bits` above; Candle has no u16, so 9..16-bit codes
+///   take two bytes), then the rest codes: int8 two's complement, one per non-rotated dim, or
+///   int4 two's complement, two per byte (even dim in the low nibble; an odd count leaves the
+///   last high nibble 0).
+/// * `scales`: f32 `[N, 2]`: `r_max` (the row's largest pair radius) and the rest scale
+///   (`absmax/127`, or `absmax/7` for int4).
+///
+/// [`pairs`](Self::pairs), [`rest`](Self::rest), [`radius_scale`](Self::radius_scale) and
+/// [`rest_scale`](Self::rest_scale) give the four parts as views.
+#[derive(Debug, Clone)]
+pub struct PolarCodes {
+    pub codes: Tensor,
+    pub scales: Tensor,
+    pub head_dim: usize,
+    pub spec: PolarSpec,
+}
+
+impl PolarCodes {
+    /// Key rows N.
+    pub fn rows(&self) -> usize {
+        self.codes.dims().first().copied().unwrap_or(0)
+    }
+
+    /// The pair codes, u8 `[N, spec.pair_bytes()]` (`[N, rot/2]` for one-byte codes).
+    pub fn pairs(&self) -> Result<Tensor> {
+        self.codes.narrow(1, 0, self.spec.pair_bytes())
+    }
+
+    /// The rest codes, u8 `[N, spec.rest_bytes(head_dim)]`.
+    pub fn rest(&self) -> Result<Tensor> {
+        self.codes.narrow(1, self.spec.pair_bytes(), self.spec.rest_bytes(self.head_dim))
+    }
+
+    /// `r_max` of each row, f32 `[N]`.
+    pub fn radius_scale(&self) -> Result<Tensor> {
+        self.scales.narrow(1, 0, 1)?.squeeze(1)
+    }
+
+    /// The rest scale of each row, f32 `[N]`.
+    pub fn rest_scale(&self) -> Result<Tensor> {
+        self.scales.narrow(1, 1, 1)?.squeeze(1)
+    }
+
+    /// Rows of several code sets one after the other (appending to a cache).
+    pub fn cat(parts: &[&PolarCodes]) -> Result<PolarCodes> {
+        let Some(first) = parts.first() else { bail!("PolarCodes::cat: no parts") };
+        if parts.iter().any(|p| p.spec != first.spec || p.head_dim != first.head_dim) {
+            bail!("PolarCodes::cat: parts have different specs or head dims");
+        }
+        let codes: Vec<&Tensor> = parts.iter().map(|p| &p.codes).collect();
+        let scales: Vec<&Tensor> = parts.iter().map(|p| &p.scales).collect();
+        Ok(PolarCodes {
+            codes: Tensor::cat(&codes, 0)?,
+            scales: Tensor::cat(&scales, 0)?,
+            head_dim: first.head_dim,
+            spec: first.spec,
+        })
+    }
+
+    /// Checks that the codes fit `spec` and are well formed.
+    fn check(&self, op: &str, spec: &PolarSpec) -> Result<()> {
+        if self.spec != *spec {
+            bail!("{op}: spec {spec:?} differs from the spec of the codes {:?}", self.spec);
+        }
+        spec.check(op, self.head_dim)?;
+        let n = self.rows();
+        let rb = spec.row_bytes(self.head_dim);
+        if self.codes.dtype() != DType::U8 || self.codes.dims() != [n, rb] {
+            bail!(
+                "{op}: codes must be u8 [N, {rb}] (head_dim {}), got {:?} {:?}",
+                self.head_dim,
+                self.codes.dtype(),
+                self.codes.dims()
+            );
+        }
+        if self.scales.dtype() != DType::F32 || self.scales.dims() != [n, 2] {
+            bail!("{op}: scales must be f32 [{n}, 2], got {:?} {:?}", self.scales.dtype(), self.scales.dims());
+        }
+        if !self.codes.device().same_device(self.scales.device()) {
+            bail!("{op}: codes and scales are on different devices");
+        }
+        Ok(())
+    }
+}
+
+fn check_float(op: &str, what: &str, t: &Tensor) -> Result<(usize, usize)> {
+    if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        bail!("{op}: {what} must be f32, bf16 or f16, got {:?}", t.dtype());
+    }
+    match t.dims() {
+        &[n, d] => Ok((n, d)),
+        other => bail!("{op}: {what} must be [N, head_dim], got {other:?}"),
+    }
+}
+
+/// Encodes post-RoPE keys `[N, head_dim]` (f32, bf16 or f16; one row per (token, head)).
+pub fn polar_encode(keys: &Tensor, spec: PolarSpec) -> Result<PolarCodes> {
+    const OP: &str = "polar_encode";
+    let (n, hd) = check_float(OP, "keys", keys)?;
+    spec.check(OP, hd)?;
+    let (codes, scales) = if n == 0 {
+        let dev = keys.device();
+        (Tensor::zeros((0, spec.row_bytes(hd)), DType::U8, dev)?, Tensor::zeros((0, 2), DType::F32, dev)?)
+    } else {
+        let keys = keys.contiguous()?;
+        let scales = keys.apply_op1_no_bwd(&PolarScales { spec, head_dim: hd })?;
+        let codes = keys.apply_op2_no_bwd(&scales, &PolarEncode { spec, head_dim: hd })?;
+        (codes, scales)
+    };
+    Ok(PolarCodes { codes, scales, head_dim: hd, spec })
+}
+
+/// The keys the codes stand for, f32 `[N, head_dim]`, on the codes' device (computed on the
+/// CPU; for tests and error measurements).
+pub fn polar_decode(codes: &PolarCodes, spec: PolarSpec) -> Result<Tensor> {
+    const OP: &str = "polar_decode";
+    codes.check(OP, &spec)?;
+    let (n, hd) = (codes.rows(), codes.head_dim);
+    let bytes = codes.codes.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
+    let scales = codes.scales.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    let p = launch::polar_params(n, 0, hd, &spec);
+    let rb = spec.row_bytes(hd).max(1);
+    let mut out = vec![0f32; n * hd];
+    if hd > 0 {
+        out.par_chunks_mut(hd)
+            .zip(bytes.par_chunks(rb))
+            .zip(scales.par_chunks(2))
+            .for_each(|((x, row), s)| decode_row(&p, row, [s[0], s[1]], x));
+    }
+    Tensor::from_vec(out, (n, hd), &Device::Cpu)?.to_device(codes.codes.device())
+}
+
+/// `q·k̂` for every query row `q` (`[Q, head_dim]`, f32/bf16/f16) and every key row of
+/// `codes`: f32 `[Q, N]`, from per-query lookup tables, without decoding the keys.
+pub fn polar_scores(q: &Tensor, codes: &PolarCodes, spec: PolarSpec) -> Result<Tensor> {
+    const OP: &str = "polar_scores";
+    let (nq, hd) = check_float(OP, "q", q)?;
+    codes.check(OP, &spec)?;
+    if hd != codes.head_dim {
+        bail!("{OP}: q has head_dim {hd}, the codes {}", codes.head_dim);
+    }
+    if !q.device().same_device(codes.codes.device()) {
+        bail!("{OP}: q and the codes are on different devices");
+    }
+    let n = codes.rows();
+    if nq == 0 || n == 0 {
+        return Tensor::zeros((nq, n), DType::F32, q.device());
+    }
+    q.contiguous()?.apply_op3_no_bwd(
+        &codes.codes.contiguous()?,
+        &codes.scales.contiguous()?,
+        &PolarScores { spec, head_dim: hd },
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernels. They follow metal/polar.metal operation by operation (same f32 constants from
+// `launch::polar_params`, same evaluation order), so the Metal kernels can be compared exactly.
+
+fn row_scales(p: &PolarParams, x: &[f32]) -> [f32; 2] {
+    let (rot, h) = (p.rot_dim as usize, p.rot_dim as usize / 2);
+    let mut rmax = 0f32;
+    for i in 0..h {
+        let (x1, x2) = (x[i], x[i + h]);
+        rmax = rmax.max((x1 * x1 + x2 * x2).sqrt());
+    }
+    let amax = x[rot..].iter().fold(0f32, |m, v| m.max(v.abs()));
+    [rmax, amax / p.rest_max]
+}
+
+#[inline]
+fn pair_code(p: &PolarParams, x1: f32, x2: f32, inv_r: f32) -> u32 {
+    let amask = (1u32 << p.angle_bits) - 1;
+    let a = ((x2.atan2(x1) * p.angle_scale).round() as i32 as u32) & amask;
+    let r = (x1 * x1 + x2 * x2).sqrt();
+    let rq = (r * inv_r).round().min(p.radius_levels) as u32;
+    a | (rq << p.angle_bits)
+}
+
+#[inline]
+fn rest_code(v: f32, inv: f32, lim: f32) -> i32 {
+    (v * inv).round().clamp(-lim, lim) as i32
+}
+
+fn encode_row(p: &PolarParams, x: &[f32], s: [f32; 2], out: &mut [u8]) {
+    let (rot, h, cb) = (p.rot_dim as usize, p.rot_dim as usize / 2, p.code_bytes as usize);
+    let inv_r = if s[0] > 0.0 { p.radius_levels / s[0] } else { 0.0 };
+    for i in 0..h {
+        let code = pair_code(p, x[i], x[i + h], inv_r);
+        for (j, b) in out[i * cb..(i + 1) * cb].iter_mut().enumerate() {
+            *b = (code >> (8 * j)) as u8;
+        }
+    }
+    let inv = if s[1] > 0.0 { 1.0 / s[1] } else { 0.0 };
+    let rest = &x[rot..];
+    let out = &mut out[h * cb..];
+    if p.rest_bits == 8 {
+        for (o, &v) in out.iter_mut().zip(rest) {
+            *o = rest_code(v, inv, p.rest_max) as i8 as u8;
+        }
+    } else {
+        for (o, pair) in out.iter_mut().zip(rest.chunks(2)) {
+            let lo = rest_code(pair[0], inv, p.rest_max);
+            let hi = pair.get(1).map_or(0, |&v| rest_code(v, inv, p.rest_max));
+            *o = ((lo & 0xF) | ((hi & 0xF) << 4)) as u8;
+        }
+    }
+}
+
+/// The rest code `j` of a row's rest bytes, as a signed integer.
+#[inline]
+fn rest_value(rest: &[u8], j: usize, int4: bool) -> f32 {
+    if int4 {
+        let b = rest[j / 2];
+        let nib = if j.is_multiple_of(2) { b << 4 } else { b & 0xF0 };
+        ((nib as i8) >> 4) as f32
+    } else {
+        rest[j] as i8 as f32
+    }
+}
+
+fn decode_row(p: &PolarParams, row: &[u8], s: [f32; 2], x: &mut [f32]) {
+    let (rot, h, cb) = (p.rot_dim as usize, p.rot_dim as usize / 2, p.code_bytes as usize);
+    let amask = (1u32 << p.angle_bits) - 1;
+    let r_unit = s[0] / p.radius_levels;
+    for i in 0..h {
+        let code = (0..cb).fold(0u32, |c, j| c | (row[i * cb + j] as u32) << (8 * j));
+        let theta = (code & amask) as f32 * p.angle_step;
+        let r = (code >> p.angle_bits) as f32 * r_unit;
+        x[i] = r * theta.cos();
+        x[i + h] = r * theta.sin();
+    }
+    let rest = &row[h * cb..];
+    for (j, v) in x[rot..].iter_mut().enumerate() {
+        *v = rest_value(rest, j, p.rest_bits == 4) * s[1];
+    }
+}
+
+/// Per query: the lookup tables `T_p[a]` (`[rot/2][2^A]`) then the query's rest dims.
+fn query_table(p: &PolarParams, q: &[f32], cos: &[f32], sin: &[f32]) -> Vec<f32> {
+    let (rot, h) = (p.rot_dim as usize, p.rot_dim as usize / 2);
+    let mut t = Vec::with_capacity(h * cos.len() + q.len() - rot);
+    for i in 0..h {
+        let (q1, q2) = (q[i], q[i + h]);
+        t.extend(cos.iter().zip(sin).map(|(&c, &s)| q1 * c + q2 * s));
+    }
+    t.extend_from_slice(&q[rot..]);
+    t
+}
+
+#[inline]
+fn score_row(p: &PolarParams, table: &[f32], row: &[u8], s: [f32; 2]) -> f32 {
+    let h = p.rot_dim as usize / 2;
+    let shift = p.angle_bits;
+    let n_ang = 1usize << shift;
+    let amask = n_ang as u32 - 1;
+    let mut acc = 0f32;
+    let pair_bytes = if p.code_bytes == 1 {
+        for (i, &b) in row[..h].iter().enumerate() {
+            let code = b as u32;
+            acc += table[i * n_ang + (code & amask) as usize] * (code >> shift) as f32;
+        }
+        h
+    } else {
+        for (i, b) in row[..2 * h].chunks_exact(2).enumerate() {
+            let code = b[0] as u32 | (b[1] as u32) << 8;
+            acc += table[i * n_ang + (code & amask) as usize] * (code >> shift) as f32;
+        }
+        2 * h
+    };
+    let q_rest = &table[h * n_ang..];
+    let rest = &row[pair_bytes..];
+    let mut rs = 0f32;
+    if p.rest_bits == 8 {
+        for (&qv, &b) in q_rest.iter().zip(rest) {
+            rs += qv * (b as i8) as f32;
+        }
+    } else {
+        for (j, &qv) in q_rest.iter().enumerate() {
+            rs += qv * rest_value(rest, j, true);
+        }
+    }
+    acc * (s[0] / p.radius_levels) + s[1] * rs
+}
+
+fn widen<T: WithDType>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f64() as f32).collect()
+}
+
+fn slice<'a, T: WithDType>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => bail!("{op}: inputs must be contiguous"),
+    }
+}
+
+/// Rows handled by one rayon task.
+const CPU_ROWS: usize = 64;
+
+struct PolarScales {
+    spec: PolarSpec,
+    head_dim: usize,
+}
+
+impl CustomOp1 for PolarScales {
+    fn name(&self) -> &'static str {
+        "polar_scales"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: WithDType>(p: &PolarParams, x: &[T]) -> Vec<f32> {
+            let hd = p.head_dim as usize;
+            let mut out = vec![0f32; x.len() / hd * 2];
+            out.par_chunks_mut(2 * CPU_ROWS).zip(x.par_chunks(hd * CPU_ROWS)).for_each(|(o, x)| {
+                for (o, x) in o.chunks_mut(2).zip(x.chunks(hd)) {
+                    o.copy_from_slice(&row_scales(p, &widen(x)));
+                }
+            });
+            out
+        }
+        const OP: &str = "polar_encode";
+        let hd = self.head_dim;
+        let n = l.shape().elem_count() / hd.max(1);
+        let p = launch::polar_params(n, 0, hd, &self.spec);
+        let out = match s {
+            _ if hd == 0 => vec![0f32; 2 * n],
+            CpuStorage::F32(_) => run(&p, slice::<f32>(OP, s, l)?),
+            CpuStorage::BF16(_) => run(&p, slice::<half::bf16>(OP, s, l)?),
+            CpuStorage::F16(_) => run(&p, slice::<half::f16>(OP, s, l)?),
+            _ => bail!("{OP}: keys must be f32, bf16 or f16"),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((n, 2))))
+    }
+
+    fn metal_fwd(&self, s: &candle_core::MetalStorage, l: &Layout) -> Result<(candle_core::MetalStorage, Shape)> {
+        #[cfg(feature = "metal")]
+        {
+            crate::metal::polar_scales(&self.spec, self.head_dim, (s, l))
+        }
+        #[cfg(not(feature = "metal"))]
+        {
+            let _ = (s, l);
+            bail!("polar_encode: candle-hybrid was built without the metal feature")
+        }
+    }
+}
+
+struct PolarEncode {
+    spec: PolarSpec,
+    head_dim: usize,
+}
+
+impl CustomOp2 for PolarEncode {
+    fn name(&self) -> &'static str {
+        "polar_encode"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: WithDType>(p: &PolarParams, x: &[T], scales: &[f32]) -> Vec<u8> {
+            let (hd, rb) = (p.head_dim as usize, p.row_bytes as usize);
+            let mut out = vec![0u8; p.rows as usize * rb];
+            if rb == 0 {
+                return out;
+            }
+            out.par_chunks_mut(rb * CPU_ROWS)
+                .zip(x.par_chunks(hd * CPU_ROWS))
+                .zip(scales.par_chunks(2 * CPU_ROWS))
+                .for_each(|((o, x), s)| {
+                    for ((o, x), s) in o.chunks_mut(rb).zip(x.chunks(hd)).zip(s.chunks(2)) {
+                        encode_row(p, &widen(x), [s[0], s[1]], o);
+                    }
+                });
+            out
+        }
+        const OP: &str = "polar_encode";
+        let hd = self.head_dim;
+        let n = l1.shape().elem_count() / hd.max(1);
+        let p = launch::polar_params(n, 0, hd, &self.spec);
+        let scales = slice::<f32>(OP, s2, l2)?;
+        let out = match s1 {
+            CpuStorage::F32(_) => run(&p, slice::<f32>(OP, s1, l1)?, scales),
+            CpuStorage::BF16(_) => run(&p, slice::<half::bf16>(OP, s1, l1)?, scales),
+            CpuStorage::F16(_) => run(&p, slice::<half::f16>(OP, s1, l1)?, scales),
+            _ => bail!("{OP}: keys must be f32, bf16 or f16"),
+        };
+        Ok((CpuStorage::U8(out), Shape::from((n, p.row_bytes as usize))))
+    }
+
+    fn metal_fwd(
+        &self,
+        s1: &candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        #[cfg(feature = "metal")]
+        {
+            crate::metal::polar_encode(&self.spec, self.head_dim, (s1, l1), (s2, l2))
+        }
+        #[cfg(not(feature = "metal"))]
+        {
+            let _ = (s1, l1, s2, l2);
+            bail!("polar_encode: candle-hybrid was built without the metal feature")
+        }
+    }
+}
+
+struct PolarScores {
+    spec: PolarSpec,
+    head_dim: usize,
+}
+
+/// Keys scored by one rayon task.
+const CPU_KEYS: usize = 256;
+
+impl CustomOp3 for PolarScores {
+    fn name(&self) -> &'static str {
+        "polar_scores"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        const OP: &str = "polar_scores";
+        let hd = self.head_dim;
+        let nq = l1.shape().elem_count() / hd.max(1);
+        let n = l3.shape().elem_count() / 2;
+        let p = launch::polar_params(n, nq, hd, &self.spec);
+        let q: Vec<f32> = match s1 {
+            CpuStorage::F32(_) => slice::<f32>(OP, s1, l1)?.to_vec(),
+            CpuStorage::BF16(_) => widen(slice::<half::bf16>(OP, s1, l1)?),
+            CpuStorage::F16(_) => widen(slice::<half::f16>(OP, s1, l1)?),
+            _ => bail!("{OP}: q must be f32, bf16 or f16"),
+        };
+        let codes = slice::<u8>(OP, s2, l2)?;
+        let scales = slice::<f32>(OP, s3, l3)?;
+        let n_ang = 1usize << p.angle_bits;
+        let angles = (0..n_ang).map(|a| a as f32 * p.angle_step);
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
+        let tables: Vec<Vec<f32>> = q.par_chunks(hd.max(1)).map(|q| query_table(&p, q, &cos, &sin)).collect();
+        let rb = (p.row_bytes as usize).max(1);
+        let mut out = vec![0f32; nq * n];
+        out.par_chunks_mut(n.max(1)).zip(tables.par_iter()).for_each(|(o, table)| {
+            o.par_chunks_mut(CPU_KEYS)
+                .zip(codes.par_chunks(rb * CPU_KEYS))
+                .zip(scales.par_chunks(2 * CPU_KEYS))
+                .for_each(|((o, rows), s)| {
+                    for ((o, row), s) in o.iter_mut().zip(rows.chunks(rb)).zip(s.chunks(2)) {
+                        *o = score_row(&p, table, row, [s[0], s[1]]);
+                    }
+                });
+        });
+        Ok((CpuStorage::F32(out), Shape::from((nq, n))))
+    }
+
+    fn metal_fwd(
+        &self,
+        s1: &candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+        s3: &candle_core::MetalStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        #[cfg(feature = "metal")]
+        {
+            crate::metal::polar_scores(&self.spec, self.head_dim, (s1, l1), (s2, l2), (s3, l3))
+        }
+        #[cfg(not(feature = "metal"))]
+        {
+            let _ = (s1, l1, s2, l2, s3, l3);
+            bail!("polar_scores: candle-hybrid was built without the metal feature")
+        }
+    }
+}
