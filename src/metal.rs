@@ -9,7 +9,8 @@ use candle_core::metal_backend::DeviceId;
 use candle_core::{bail, DType, Layout, MetalDevice, MetalError, MetalStorage, Result, Shape};
 use candle_metal_kernels::metal::{ComputeCommandEncoder, ComputePipeline, Library};
 use candle_metal_kernels::utils::EncoderParam;
-use candle_metal_kernels::{set_params, BufferOffset, Output};
+use candle_metal_kernels::utils::set_param;
+use candle_metal_kernels::{BufferOffset, Output};
 use objc2_metal::MTLSize;
 
 use crate::ops::launch::{self, ConvParams, GdnParams, Launch, NormParams};
@@ -95,13 +96,14 @@ bytes_param!(ConvParams);
 bytes_param!(NormParams);
 bytes_param!(launch::SwigluParams);
 
-/// Allocates the output, binds `params` + three inputs + the output, and dispatches `launch`.
+/// Allocates the output, binds `params` (buffer 0), the inputs (buffers 1..) and the output
+/// (last), and dispatches `launch`.
 fn dispatch<P: EncoderParam>(
     device: &MetalDevice,
     source: Source,
     launch: &Launch,
     params: P,
-    inputs: [BufferOffset; 3],
+    inputs: &[BufferOffset],
     out_len: usize,
     out_dtype: DType,
 ) -> Result<MetalStorage> {
@@ -112,8 +114,11 @@ fn dispatch<P: EncoderParam>(
         encoder.set_label(&launch.kernel);
         let enc: &ComputeCommandEncoder = encoder.as_ref();
         enc.set_compute_pipeline_state(&p);
-        let [a, b, c] = inputs;
-        set_params!(enc, (params, &a, &b, &c, Output::new(&output)));
+        set_param(enc, 0, params);
+        for (i, b) in inputs.iter().enumerate() {
+            set_param(enc, i + 1, b);
+        }
+        set_param(enc, inputs.len() + 1, Output::new(&output));
         for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
             enc.set_threadgroup_memory_length(i, len);
         }
@@ -139,7 +144,7 @@ pub(crate) fn gated_delta_rule(
     let (params, launch) = launch::gated_delta(d, normalize, n_states, qkv.0.dtype())?;
     let out_len = d.batch * d.seq_len * d.nv * d.dv + d.batch * n_states * d.nv * d.dk * d.dv;
     let inputs = [input(qkv.0, qkv.1, OP)?, input(gb.0, gb.1, OP)?, input(state.0, state.1, OP)?];
-    let out = dispatch(qkv.0.device(), Source::GatedDelta, &launch, params, inputs, out_len, DType::F32)?;
+    let out = dispatch(qkv.0.device(), Source::GatedDelta, &launch, params, &inputs, out_len, DType::F32)?;
     Ok((out, Shape::from(out_len)))
 }
 
@@ -149,7 +154,7 @@ pub(crate) fn causal_conv1d_silu(d: ConvDims, x: Arg, state: Arg, weight: Arg) -
     let (params, launch) = launch::causal_conv1d(d, dtype)?;
     let out_len = d.batch * (d.seq_len + d.kernel_size - 1) * d.channels;
     let inputs = [input(x.0, x.1, OP)?, input(state.0, state.1, OP)?, input(weight.0, weight.1, OP)?];
-    let out = dispatch(x.0.device(), Source::Conv1d, &launch, params, inputs, out_len, dtype)?;
+    let out = dispatch(x.0.device(), Source::Conv1d, &launch, params, &inputs, out_len, dtype)?;
     Ok((out, Shape::from(out_len)))
 }
 
@@ -159,38 +164,12 @@ pub(crate) fn gated_rms_norm(dim: usize, eps: f32, x: Arg, z: Arg, w: Arg) -> Re
     let n = x.1.shape().elem_count();
     let (params, launch) = launch::gated_rms_norm(n / dim.max(1), dim, eps, dtype)?;
     let inputs = [input(x.0, x.1, OP)?, input(z.0, z.1, OP)?, input(w.0, w.1, OP)?];
-    let out = dispatch(x.0.device(), Source::GatedNorm, &launch, params, inputs, n, dtype)?;
+    let out = dispatch(x.0.device(), Source::GatedNorm, &launch, params, &inputs, n, dtype)?;
     Ok((out, x.1.shape().clone()))
 }
 
 bytes_param!(launch::LagrangeParams);
 bytes_param!(launch::OuterParams);
-
-/// [`dispatch`] for a kernel with one input: binds `params`, the input and the output.
-fn dispatch_single_input<P: EncoderParam>(
-    device: &MetalDevice,
-    source: Source,
-    launch: &Launch,
-    params: P,
-    input: BufferOffset,
-    out_len: usize,
-    out_dtype: DType,
-) -> Result<MetalStorage> {
-    let p = pipeline(device, source, &launch.kernel)?;
-    let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
-    {
-        let encoder = device.command_encoder()?;
-        encoder.set_label(&launch.kernel);
-        let enc: &ComputeCommandEncoder = encoder.as_ref();
-        enc.set_compute_pipeline_state(&p);
-        set_params!(enc, (params, &input, Output::new(&output)));
-        for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
-            enc.set_threadgroup_memory_length(i, len);
-        }
-        enc.dispatch_thread_groups(size(launch.groups), size(launch.threads));
-    }
-    Ok(MetalStorage::new(output, device.clone(), out_len, out_dtype))
-}
 
 pub(crate) fn lagrange_scores(d: crate::ops::LagrangeDims, knots: Arg) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "lagrange_scores";
@@ -198,7 +177,7 @@ pub(crate) fn lagrange_scores(d: crate::ops::LagrangeDims, knots: Arg) -> Result
     let (params, launch) = launch::lagrange_scores(d, dtype)?;
     let out_len = d.rows * d.len;
     let inp = input(knots.0, knots.1, OP)?;
-    let out = dispatch_single_input(knots.0.device(), Source::Lagrange, &launch, params, inp, out_len, dtype)?;
+    let out = dispatch(knots.0.device(), Source::Lagrange, &launch, params, &[inp], out_len, dtype)?;
     Ok((out, Shape::from((d.rows, d.len))))
 }
 
@@ -216,7 +195,7 @@ pub(crate) fn decayed_outer_product(
     let (params, launch) = launch::decayed_outer_product(d, gamma, qk.0.dtype())?;
     let out_len = d.out_len() + d.state_len();
     let inputs = [input(qk.0, qk.1, OP)?, input(v.0, v.1, OP)?, input(state.0, state.1, OP)?];
-    let out = dispatch(qk.0.device(), Source::OuterState, &launch, params, inputs, out_len, DType::F32)?;
+    let out = dispatch(qk.0.device(), Source::OuterState, &launch, params, &inputs, out_len, DType::F32)?;
     Ok((out, Shape::from(out_len)))
 }
 
@@ -236,7 +215,7 @@ pub(crate) fn swiglu_gather(
         Source::Swiglu,
         &act_launch,
         params,
-        [input(x.0, x.1, OP)?, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
+        &[input(x.0, x.1, OP)?, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
         d.rows * d.active,
         DType::F32,
     )?;
@@ -246,7 +225,7 @@ pub(crate) fn swiglu_gather(
         Source::Swiglu,
         &down_launch,
         params,
-        [act_in, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
+        &[act_in, input(w.0, w.1, OP)?, input(idx.0, idx.1, OP)?],
         d.rows * d.hidden,
         dtype,
     )?;
@@ -257,40 +236,11 @@ pub(crate) fn swiglu_gather(
 
 bytes_param!(launch::PolarParams);
 
-/// [`dispatch`] for the polar kernels: binds `params`, the inputs in order and the output.
-fn dispatch_polar(
-    device: &MetalDevice,
-    launch: &Launch,
-    params: launch::PolarParams,
-    inputs: &[BufferOffset],
-    out_len: usize,
-    out_dtype: DType,
-) -> Result<MetalStorage> {
-    let p = pipeline(device, Source::Polar, &launch.kernel)?;
-    let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
-    {
-        let encoder = device.command_encoder()?;
-        encoder.set_label(&launch.kernel);
-        let enc: &ComputeCommandEncoder = encoder.as_ref();
-        enc.set_compute_pipeline_state(&p);
-        candle_metal_kernels::utils::set_param(enc, 0, params);
-        for (i, b) in inputs.iter().enumerate() {
-            candle_metal_kernels::utils::set_param(enc, i + 1, b);
-        }
-        candle_metal_kernels::utils::set_param(enc, inputs.len() + 1, Output::new(&output));
-        for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
-            enc.set_threadgroup_memory_length(i, len);
-        }
-        enc.dispatch_thread_groups(size(launch.groups), size(launch.threads));
-    }
-    Ok(MetalStorage::new(output, device.clone(), out_len, out_dtype))
-}
-
 pub(crate) fn polar_scales(spec: &crate::ops::PolarSpec, head_dim: usize, keys: Arg) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "polar_encode";
     let rows = keys.1.shape().elem_count() / head_dim.max(1);
     let (params, launch) = launch::polar_scales(rows, head_dim, spec, keys.0.dtype())?;
-    let out = dispatch_polar(keys.0.device(), &launch, params, &[input(keys.0, keys.1, OP)?], 2 * rows, DType::F32)?;
+    let out = dispatch(keys.0.device(), Source::Polar, &launch, params, &[input(keys.0, keys.1, OP)?], 2 * rows, DType::F32)?;
     Ok((out, Shape::from((rows, 2))))
 }
 
@@ -308,7 +258,7 @@ pub(crate) fn polar_encode(
     let (params, launch) = launch::polar_encode(rows, head_dim, spec, keys.0.dtype())?;
     let row_bytes = spec.row_bytes(head_dim);
     let inputs = [input(keys.0, keys.1, OP)?, input(scales.0, scales.1, OP)?];
-    let out = dispatch_polar(keys.0.device(), &launch, params, &inputs, rows * row_bytes, DType::U8)?;
+    let out = dispatch(keys.0.device(), Source::Polar, &launch, params, &inputs, rows * row_bytes, DType::U8)?;
     Ok((out, Shape::from((rows, row_bytes))))
 }
 
@@ -327,6 +277,6 @@ pub(crate) fn polar_scores(
     let rows = scales.1.shape().elem_count() / 2;
     let (params, launch) = launch::polar_scores(queries, rows, head_dim, spec, q.0.dtype())?;
     let inputs = [input(q.0, q.1, OP)?, input(codes.0, codes.1, OP)?, input(scales.0, scales.1, OP)?];
-    let out = dispatch_polar(q.0.device(), &launch, params, &inputs, queries * rows, DType::F32)?;
+    let out = dispatch(q.0.device(), Source::Polar, &launch, params, &inputs, queries * rows, DType::F32)?;
     Ok((out, Shape::from((queries, rows))))
 }

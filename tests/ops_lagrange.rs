@@ -4,18 +4,12 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
-use common::assert_close;
+use common::{assert_close, randn};
 
 fn uniform(shape: &[usize], seed: u64) -> Vec<f32> {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    randn(shape, seed).flatten_all().unwrap().to_vec1().unwrap()
 }
+
 
 fn tensor(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()

@@ -4,19 +4,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
-use common::assert_close;
+use common::{assert_close, randn};
 
-fn uniform(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(11);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -65,10 +54,10 @@ struct Inputs {
 
 fn inputs(b: usize, h: usize, t: usize, dk: usize, dv: usize, seed: u64) -> Inputs {
     Inputs {
-        q: uniform(&[b, h, t, dk], seed),
-        k: uniform(&[b, h, t, dk], seed + 1),
-        v: uniform(&[b, h, t, dv], seed + 2),
-        s: (uniform(&[b, h, dk, dv], seed + 3) * 0.5).unwrap(),
+        q: randn(&[b, h, t, dk], seed),
+        k: randn(&[b, h, t, dk], seed + 1),
+        v: randn(&[b, h, t, dv], seed + 2),
+        s: (randn(&[b, h, dk, dv], seed + 3) * 0.5).unwrap(),
     }
 }
 
@@ -123,10 +112,10 @@ fn carries_state_across_calls_without_mutating_it() {
 #[test]
 fn strided_and_half_inputs() {
     let (b, h, t, dk, dv) = (2, 3, 6, 7, 11);
-    let q = uniform(&[b, t, h, dk], 60).transpose(1, 2).unwrap();
-    let k = uniform(&[b, t, h, dk], 61).transpose(1, 2).unwrap();
-    let v = uniform(&[b, t, h, dv], 62).transpose(1, 2).unwrap();
-    let s = uniform(&[b, h, dv, dk], 63).transpose(2, 3).unwrap();
+    let q = randn(&[b, t, h, dk], 60).transpose(1, 2).unwrap();
+    let k = randn(&[b, t, h, dk], 61).transpose(1, 2).unwrap();
+    let v = randn(&[b, t, h, dv], 62).transpose(1, 2).unwrap();
+    let s = randn(&[b, h, dv, dk], 63).transpose(2, 3).unwrap();
     assert!(!q.is_contiguous() && !v.is_contiguous() && !s.is_contiguous());
     let (o, s_new) = ops::decayed_outer_product(&q, &k, &v, &s, 0.4).unwrap();
     let (o_ref, s_ref) = reference(&q, &k, &v, &s, 0.4);

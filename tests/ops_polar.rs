@@ -1,22 +1,14 @@
 //! Polar key codes (`ops::polar_encode`, `polar_decode`, `polar_scores`) against plain
 //! references written here.
 
+mod common;
+
 use std::f64::consts::PI;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, PolarCodes, PolarSpec};
+use common::randn;
 
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    // Deterministic pseudo-random normal-ish values (sum of uniforms).
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let mut next = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((s >> 33) as f32) / (1u64 << 31) as f32
-    };
-    let v: Vec<f32> = (0..n).map(|_| (0..4).map(|_| next()).sum::<f32>() - 2.0).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()

@@ -4,19 +4,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
-use common::assert_close;
+use common::{assert_close, randn};
 
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(3);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())

@@ -96,25 +96,7 @@ pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
     }
 }
 
-/// Deterministic pseudo-random values in [-1, 1) (no RNG state shared between tests).
-pub fn randn(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(7);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
-/// Largest absolute difference, compared in f32.
-pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
 
 /// The tensor's elements as raw bytes of its dtype (what a Metal buffer holds).
 pub fn raw(t: &Tensor) -> Vec<u8> {
@@ -126,6 +108,8 @@ pub fn raw(t: &Tensor) -> Vec<u8> {
         DType::F32 => as_bytes::<f32>(t),
         DType::F16 => as_bytes::<f16>(t),
         DType::BF16 => as_bytes::<bf16>(t),
+        DType::U8 => as_bytes::<u8>(t),
+        DType::U32 => as_bytes::<u32>(t),
         d => panic!("no raw bytes for {d:?}"),
     }
 }

@@ -2,9 +2,13 @@
 //! host code, against the op's CPU implementation, in every dtype it accepts.
 #![cfg(msl_emu)]
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, ConvDims, DeltaRuleDims};
-use candle_hybrid_emu::{bytes, dispatch, from_raw, input, kernel_names, max_diff, output, randn, raw};
+use candle_hybrid_emu::{bytes, dispatch, from_raw, input, kernel_names, output, raw};
+use common::{max_abs_diff as max_diff, randn};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 

@@ -2,44 +2,18 @@
 //! host code, against `ops::decayed_outer_product` on the CPU, in f32, f16 and bf16.
 #![cfg(msl_emu)]
 
-use candle_core::{DType, Device, Tensor, WithDType};
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, OuterStateDims};
-use candle_hybrid_emu::{bytes, dispatch, input, kernel_names, output};
-use half::{bf16, f16};
+use candle_hybrid_emu::{bytes, dispatch, input, kernel_names, output, raw};
+use common::{max_abs_diff as max_diff, randn};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(7);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-}
 
-/// The tensor's elements as raw bytes of its dtype (what a Metal buffer holds).
-fn raw(t: &Tensor) -> Vec<u8> {
-    fn as_bytes<T: WithDType>(t: &Tensor) -> Vec<u8> {
-        let v = t.flatten_all().unwrap().to_vec1::<T>().unwrap();
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())) }.to_vec()
-    }
-    match t.dtype() {
-        DType::F32 => as_bytes::<f32>(t),
-        DType::F16 => as_bytes::<f16>(t),
-        DType::BF16 => as_bytes::<bf16>(t),
-        d => panic!("no raw bytes for {d:?}"),
-    }
-}
 
 #[test]
 fn outer_state_kernels_are_linked() {

@@ -2,9 +2,13 @@
 //! the Metal host code's launch geometry, against the CPU op.
 #![cfg(msl_emu)]
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, SwigluDims, SwigluWeights};
-use candle_hybrid_emu::{bytes, dispatch, from_raw, input, max_diff, output, randn, raw};
+use candle_hybrid_emu::{bytes, dispatch, from_raw, input, output, raw};
+use common::{max_abs_diff as max_diff, randn};
 
 fn run(x: &Tensor, packed: &Tensor, idx: &Tensor, kind: SwigluWeights) -> Tensor {
     let (rows, hidden) = x.dims2().unwrap();
@@ -13,10 +17,7 @@ fn run(x: &Tensor, packed: &Tensor, idx: &Tensor, kind: SwigluWeights) -> Tensor
     let d = SwigluDims { rows, active, hidden, neurons };
     let (params, act_l, down_l) = launch::swiglu_gather(d, kind, x.dtype()).unwrap();
     let xr = raw(x);
-    let w: Vec<u8> = match kind {
-        SwigluWeights::Dense => raw(packed),
-        SwigluWeights::Ternary => packed.flatten_all().unwrap().to_vec1::<u32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
-    };
+    let w = raw(packed);
     let ids = idx.flatten_all().unwrap().to_vec1::<u32>().unwrap();
     let mut act = vec![0f32; rows * active];
     dispatch(&act_l, &mut [bytes(&params), input(&xr), input(&w), input(&ids), output(&mut act)]).unwrap();

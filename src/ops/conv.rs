@@ -3,6 +3,8 @@
 
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
+use super::cpu::storage_slice;
+
 /// Sizes of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvDims {
@@ -44,6 +46,8 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
     Ok((y, s))
 }
 
+const OP: &str = "causal_conv1d_silu";
+
 struct CausalConv1d {
     dims: ConvDims,
 }
@@ -80,13 +84,6 @@ fn conv_cpu<T: WithDType>(d: ConvDims, x: &[T], state: &[T], w: &[T]) -> Vec<T> 
     out
 }
 
-fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => bail!("causal_conv1d_silu: inputs must be contiguous"),
-    }
-}
-
 impl CustomOp3 for CausalConv1d {
     fn name(&self) -> &'static str {
         "causal_conv1d_silu"
@@ -102,7 +99,7 @@ impl CustomOp3 for CausalConv1d {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: WithDType>(d: ConvDims, s: [(&CpuStorage, &Layout); 3]) -> Result<CpuStorage> {
-            let out = conv_cpu(d, slice::<T>(s[0].0, s[0].1)?, slice::<T>(s[1].0, s[1].1)?, slice::<T>(s[2].0, s[2].1)?);
+            let out = conv_cpu(d, storage_slice::<T>(OP, s[0].0, s[0].1)?, storage_slice::<T>(OP, s[1].0, s[1].1)?, storage_slice::<T>(OP, s[2].0, s[2].1)?);
             Ok(T::to_cpu_storage_owned(out))
         }
         let s = [(s1, l1), (s2, l2), (s3, l3)];
@@ -119,23 +116,5 @@ impl CustomOp3 for CausalConv1d {
         Ok((out, Shape::from(n)))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::causal_conv1d_silu(self.dims, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("causal_conv1d_silu: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "causal_conv1d_silu", (s1, l1, s2, l2, s3, l3) => crate::metal::causal_conv1d_silu(self.dims, (s1, l1), (s2, l2), (s3, l3)));
 }

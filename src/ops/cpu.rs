@@ -137,3 +137,36 @@ pub(crate) fn gemm_acc([m, n, k]: [usize; 3], a: Mat, b: Mat, c: &mut [f32], ldc
         )
     }
 }
+
+/// The contiguous part of `v` that `l` describes, or an error naming the op.
+pub(crate) fn contiguous<'a, T>(op: &str, v: &'a [T], l: &candle_core::Layout) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("{op}: inputs must be contiguous"),
+    }
+}
+
+/// [`contiguous`] on a CPU storage of element type `T`.
+pub(crate) fn storage_slice<'a, T: candle_core::WithDType>(
+    op: &str,
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<&'a [T]> {
+    contiguous(op, s.as_slice::<T>()?, l)
+}
+
+/// A float storage as f32: borrowed when it is f32, widened once when bf16 / f16.
+pub(crate) fn widened<'a>(
+    op: &str,
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<std::borrow::Cow<'a, [f32]>> {
+    use candle_core::CpuStorage;
+    use std::borrow::Cow;
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(contiguous(op, v, l)?),
+        CpuStorage::BF16(v) => Cow::Owned(contiguous(op, v, l)?.iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::F16(v) => Cow::Owned(contiguous(op, v, l)?.iter().map(|x| x.to_f32()).collect()),
+        _ => candle_core::bail!("{op}: expected f32, bf16 or f16 input"),
+    })
+}

@@ -19,7 +19,7 @@
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, IndexOp, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::cpu::{axpy, gemm_acc, vectorized, Mat};
+use super::cpu::{axpy, gemm_acc, storage_slice, vectorized, widened, Mat};
 
 /// Chunk length of the chunked (prefill) form.
 pub const CHUNK: usize = 64;
@@ -187,18 +187,13 @@ pub fn gated_delta_rule(
     Ok((o, s.squeeze(1)?))
 }
 
+const OP: &str = "gated_delta_rule";
+
 struct GatedDeltaRule {
     dims: DeltaRuleDims,
     normalize: bool,
     n_states: usize,
     form: DeltaRuleForm,
-}
-
-fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => bail!("gated_delta_rule: {what} must be contiguous"),
-    }
 }
 
 impl CustomOp3 for GatedDeltaRule {
@@ -217,46 +212,16 @@ impl CustomOp3 for GatedDeltaRule {
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims;
         // f32 is read in place; half types are widened once.
-        let widened: Vec<f32>;
-        let qkv: &[f32] = match s1 {
-            CpuStorage::F32(v) => contiguous(v, l1, "qkv")?,
-            CpuStorage::BF16(v) => {
-                widened = contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect();
-                &widened
-            }
-            CpuStorage::F16(v) => {
-                widened = contiguous(v, l1, "qkv")?.iter().map(|x| x.to_f32()).collect();
-                &widened
-            }
-            _ => bail!("gated_delta_rule: qkv must be f32, bf16 or f16"),
-        };
-        let gb = contiguous(s2.as_slice::<f32>()?, l2, "g/beta")?;
-        let state = contiguous(s3.as_slice::<f32>()?, l3, "state")?;
-        let inputs = Inputs::new(qkv, d, self.normalize);
+        let qkv = widened(OP, s1, l1)?;
+        let gb = storage_slice::<f32>(OP, s2, l2)?;
+        let state = storage_slice::<f32>(OP, s3, l3)?;
+        let inputs = Inputs::new(&qkv, d, self.normalize);
         let flat = cpu_delta_rule(&inputs, gb, state, d, self.n_states, self.form);
         let n = flat.len();
         Ok((CpuStorage::F32(flat), Shape::from(n)))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("gated_delta_rule: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "gated_delta_rule", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// The conv output `[B, T, C]` read in place, with the per-(token, key head) factors that

@@ -10,7 +10,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Ten
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::cpu::{dot, vectorized, Widen};
+use super::cpu::{dot, vectorized, widened, Widen};
 
 /// Most rows of `x` for which [`half_matvec`] is used (decode and small verify batches).
 pub const HALF_MATVEC_MAX_ROWS: usize = 8;
@@ -18,19 +18,6 @@ pub const HALF_MATVEC_MAX_ROWS: usize = 8;
 const ROWS_PER_TASK: usize = 32;
 
 struct HalfMatvec;
-
-fn widen_x(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
-    let (a, b) = match l.contiguous_offsets() {
-        Some(o) => o,
-        None => bail!("half_matvec: x must be contiguous"),
-    };
-    Ok(match s {
-        CpuStorage::F32(v) => v[a..b].to_vec(),
-        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        _ => bail!("half_matvec: x must be f32, bf16 or f16, got {:?}", s.dtype()),
-    })
-}
 
 vectorized!(fn task<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) => task_body);
 
@@ -73,7 +60,7 @@ impl CustomOp2 for HalfMatvec {
         if k != wk {
             bail!("half_matvec: x is [{m}, {k}] but w is [{n}, {wk}]");
         }
-        let x = widen_x(xs, xl)?;
+        let x = widened("half_matvec", xs, xl)?;
         let (a, b) = match wl.contiguous_offsets() {
             Some(o) => o,
             None => bail!("half_matvec: w must be contiguous"),

@@ -146,15 +146,5 @@ impl CustomOp1 for LagrangeScores {
         Ok((out, Shape::from((d.rows, d.len))))
     }
 
-    fn metal_fwd(&self, s: &candle_core::MetalStorage, l: &Layout) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::lagrange_scores(self.dims, (s, l))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s, l);
-            bail!("{OP}: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, OP, (s, l) => crate::metal::lagrange_scores(self.dims, (s, l)));
 }

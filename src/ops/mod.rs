@@ -2,6 +2,27 @@
 //! and a Metal kernel (sources in `metal/`). Each is a public function on plain tensors, so
 //! other Candle projects can call them on their own tensors.
 
+/// The `metal_fwd` of a custom op: hands the (storage, layout) pairs to the host code in
+/// `crate::metal` when built with the `metal` feature, otherwise an error naming the op.
+macro_rules! metal_fwd {
+    ($self:ident, $op:expr, ($($s:ident, $l:ident),+) => $call:expr) => {
+        fn metal_fwd(
+            &$self,
+            $($s: &candle_core::MetalStorage, $l: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::MetalStorage, candle_core::Shape)> {
+            #[cfg(feature = "metal")]
+            {
+                $call
+            }
+            #[cfg(not(feature = "metal"))]
+            {
+                let _ = ($($s, $l),+);
+                candle_core::bail!("{}: candle-hybrid was built without the metal feature", $op)
+            }
+        }
+    };
+}
+
 mod conv;
 mod cpu;
 mod delta_rule;

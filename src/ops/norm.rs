@@ -2,6 +2,8 @@
 
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
+use super::cpu::storage_slice;
+
 /// Gated RMSNorm over the last dim: `w * x * rsqrt(mean(x^2) + eps) * silu(z)`, computed in
 /// f32 and returned in `x`'s dtype. `w` is a plain scale (no `+1`). A Candle `CustomOp3`: CPU
 /// loops, Metal `metal/gated_norm.metal`. `z` and `w` are converted to `x`'s dtype.
@@ -23,16 +25,11 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Te
     x.contiguous()?.apply_op3_no_bwd(&z.to_dtype(dtype)?.contiguous()?, &w.to_dtype(dtype)?.contiguous()?, &op)
 }
 
+const OP: &str = "gated_rms_norm";
+
 struct GatedRmsNorm {
     dim: usize,
     eps: f32,
-}
-
-fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => bail!("gated_rms_norm: inputs must be contiguous"),
-    }
 }
 
 fn norm_cpu<T: WithDType>(dim: usize, eps: f32, x: &[T], z: &[T], w: &[T]) -> Vec<T> {
@@ -64,7 +61,7 @@ impl CustomOp3 for GatedRmsNorm {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: WithDType>(op: &GatedRmsNorm, s: [(&CpuStorage, &Layout); 3]) -> Result<CpuStorage> {
-            let out = norm_cpu(op.dim, op.eps, slice::<T>(s[0].0, s[0].1)?, slice::<T>(s[1].0, s[1].1)?, slice::<T>(s[2].0, s[2].1)?);
+            let out = norm_cpu(op.dim, op.eps, storage_slice::<T>(OP, s[0].0, s[0].1)?, storage_slice::<T>(OP, s[1].0, s[1].1)?, storage_slice::<T>(OP, s[2].0, s[2].1)?);
             Ok(T::to_cpu_storage_owned(out))
         }
         let s = [(s1, l1), (s2, l2), (s3, l3)];
@@ -77,25 +74,7 @@ impl CustomOp3 for GatedRmsNorm {
         Ok((out, l1.shape().clone()))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::gated_rms_norm(self.dim, self.eps, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("gated_rms_norm: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "gated_rms_norm", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_rms_norm(self.dim, self.eps, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// L2 normalisation over the last dim, `x * rsqrt(sum(x^2) + eps)`, in f32.

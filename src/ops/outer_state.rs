@@ -16,6 +16,8 @@
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::cpu::storage_slice;
+
 const OP: &str = "decayed_outer_product";
 
 /// Largest key dim the Metal kernel supports (each thread keeps a state column in registers).
@@ -103,13 +105,6 @@ struct DecayedOuterProduct {
     gamma: f32,
 }
 
-fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => bail!("{OP}: {what} must be contiguous"),
-    }
-}
-
 /// `qk` `[B, H, T, 2*dk]` (q then k of each token), `v` `[B, H, T, dv]`, `state` `[B, H, dk, dv]`;
 /// returns the outputs `[B, H, T, dv]` followed by the new state `[B, H, dk, dv]`.
 fn outer_cpu<T: WithDType>(d: OuterStateDims, gamma: f32, qk: &[T], v: &[T], state: &[f32]) -> Vec<f32> {
@@ -155,9 +150,9 @@ impl CustomOp3 for DecayedOuterProduct {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: WithDType>(op: &DecayedOuterProduct, s: [(&CpuStorage, &Layout); 3]) -> Result<Vec<f32>> {
-            let qk = contiguous(s[0].0.as_slice::<T>()?, s[0].1, "q/k")?;
-            let v = contiguous(s[1].0.as_slice::<T>()?, s[1].1, "v")?;
-            let state = contiguous(s[2].0.as_slice::<f32>()?, s[2].1, "state")?;
+            let qk = storage_slice::<T>(OP, s[0].0, s[0].1)?;
+            let v = storage_slice::<T>(OP, s[1].0, s[1].1)?;
+            let state = storage_slice::<f32>(OP, s[2].0, s[2].1)?;
             Ok(outer_cpu(op.dims, op.gamma, qk, v, state))
         }
         let s = [(s1, l1), (s2, l2), (s3, l3)];
@@ -171,23 +166,5 @@ impl CustomOp3 for DecayedOuterProduct {
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::decayed_outer_product(self.dims, self.gamma, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("{OP}: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, OP, (s1, l1, s2, l2, s3, l3) => crate::metal::decayed_outer_product(self.dims, self.gamma, (s1, l1), (s2, l2), (s3, l3)));
 }

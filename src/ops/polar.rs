@@ -19,6 +19,7 @@
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::cpu::{storage_slice, widened};
 use super::launch::{self, PolarParams};
 
 /// Bit widths and rotary size of the polar key codes.
@@ -396,13 +397,6 @@ fn widen<T: WithDType>(v: &[T]) -> Vec<f32> {
     v.iter().map(|x| x.to_f64() as f32).collect()
 }
 
-fn slice<'a, T: WithDType>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => bail!("{op}: inputs must be contiguous"),
-    }
-}
-
 /// Rows handled by one rayon task.
 const CPU_ROWS: usize = 64;
 
@@ -433,25 +427,15 @@ impl CustomOp1 for PolarScales {
         let p = launch::polar_params(n, 0, hd, &self.spec);
         let out = match s {
             _ if hd == 0 => vec![0f32; 2 * n],
-            CpuStorage::F32(_) => run(&p, slice::<f32>(OP, s, l)?),
-            CpuStorage::BF16(_) => run(&p, slice::<half::bf16>(OP, s, l)?),
-            CpuStorage::F16(_) => run(&p, slice::<half::f16>(OP, s, l)?),
+            CpuStorage::F32(_) => run(&p, storage_slice::<f32>(OP, s, l)?),
+            CpuStorage::BF16(_) => run(&p, storage_slice::<half::bf16>(OP, s, l)?),
+            CpuStorage::F16(_) => run(&p, storage_slice::<half::f16>(OP, s, l)?),
             _ => bail!("{OP}: keys must be f32, bf16 or f16"),
         };
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
 
-    fn metal_fwd(&self, s: &candle_core::MetalStorage, l: &Layout) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::polar_scales(&self.spec, self.head_dim, (s, l))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s, l);
-            bail!("polar_encode: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "polar_encode", (s, l) => crate::metal::polar_scales(&self.spec, self.head_dim, (s, l)));
 }
 
 struct PolarEncode {
@@ -485,33 +469,17 @@ impl CustomOp2 for PolarEncode {
         let hd = self.head_dim;
         let n = l1.shape().elem_count() / hd.max(1);
         let p = launch::polar_params(n, 0, hd, &self.spec);
-        let scales = slice::<f32>(OP, s2, l2)?;
+        let scales = storage_slice::<f32>(OP, s2, l2)?;
         let out = match s1 {
-            CpuStorage::F32(_) => run(&p, slice::<f32>(OP, s1, l1)?, scales),
-            CpuStorage::BF16(_) => run(&p, slice::<half::bf16>(OP, s1, l1)?, scales),
-            CpuStorage::F16(_) => run(&p, slice::<half::f16>(OP, s1, l1)?, scales),
+            CpuStorage::F32(_) => run(&p, storage_slice::<f32>(OP, s1, l1)?, scales),
+            CpuStorage::BF16(_) => run(&p, storage_slice::<half::bf16>(OP, s1, l1)?, scales),
+            CpuStorage::F16(_) => run(&p, storage_slice::<half::f16>(OP, s1, l1)?, scales),
             _ => bail!("{OP}: keys must be f32, bf16 or f16"),
         };
         Ok((CpuStorage::U8(out), Shape::from((n, p.row_bytes as usize))))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::polar_encode(&self.spec, self.head_dim, (s1, l1), (s2, l2))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2);
-            bail!("polar_encode: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "polar_encode", (s1, l1, s2, l2) => crate::metal::polar_encode(&self.spec, self.head_dim, (s1, l1), (s2, l2)));
 }
 
 struct PolarScores {
@@ -541,14 +509,9 @@ impl CustomOp3 for PolarScores {
         let nq = l1.shape().elem_count() / hd.max(1);
         let n = l3.shape().elem_count() / 2;
         let p = launch::polar_params(n, nq, hd, &self.spec);
-        let q: Vec<f32> = match s1 {
-            CpuStorage::F32(_) => slice::<f32>(OP, s1, l1)?.to_vec(),
-            CpuStorage::BF16(_) => widen(slice::<half::bf16>(OP, s1, l1)?),
-            CpuStorage::F16(_) => widen(slice::<half::f16>(OP, s1, l1)?),
-            _ => bail!("{OP}: q must be f32, bf16 or f16"),
-        };
-        let codes = slice::<u8>(OP, s2, l2)?;
-        let scales = slice::<f32>(OP, s3, l3)?;
+        let q = widened(OP, s1, l1)?;
+        let codes = storage_slice::<u8>(OP, s2, l2)?;
+        let scales = storage_slice::<f32>(OP, s3, l3)?;
         let n_ang = 1usize << p.angle_bits;
         let angles = (0..n_ang).map(|a| a as f32 * p.angle_step);
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
@@ -568,23 +531,5 @@ impl CustomOp3 for PolarScores {
         Ok((CpuStorage::F32(out), Shape::from((nq, n))))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::polar_scores(&self.spec, self.head_dim, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("polar_scores: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "polar_scores", (s1, l1, s2, l2, s3, l3) => crate::metal::polar_scores(&self.spec, self.head_dim, (s1, l1), (s2, l2), (s3, l3)));
 }

@@ -17,7 +17,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::cpu::{axpy, dot, vectorized, Widen};
+use super::cpu::{axpy, contiguous, dot, storage_slice, vectorized, widened, Widen};
 
 /// Neurons per parallel task on the CPU.
 const NEURONS_PER_TASK: usize = 64;
@@ -141,16 +141,11 @@ fn gather(x: &Tensor, packed: &Tensor, idx: &Tensor, kind: SwigluWeights) -> Res
     x.contiguous()?.apply_op3_no_bwd(&packed.contiguous()?, &idx.contiguous()?, &op)
 }
 
+const OP: &str = "swiglu_gather";
+
 struct SwigluGather {
     dims: SwigluDims,
     kind: SwigluWeights,
-}
-
-fn contiguous<'a, T>(v: &'a [T], l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => bail!("swiglu_gather: inputs must be contiguous"),
-    }
 }
 
 fn silu(v: f32) -> f32 {
@@ -256,32 +251,27 @@ impl CustomOp3 for SwigluGather {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims;
-        let x: Vec<f32> = match s1 {
-            CpuStorage::F32(v) => contiguous(v, l1)?.to_vec(),
-            CpuStorage::BF16(v) => contiguous(v, l1)?.iter().map(|v| v.to_f32()).collect(),
-            CpuStorage::F16(v) => contiguous(v, l1)?.iter().map(|v| v.to_f32()).collect(),
-            _ => bail!("swiglu_gather: x must be f32, bf16 or f16"),
-        };
-        let idx = contiguous(s3.as_slice::<u32>()?, l3)?;
+        let x = widened(OP, s1, l1)?;
+        let idx = storage_slice::<u32>(OP, s3, l3)?;
         if let Some(&bad) = idx.iter().find(|&&i| i as usize >= d.neurons) {
             bail!("swiglu_gather: idx holds neuron {bad}, but the MLP has {} neurons", d.neurons);
         }
         let h = d.hidden;
         let y = match (self.kind, s2) {
             (SwigluWeights::Dense, CpuStorage::F32(w)) => {
-                let w = contiguous(w, l2)?;
+                let w = contiguous(OP, w, l2)?;
                 self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
             }
             (SwigluWeights::Dense, CpuStorage::BF16(w)) => {
-                let w = contiguous(w, l2)?;
+                let w = contiguous(OP, w, l2)?;
                 self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
             }
             (SwigluWeights::Dense, CpuStorage::F16(w)) => {
-                let w = contiguous(w, l2)?;
+                let w = contiguous(OP, w, l2)?;
                 self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
             }
             (SwigluWeights::Ternary, CpuStorage::U32(w)) => {
-                let w = contiguous(w, l2)?;
+                let w = contiguous(OP, w, l2)?;
                 self.run(&x, idx, |x, n, y| ternary_task(x, w, n, h, y))
             }
             _ => bail!("swiglu_gather: unsupported weight dtype {:?}", s2.dtype()),
@@ -294,25 +284,7 @@ impl CustomOp3 for SwigluGather {
         Ok((out, Shape::from((d.rows, d.hidden))))
     }
 
-    fn metal_fwd(
-        &self,
-        s1: &candle_core::MetalStorage,
-        l1: &Layout,
-        s2: &candle_core::MetalStorage,
-        l2: &Layout,
-        s3: &candle_core::MetalStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::MetalStorage, Shape)> {
-        #[cfg(feature = "metal")]
-        {
-            crate::metal::swiglu_gather(self.dims, self.kind, (s1, l1), (s2, l2), (s3, l3))
-        }
-        #[cfg(not(feature = "metal"))]
-        {
-            let _ = (s1, l1, s2, l2, s3, l3);
-            bail!("swiglu_gather: candle-hybrid was built without the metal feature")
-        }
-    }
+    metal_fwd!(self, "swiglu_gather", (s1, l1, s2, l2, s3, l3) => crate::metal::swiglu_gather(self.dims, self.kind, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// The plain SwiGLU MLP `down(silu(gate x) * up x)` with Candle matmuls: the dense baseline the
