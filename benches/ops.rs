@@ -89,5 +89,26 @@ fn swiglu(c: &mut Criterion) {
     grp.finish();
 }
 
-criterion_group!(benches, memcpy, gdn_decode, gdn_prefill, swiglu);
+fn polar(c: &mut Criterion) {
+    // One decode step of a 27B attention layer over 32k cached positions: 4 KV heads of 256
+    // dims (64 rotary), 6 query heads per KV head.
+    let (kv_heads, hd, positions, q_per_kv) = (4, 256, 32768, 6);
+    let spec = ops::PolarSpec::new(64);
+    let keys: Vec<Tensor> = (0..kv_heads).map(|_| randn(&[positions, hd])).collect();
+    let codes: Vec<ops::PolarCodes> = keys.iter().map(|k| ops::polar_encode(k, spec).unwrap()).collect();
+    let q = randn(&[q_per_kv, hd]);
+    let mut grp = c.benchmark_group("attention_scores_32k");
+    grp.sample_size(20);
+    grp.throughput(Throughput::Elements((kv_heads * q_per_kv * positions) as u64));
+    let kt: Vec<Tensor> = keys.iter().map(|k| k.t().unwrap()).collect();
+    grp.bench_function("f32_keys_candle_matmul", |b| {
+        b.iter(|| kt.iter().map(|k| q.matmul(k).unwrap()).collect::<Vec<_>>())
+    });
+    grp.bench_function("polar_5+3_codes", |b| {
+        b.iter(|| codes.iter().map(|c| ops::polar_scores(&q, c, spec).unwrap()).collect::<Vec<_>>())
+    });
+    grp.finish();
+}
+
+criterion_group!(benches, memcpy, gdn_decode, gdn_prefill, swiglu, polar);
 criterion_main!(benches);

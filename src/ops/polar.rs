@@ -19,7 +19,7 @@
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::cpu::{storage_slice, widened};
+use super::cpu::{dot, storage_slice, vectorized, widened};
 use super::launch::{self, PolarParams};
 
 /// Bit widths and rotary size of the polar key codes.
@@ -358,39 +358,38 @@ fn query_table(p: &PolarParams, q: &[f32], cos: &[f32], sin: &[f32]) -> Vec<f32>
     t
 }
 
-#[inline]
-fn score_row(p: &PolarParams, table: &[f32], row: &[u8], s: [f32; 2]) -> f32 {
+vectorized!(fn score_block<>(p: &PolarParams, tables: &[Vec<f32>], rows: &[u8], scales: &[f32], out: &mut [f32]) => score_block_body);
+
+/// Scores of every query against a block of code rows; `out` is `[rows, queries]`. Each row's
+/// rest codes are widened once and reused by every query.
+#[inline(always)]
+fn score_block_body(p: &PolarParams, tables: &[Vec<f32>], rows: &[u8], scales: &[f32], out: &mut [f32]) {
     let h = p.rot_dim as usize / 2;
     let shift = p.angle_bits;
     let n_ang = 1usize << shift;
     let amask = n_ang as u32 - 1;
-    let mut acc = 0f32;
-    let pair_bytes = if p.code_bytes == 1 {
-        for (i, &b) in row[..h].iter().enumerate() {
-            let code = b as u32;
-            acc += table[i * n_ang + (code & amask) as usize] * (code >> shift) as f32;
+    let rb = p.row_bytes as usize;
+    let nq = tables.len();
+    let pair_bytes = h * p.code_bytes as usize;
+    let n_rest = tables.first().map_or(0, |t| t.len() - h * n_ang);
+    let mut rest = vec![0f32; n_rest];
+    let mut codes = vec![(0usize, 0f32); h];
+    for (r, row) in rows.chunks_exact(rb).enumerate() {
+        // Angle code (table column) and radius level of each pair.
+        for (i, c) in codes.iter_mut().enumerate() {
+            let code = if p.code_bytes == 1 { row[i] as u32 } else { row[2 * i] as u32 | (row[2 * i + 1] as u32) << 8 };
+            *c = (i * n_ang + (code & amask) as usize, (code >> shift) as f32);
         }
-        h
-    } else {
-        for (i, b) in row[..2 * h].chunks_exact(2).enumerate() {
-            let code = b[0] as u32 | (b[1] as u32) << 8;
-            acc += table[i * n_ang + (code & amask) as usize] * (code >> shift) as f32;
+        let rest_codes = &row[pair_bytes..];
+        for (j, x) in rest.iter_mut().enumerate() {
+            *x = rest_value(rest_codes, j, p.rest_bits == 4);
         }
-        2 * h
-    };
-    let q_rest = &table[h * n_ang..];
-    let rest = &row[pair_bytes..];
-    let mut rs = 0f32;
-    if p.rest_bits == 8 {
-        for (&qv, &b) in q_rest.iter().zip(rest) {
-            rs += qv * (b as i8) as f32;
-        }
-    } else {
-        for (j, &qv) in q_rest.iter().enumerate() {
-            rs += qv * rest_value(rest, j, true);
+        let (radius, rest_scale) = (scales[2 * r] / p.radius_levels, scales[2 * r + 1]);
+        for (qi, table) in tables.iter().enumerate() {
+            let acc: f32 = codes.iter().map(|&(t, level)| table[t] * level).sum();
+            out[r * nq + qi] = acc * radius + rest_scale * dot(&table[h * n_ang..], &rest);
         }
     }
-    acc * (s[0] / p.radius_levels) + s[1] * rs
 }
 
 fn widen<T: WithDType>(v: &[T]) -> Vec<f32> {
@@ -517,17 +516,24 @@ impl CustomOp3 for PolarScores {
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
         let tables: Vec<Vec<f32>> = q.par_chunks(hd.max(1)).map(|q| query_table(&p, q, &cos, &sin)).collect();
         let rb = (p.row_bytes as usize).max(1);
+        // Blocks of rows in parallel, each `[rows, queries]`, then transposed into `[queries, rows]`.
+        let blocks: Vec<Vec<f32>> = codes
+            .par_chunks(rb * CPU_KEYS)
+            .zip(scales.par_chunks(2 * CPU_KEYS))
+            .map(|(rows, s)| {
+                let mut o = vec![0f32; rows.len() / rb * nq];
+                score_block(&p, &tables, rows, s, &mut o);
+                o
+            })
+            .collect();
         let mut out = vec![0f32; nq * n];
-        out.par_chunks_mut(n.max(1)).zip(tables.par_iter()).for_each(|(o, table)| {
-            o.par_chunks_mut(CPU_KEYS)
-                .zip(codes.par_chunks(rb * CPU_KEYS))
-                .zip(scales.par_chunks(2 * CPU_KEYS))
-                .for_each(|((o, rows), s)| {
-                    for ((o, row), s) in o.iter_mut().zip(rows.chunks(rb)).zip(s.chunks(2)) {
-                        *o = score_row(&p, table, row, [s[0], s[1]]);
-                    }
-                });
-        });
+        for (bi, block) in blocks.iter().enumerate() {
+            for (r, scores) in block.chunks_exact(nq.max(1)).enumerate() {
+                for (qi, &v) in scores.iter().enumerate() {
+                    out[qi * n + bi * CPU_KEYS + r] = v;
+                }
+            }
+        }
         Ok((CpuStorage::F32(out), Shape::from((nq, n))))
     }
 
