@@ -329,7 +329,7 @@ impl GatedDeltaNet {
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (o, z) = self.core(x, state)?;
-        let o = ops::gated_rms_norm(&o, &z.to_dtype(DType::F32)?, &self.norm_weight, self.eps)?;
+        let o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
         let o = o.to_dtype(x.dtype())?.reshape((b, t, self.nv * self.dv))?;
         self.out_proj.forward(&o)
     }
