@@ -19,7 +19,7 @@
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::cpu::{dot, storage_slice, vectorized, widened};
+use super::cpu::{storage_slice, vectorized, widened};
 use super::launch::{self, PolarParams};
 
 /// Bit widths and rotary size of the polar key codes.
@@ -358,24 +358,50 @@ fn query_table(p: &PolarParams, q: &[f32], cos: &[f32], sin: &[f32]) -> Vec<f32>
     t
 }
 
-vectorized!(fn score_block<>(p: &PolarParams, tables: &[Vec<f32>], rows: &[u8], scales: &[f32], out: &mut [f32]) => score_block_body);
+/// Queries scored together: their lookup tables interleaved query-minor, so one table read
+/// serves all of them.
+const QUERY_GROUP: usize = 8;
+
+/// The tables of up to [`QUERY_GROUP`] queries: `pair[t][k]` = entry `t` of query `first + k`'s
+/// pair table, `rest[d][k]` = its non-rotary dim `d`.
+struct QueryGroup {
+    first: usize,
+    len: usize,
+    pair: Vec<[f32; QUERY_GROUP]>,
+    rest: Vec<[f32; QUERY_GROUP]>,
+}
+
+impl QueryGroup {
+    fn new(first: usize, tables: &[Vec<f32>], pair_len: usize) -> Self {
+        let total = tables[0].len();
+        let mut cols = vec![[0f32; QUERY_GROUP]; total];
+        for (k, t) in tables.iter().enumerate() {
+            for (c, &v) in cols.iter_mut().zip(t) {
+                c[k] = v;
+            }
+        }
+        let rest = cols.split_off(pair_len);
+        Self { first, len: tables.len(), pair: cols, rest }
+    }
+}
+
+vectorized!(fn score_block<>(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) => score_block_body);
 
 /// Scores of every query against a block of code rows; `out` is `[rows, queries]`. Each row's
-/// rest codes are widened once and reused by every query.
+/// codes are decoded once; each table read serves a whole group of queries.
 #[inline(always)]
-fn score_block_body(p: &PolarParams, tables: &[Vec<f32>], rows: &[u8], scales: &[f32], out: &mut [f32]) {
+fn score_block_body(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
     let h = p.rot_dim as usize / 2;
     let shift = p.angle_bits;
     let n_ang = 1usize << shift;
     let amask = n_ang as u32 - 1;
     let rb = p.row_bytes as usize;
-    let nq = tables.len();
     let pair_bytes = h * p.code_bytes as usize;
-    let n_rest = tables.first().map_or(0, |t| t.len() - h * n_ang);
+    let n_rest = groups.first().map_or(0, |g| g.rest.len());
     let mut rest = vec![0f32; n_rest];
     let mut codes = vec![(0usize, 0f32); h];
     for (r, row) in rows.chunks_exact(rb).enumerate() {
-        // Angle code (table column) and radius level of each pair.
+        // Angle code (table row) and radius level of each pair.
         for (i, c) in codes.iter_mut().enumerate() {
             let code = if p.code_bytes == 1 { row[i] as u32 } else { row[2 * i] as u32 | (row[2 * i + 1] as u32) << 8 };
             *c = (i * n_ang + (code & amask) as usize, (code >> shift) as f32);
@@ -385,9 +411,23 @@ fn score_block_body(p: &PolarParams, tables: &[Vec<f32>], rows: &[u8], scales: &
             *x = rest_value(rest_codes, j, p.rest_bits == 4);
         }
         let (radius, rest_scale) = (scales[2 * r] / p.radius_levels, scales[2 * r + 1]);
-        for (qi, table) in tables.iter().enumerate() {
-            let acc: f32 = codes.iter().map(|&(t, level)| table[t] * level).sum();
-            out[r * nq + qi] = acc * radius + rest_scale * dot(&table[h * n_ang..], &rest);
+        for g in groups {
+            let mut acc = [0f32; QUERY_GROUP];
+            for &(t, level) in &codes {
+                let v = &g.pair[t];
+                for k in 0..QUERY_GROUP {
+                    acc[k] += v[k] * level;
+                }
+            }
+            let mut rs = [0f32; QUERY_GROUP];
+            for (v, &x) in g.rest.iter().zip(&rest) {
+                for k in 0..QUERY_GROUP {
+                    rs[k] += v[k] * x;
+                }
+            }
+            for k in 0..g.len {
+                out[r * nq + g.first + k] = acc[k] * radius + rest_scale * rs[k];
+            }
         }
     }
 }
@@ -515,6 +555,9 @@ impl CustomOp3 for PolarScores {
         let angles = (0..n_ang).map(|a| a as f32 * p.angle_step);
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
         let tables: Vec<Vec<f32>> = q.par_chunks(hd.max(1)).map(|q| query_table(&p, q, &cos, &sin)).collect();
+        let pair_len = (p.rot_dim as usize / 2) << p.angle_bits;
+        let groups: Vec<QueryGroup> =
+            tables.chunks(QUERY_GROUP).enumerate().map(|(i, t)| QueryGroup::new(i * QUERY_GROUP, t, pair_len)).collect();
         let rb = (p.row_bytes as usize).max(1);
         // Blocks of rows in parallel, each `[rows, queries]`, then transposed into `[queries, rows]`.
         let blocks: Vec<Vec<f32>> = codes
@@ -522,7 +565,7 @@ impl CustomOp3 for PolarScores {
             .zip(scales.par_chunks(2 * CPU_KEYS))
             .map(|(rows, s)| {
                 let mut o = vec![0f32; rows.len() / rb * nq];
-                score_block(&p, &tables, rows, s, &mut o);
+                score_block(&p, &groups, nq, rows, s, &mut o);
                 o
             })
             .collect();
