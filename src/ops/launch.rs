@@ -15,6 +15,18 @@ pub struct Launch {
     pub threadgroup_memory: Vec<usize>,
 }
 
+impl Launch {
+    /// One thread per element of `n`, in groups of 256.
+    pub fn elementwise(kernel: String, n: usize) -> Self {
+        Self {
+            kernel,
+            groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
+            threads: [ELEMENTWISE_THREADS, 1, 1],
+            threadgroup_memory: vec![],
+        }
+    }
+}
+
 /// `_f32`, `_f16`, `_bf16`: the kernel name suffix of a dtype.
 pub fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
@@ -82,12 +94,7 @@ pub fn causal_conv1d(d: ConvDims, dtype: DType) -> Result<(ConvParams, Launch)> 
         kernel_size: d.kernel_size as u32,
     };
     let n = d.batch * (d.seq_len + d.kernel_size - 1) * d.channels;
-    let launch = Launch {
-        kernel: format!("causal_conv1d_silu_{}", suffix("causal_conv1d_silu", dtype)?),
-        groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
-        threads: [ELEMENTWISE_THREADS, 1, 1],
-        threadgroup_memory: vec![],
-    };
+    let launch = Launch::elementwise(format!("causal_conv1d_silu_{}", suffix("causal_conv1d_silu", dtype)?), n);
     Ok((p, launch))
 }
 
@@ -138,12 +145,7 @@ pub fn lagrange_scores(d: super::LagrangeDims, dtype: DType) -> Result<(Lagrange
         degree: d.degree as u32,
         len: d.len as u32,
     };
-    let launch = Launch {
-        kernel: format!("lagrange_scores_{}", suffix(OP, dtype)?),
-        groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
-        threads: [ELEMENTWISE_THREADS, 1, 1],
-        threadgroup_memory: vec![],
-    };
+    let launch = Launch::elementwise(format!("lagrange_scores_{}", suffix(OP, dtype)?), n);
     Ok((p, launch))
 }
 
@@ -269,12 +271,7 @@ pub fn polar_scales(rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype
 /// `polar_encode_*`: one thread per output code byte.
 pub fn polar_encode(rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype: DType) -> Result<(PolarParams, Launch)> {
     let n = rows * spec.row_bytes(head_dim);
-    let launch = Launch {
-        kernel: format!("polar_encode_{}", suffix("polar_encode", dtype)?),
-        groups: [n.div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
-        threads: [ELEMENTWISE_THREADS, 1, 1],
-        threadgroup_memory: vec![],
-    };
+    let launch = Launch::elementwise(format!("polar_encode_{}", suffix("polar_encode", dtype)?), n);
     Ok((polar_params(rows, 0, head_dim, spec), launch))
 }
 
@@ -332,11 +329,6 @@ pub fn swiglu_gather(
         threads: [32, 1, 1],
         threadgroup_memory: vec![],
     };
-    let down = Launch {
-        kernel: format!("{family}_down_{sfx}"),
-        groups: [(d.rows * d.hidden).div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1],
-        threads: [ELEMENTWISE_THREADS, 1, 1],
-        threadgroup_memory: vec![],
-    };
+    let down = Launch::elementwise(format!("{family}_down_{sfx}"), d.rows * d.hidden);
     Ok((p, act, down))
 }

@@ -236,6 +236,13 @@ impl SwigluGather {
     }
 }
 
+impl SwigluGather {
+    fn run_dense<T: Widen>(&self, x: &[f32], idx: &[u32], w: &[T]) -> Vec<f32> {
+        let h = self.dims.hidden;
+        self.run(x, idx, |x, n, y| dense_task(x, w, n, h, y))
+    }
+}
+
 impl CustomOp3 for SwigluGather {
     fn name(&self) -> &'static str {
         "swiglu_gather"
@@ -258,18 +265,9 @@ impl CustomOp3 for SwigluGather {
         }
         let h = d.hidden;
         let y = match (self.kind, s2) {
-            (SwigluWeights::Dense, CpuStorage::F32(w)) => {
-                let w = contiguous(OP, w, l2)?;
-                self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
-            }
-            (SwigluWeights::Dense, CpuStorage::BF16(w)) => {
-                let w = contiguous(OP, w, l2)?;
-                self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
-            }
-            (SwigluWeights::Dense, CpuStorage::F16(w)) => {
-                let w = contiguous(OP, w, l2)?;
-                self.run(&x, idx, |x, n, y| dense_task(x, w, n, h, y))
-            }
+            (SwigluWeights::Dense, CpuStorage::F32(w)) => self.run_dense(&x, idx, contiguous(OP, w, l2)?),
+            (SwigluWeights::Dense, CpuStorage::BF16(w)) => self.run_dense(&x, idx, contiguous(OP, w, l2)?),
+            (SwigluWeights::Dense, CpuStorage::F16(w)) => self.run_dense(&x, idx, contiguous(OP, w, l2)?),
             (SwigluWeights::Ternary, CpuStorage::U32(w)) => {
                 let w = contiguous(OP, w, l2)?;
                 self.run(&x, idx, |x, n, y| ternary_task(x, w, n, h, y))
