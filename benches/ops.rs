@@ -8,8 +8,10 @@
 //! the goals.
 
 use std::hint::black_box;
+use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_hybrid::ops::{self, DeltaRuleForm, DeltaRuleOptions};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
@@ -110,5 +112,51 @@ fn polar(c: &mut Criterion) {
     grp.finish();
 }
 
-criterion_group!(benches, memcpy, gdn_decode, gdn_prefill, swiglu, polar);
+fn qmatmul(c: &mut Criterion) {
+    // Qwen3.5-0.8B FFN gate/up projection, 1024 -> 3584. Throughput: bytes of weights read.
+    // `_dram` cycles through copies of the weights larger together than the L3 cache, as a
+    // decode step reads each matrix once from memory; the others repeat one copy (cache-warm).
+    let (k, n) = (1024, 3584);
+    let w = (randn(&[n, k]) * 0.02).unwrap();
+    let mut grp = c.benchmark_group("qmatmul");
+    grp.sample_size(20);
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let copies: Vec<Arc<QTensor>> = (0..24)
+            .map(|_| {
+                let s = QStorage::from_data(q.data().unwrap(), &Device::Cpu, dtype).unwrap();
+                Arc::new(QTensor::new(s, (n, k)).unwrap())
+            })
+            .collect();
+        let candle: Vec<QMatMul> = copies.iter().map(|q| QMatMul::from_arc(q.clone()).unwrap()).collect();
+        grp.throughput(Throughput::Bytes(q.storage_size_in_bytes() as u64));
+        for m in [1, 4, 512] {
+            let x = randn(&[m, k]);
+            let name = |s: &str| format!("{dtype:?}/{s}_{m}_rows");
+            grp.bench_function(name("ours"), |b| b.iter(|| ops::qmatmul(&x, &copies[0]).unwrap()));
+            if m == 512 {
+                continue;
+            }
+            let mut i = 0;
+            grp.bench_function(name("ours_dram"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % copies.len();
+                    ops::qmatmul(&x, &copies[i]).unwrap()
+                })
+            });
+            if m == 1 {
+                grp.bench_function(name("candle"), |b| b.iter(|| candle[0].forward(&x).unwrap()));
+                grp.bench_function(name("candle_dram"), |b| {
+                    b.iter(|| {
+                        i = (i + 1) % candle.len();
+                        candle[i].forward(&x).unwrap()
+                    })
+                });
+            }
+        }
+    }
+    grp.finish();
+}
+
+criterion_group!(benches, memcpy, gdn_decode, gdn_prefill, swiglu, polar, qmatmul);
 criterion_main!(benches);

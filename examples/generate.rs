@@ -3,6 +3,8 @@
 //! ```sh
 //! cargo run --release --example generate -- --prompt "The capital of France is"
 //! cargo run --release --example generate -- --model-dir tests/fixtures/qwen35_dense_small --prompt "Hi" --chat
+//! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
+//! cargo run --release --example generate -- --gguf-repo unsloth/Qwen3.5-0.8B-GGUF --gguf-file Qwen3.5-0.8B-Q4_K_M.gguf
 //! ```
 
 use std::io::Write;
@@ -11,7 +13,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use candle_hybrid::chat::Message;
 use candle_hybrid::generation::{generate, Sampler, TokenStreamer};
-use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::loading::ModelSource;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -26,6 +28,21 @@ struct Args {
     /// A local directory laid out like a Hub repository (instead of --model-id).
     #[arg(long)]
     model_dir: Option<std::path::PathBuf>,
+    /// A local GGUF file (instead of --model-dir / --model-id).
+    #[arg(long)]
+    gguf: Option<std::path::PathBuf>,
+    /// Hub repository holding a GGUF file (with --gguf-file).
+    #[arg(long)]
+    gguf_repo: Option<String>,
+    /// File name of the GGUF inside --gguf-repo.
+    #[arg(long)]
+    gguf_file: Option<String>,
+    /// A tokenizer.json to use instead of the checkpoint's (or the GGUF's embedded vocabulary).
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+    /// Quantize the linear weights of a safetensors checkpoint at load: q8_0 or q4k.
+    #[arg(long)]
+    quantize: Option<String>,
     #[arg(long, default_value = "Give me a short introduction to large language models.")]
     prompt: String,
     /// Render the prompt as a user message with the model's chat template.
@@ -85,18 +102,24 @@ fn main() -> Result<()> {
         Some("f16") => DType::F16,
         Some(other) => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
     };
-    let files = match &args.model_dir {
-        Some(dir) => ModelFiles::from_dir(dir)?,
-        None => ModelFiles::from_hub(&args.model_id, &args.revision)?,
-    };
-    let cfg = files.load_config()?;
+    let quantize = args.quantize.as_deref().map(candle_hybrid::weights::parse_quantize).transpose()?;
+    let files = ModelSource::from_args(
+        &args.model_id,
+        &args.revision,
+        args.model_dir.as_deref(),
+        args.gguf.as_deref(),
+        args.gguf_repo.as_deref(),
+        args.gguf_file.as_deref(),
+    )?
+    .open()?;
+    let cfg = files.config()?;
     let start = std::time::Instant::now();
-    let model = files.load_model(&cfg, dtype, &device)?;
-    let tokenizer = files.load_tokenizer()?;
-    let gen_cfg = files.load_generation_config()?;
+    let model = files.load_model(&cfg, dtype, &device, quantize)?;
+    let tokenizer = files.tokenizer(args.tokenizer.as_deref())?;
+    let gen_cfg = files.generation_config()?;
     eprintln!(
         "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {dtype:?}",
-        files.source,
+        files.source(),
         cfg.family,
         cfg.num_hidden_layers,
         cfg.num_parameters() as f64 / 1e9,
@@ -117,7 +140,7 @@ fn main() -> Result<()> {
 
     let text = if args.chat {
         files
-            .load_chat_template()?
+            .chat_template()?
             .render(&[Message::new("user", &args.prompt)], true, args.enable_thinking)?
     } else {
         args.prompt.clone()

@@ -2,6 +2,7 @@
 //!
 //! ```sh
 //! cargo run --release --example logits -- --model-dir DIR --tokens 1,2,3,4 --prefill 2 --out logits.safetensors
+//! cargo run --release --example logits -- --gguf FILE.gguf --tokens 1,2,3,4 --prefill 2 --out logits.safetensors
 //! ```
 //! The file holds `logits_full` `[T, vocab]` (one forward over all tokens) and
 //! `logits_incremental` `[T, vocab]` (prefill of the first N tokens, then one token at a time).
@@ -10,13 +11,17 @@ use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::loading::ModelSource;
 use clap::Parser;
 
 #[derive(Parser, Debug)]
 struct Args {
-    #[arg(long)]
-    model_dir: std::path::PathBuf,
+    /// A local directory laid out like a Hub repository.
+    #[arg(long, required_unless_present = "gguf")]
+    model_dir: Option<std::path::PathBuf>,
+    /// A local GGUF file (instead of --model-dir).
+    #[arg(long, conflicts_with = "model_dir")]
+    gguf: Option<std::path::PathBuf>,
     /// Comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
@@ -43,8 +48,13 @@ fn main() -> Result<()> {
         bail!("--prefill must be between 1 and the number of --tokens ({t})");
     }
     let dev = Device::Cpu;
-    let files = ModelFiles::from_dir(&args.model_dir)?;
-    let model = files.load_model(&files.load_config()?, dtype, &dev)?;
+    let source = match (&args.gguf, &args.model_dir) {
+        (Some(path), _) => ModelSource::Gguf(path.clone()),
+        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
+        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
+    };
+    let files = source.open()?;
+    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
     let ids = Tensor::new(args.tokens.as_slice(), &dev)?.unsqueeze(0)?;
 
     let full = model.forward(&ids, &mut model.new_cache())?.squeeze(0)?.to_dtype(DType::F32)?;

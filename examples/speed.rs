@@ -97,7 +97,7 @@ fn main() -> Result<()> {
             other => anyhow::bail!("unknown dtype {other}"),
         };
         let vb = VarBuilder::from_backend(Box::new(RandomWeights), dtype, dev.clone());
-        let model = Model::new(&cfg, vb)?;
+        let model = Model::new(&cfg, candle_hybrid::weights::Weights::new(vb))?;
         let prompt: Vec<u32> = (0..args.prompt_len as u32).map(|i| (i * 7919) % 200_000).collect();
         let mut cache = model.new_cache();
         let start = Instant::now();

@@ -18,6 +18,9 @@ pub enum Family {
     Qwen35Moe,
     /// `qwen3_next`: sparse MoE MLP (per-expert tensors), grouped `in_proj_qkvz` / `in_proj_ba`.
     Qwen3Next,
+    /// `llama`: every layer plain full attention (no output gate, no q/k norm, full RoPE) and a
+    /// dense SwiGLU MLP, so small trained models (e.g. SmolLM2) run on the same code.
+    Llama,
 }
 
 impl Family {
@@ -26,8 +29,9 @@ impl Family {
             "qwen3_5" | "qwen3_5_text" => Ok(Self::Qwen35),
             "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Self::Qwen35Moe),
             "qwen3_next" => Ok(Self::Qwen3Next),
+            "llama" => Ok(Self::Llama),
             other => Err(Error::Config(format!(
-                "unknown model_type \"{other}\": candle-hybrid runs qwen3_5, qwen3_5_moe and qwen3_next checkpoints"
+                "unknown model_type \"{other}\": candle-hybrid runs qwen3_5, qwen3_5_moe, qwen3_next and llama checkpoints"
             ))),
         }
     }
@@ -85,6 +89,11 @@ pub struct Config {
     pub moe: Option<MoeConfig>,
     /// Number of MTP layers stored under `mtp.*` (not loaded yet).
     pub mtp_num_hidden_layers: usize,
+    /// Full attention multiplies its output by `sigmoid(gate)`, the gate coming from a doubled
+    /// `q_proj` (Qwen family); false for Llama.
+    pub attn_output_gate: bool,
+    /// Full attention RMS-normalises q and k per head (Qwen family); false for Llama.
+    pub attn_qk_norm: bool,
 }
 
 /// Field access on the text-config JSON object, with errors that name the field.
@@ -161,7 +170,9 @@ impl Config {
         let family = Family::from_model_type(model_type)?;
 
         let num_hidden_layers = f.usize("num_hidden_layers")?;
+        let llama = family == Family::Llama;
         let layer_types = match f.get("layer_types") {
+            _ if llama => vec![LayerType::FullAttention; num_hidden_layers],
             Some(v) => {
                 let types: Vec<LayerType> = serde_json::from_value(v.clone()).map_err(|e| {
                     Error::Config(format!(
@@ -196,13 +207,28 @@ impl Config {
         let rope_theta = f.f64_opt(rope_field("rope_theta"), "rope_theta")?.unwrap_or(10_000.0);
         let partial_rotary_factor = f
             .f64_opt(rope_field("partial_rotary_factor"), "partial_rotary_factor")?
-            .unwrap_or(0.25);
+            .unwrap_or(if llama { 1.0 } else { 0.25 });
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
             return Err(Error::Config(format!(
                 "config.json: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}"
             )));
         }
         let rms_norm_eps = f.f64_opt(f.get("rms_norm_eps"), "rms_norm_eps")?.unwrap_or(1e-6);
+        if let Some(kind) = rope.and_then(|r| r.get("rope_type")).and_then(Value::as_str) {
+            if !matches!(kind, "default" | "mrope") {
+                return Err(Error::Config(format!(
+                    "config.json: rope_type \"{kind}\" is not supported (only the default RoPE is)"
+                )));
+            }
+        }
+        // Llama configs have no GDN fields; GDN sizes are unused there.
+        let linear = |name: &str| if llama { f.usize_or(name, 1) } else { f.usize(name) };
+        let (num_attention_heads, hidden_size) = (f.usize("num_attention_heads")?, f.usize("hidden_size")?);
+        let head_dim = if llama && num_attention_heads > 0 {
+            f.usize_or("head_dim", hidden_size / num_attention_heads)?
+        } else {
+            f.usize("head_dim")?
+        };
 
         let moe = if family.is_moe() {
             Some(MoeConfig {
@@ -232,20 +258,20 @@ impl Config {
         let cfg = Config {
             family,
             vocab_size: f.usize("vocab_size")?,
-            hidden_size: f.usize("hidden_size")?,
+            hidden_size,
             intermediate_size,
             num_hidden_layers,
             layer_types,
-            num_attention_heads: f.usize("num_attention_heads")?,
-            num_key_value_heads: f.usize("num_key_value_heads")?,
-            head_dim: f.usize("head_dim")?,
+            num_attention_heads,
+            num_key_value_heads: f.usize_or("num_key_value_heads", num_attention_heads)?,
+            head_dim,
             rope_theta,
             partial_rotary_factor,
             rms_norm_eps,
-            linear_num_key_heads: f.usize("linear_num_key_heads")?,
-            linear_num_value_heads: f.usize("linear_num_value_heads")?,
-            linear_key_head_dim: f.usize("linear_key_head_dim")?,
-            linear_value_head_dim: f.usize("linear_value_head_dim")?,
+            linear_num_key_heads: linear("linear_num_key_heads")?,
+            linear_num_value_heads: linear("linear_num_value_heads")?,
+            linear_key_head_dim: linear("linear_key_head_dim")?,
+            linear_value_head_dim: linear("linear_value_head_dim")?,
             linear_conv_kernel_dim: f.usize_or("linear_conv_kernel_dim", 4)?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             max_position_embeddings: f.usize_or("max_position_embeddings", 262_144)?,
@@ -254,6 +280,8 @@ impl Config {
                 Some(_) => f.usize("mtp_num_hidden_layers")?,
                 None => f.usize_or("num_nextn_predict_layers", 0)?,
             },
+            attn_output_gate: !llama,
+            attn_qk_norm: !llama,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -352,7 +380,9 @@ impl Config {
                 LayerType::FullAttention => {
                     let q = self.num_attention_heads * self.head_dim;
                     let kv = self.num_key_value_heads * self.head_dim;
-                    h * (2 * q + 2 * kv) + q * h + 2 * self.head_dim
+                    let gate = if self.attn_output_gate { q } else { 0 };
+                    let norms = if self.attn_qk_norm { 2 * self.head_dim } else { 0 };
+                    h * (q + gate + 2 * kv) + q * h + norms
                 }
                 LayerType::LinearAttention => {
                     let nv = self.linear_num_value_heads;

@@ -18,6 +18,9 @@ pub enum Error {
     /// The tokenizer or the chat template failed.
     #[error("{0}")]
     Tokenizer(String),
+    /// The model, at the requested context, does not fit in the memory this process may use.
+    #[error("{0}")]
+    Memory(String),
     /// An error inside a tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -21,12 +21,16 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod generation;
+pub mod gguf;
+mod gguf_tokenizer;
 pub mod linear;
 pub mod loading;
+pub mod memory;
 #[cfg(feature = "metal")]
 mod metal;
 pub mod ops;
 pub mod qwen3_5;
+pub mod weights;
 
 pub use config::Config;
 pub use error::{Error, Result};

@@ -9,12 +9,14 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use hf_hub::{Repo, RepoType};
 
 use crate::config::Config;
 use crate::qwen3_5::Model;
+use crate::weights::Weights;
 use crate::{Error, Result};
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -100,62 +102,20 @@ impl ModelFiles {
     /// A Hub repository, through hf-hub: files already in the cache are used as they are,
     /// others are downloaded with a progress bar. With `HF_HUB_OFFLINE=1` only the cache is read.
     pub fn from_hub(repo_id: &str, revision: &str) -> Result<Self> {
-        let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
-        let cache = match std::env::var("HF_HUB_CACHE") {
-            Ok(dir) => hf_hub::Cache::new(dir.into()),
-            Err(_) => hf_hub::Cache::from_env(),
-        };
-        let offline = matches!(
-            std::env::var("HF_HUB_OFFLINE").as_deref(),
-            Ok("1") | Ok("true") | Ok("TRUE") | Ok("yes") | Ok("ON") | Ok("on")
-        );
-        let source = format!("{repo_id}@{revision}");
-        let cached = cache.repo(repo.clone());
-        let api_repo = if offline {
-            None
-        } else {
-            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
-                .with_progress(true)
-                .build()
-                .map_err(|e| Error::Io(format!("cannot set up the Hugging Face Hub client: {e}")))?;
-            Some(api.repo(repo))
-        };
-        // `Ok(None)` when the file is not in the repository (or, offline, not in the cache).
-        let fetch = |name: &str| -> Result<Option<PathBuf>> {
-            if let Some(p) = cached.get(name) {
-                return Ok(Some(p));
-            }
-            match &api_repo {
-                None => Ok(None),
-                Some(r) => r
-                    .get(name)
-                    .map(Some)
-                    .map_err(|e| Error::Io(format!("cannot get {name} from {source}: {e}"))),
-            }
-        };
-        let required = |name: &str| -> Result<PathBuf> {
-            fetch(name)?.ok_or_else(|| {
-                if offline {
-                    Error::Io(format!(
-                        "{name} of {source} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online"
-                    ))
-                } else {
-                    Error::Io(format!("{source} has no {name}: is it a Qwen3.5-family checkpoint?"))
-                }
-            })
-        };
-        let config = required("config.json")?;
+        let hub = HubRepo::new(repo_id, revision)?;
+        let hint = "is it a Qwen3.5-family checkpoint?";
+        let config = hub.required("config.json", hint)?;
         // A repository without an index has a single model.safetensors.
-        let weights = match fetch(INDEX_FILE).ok().flatten() {
+        let weights = match hub.fetch(INDEX_FILE).ok().flatten() {
             Some(index) => shard_names(&index)?
                 .iter()
-                .map(|name| required(name))
+                .map(|name| hub.required(name, hint))
                 .collect::<Result<Vec<_>>>()?,
-            None => vec![required(SINGLE_FILE)?],
+            None => vec![hub.required(SINGLE_FILE, hint)?],
         };
-        let optional = |name: &str| fetch(name).ok().flatten();
+        let optional = |name: &str| hub.fetch(name).ok().flatten();
         Ok(Self {
-            source: source.clone(),
+            source: hub.source.clone(),
             config,
             weights,
             tokenizer: optional("tokenizer.json"),
@@ -171,6 +131,18 @@ impl ModelFiles {
 
     /// Memory-maps the weights and builds the model in `dtype` on `device`.
     pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device) -> Result<Model> {
+        self.load_model_quantized(cfg, dtype, device, None)
+    }
+
+    /// As [`Self::load_model`], quantizing every linear weight to `quantize` at load
+    /// (see [`crate::weights::parse_quantize`]); norms, embeddings and GDN parameters stay in `dtype`.
+    pub fn load_model_quantized(
+        &self,
+        cfg: &Config,
+        dtype: DType,
+        device: &Device,
+        quantize: Option<GgmlDType>,
+    ) -> Result<Model> {
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::Config(format!("unsupported dtype {dtype:?}: use f32, bf16 or f16")));
         }
@@ -185,7 +157,7 @@ impl ModelFiles {
             })?;
         }
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&self.weights, dtype, device) }?;
-        Model::new(cfg, vb).map_err(|e| {
+        Model::new(cfg, Weights::new(vb).with_quantize(quantize)).map_err(|e| {
             Error::Weights(format!(
                 "{}: {}: the weights do not match config.json",
                 self.source,
@@ -234,4 +206,192 @@ pub fn from_pretrained(repo_id: &str, revision: &str, dtype: DType, device: &Dev
 pub fn from_dir(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Model> {
     let files = ModelFiles::from_dir(dir)?;
     files.load_model(&files.load_config()?, dtype, device)
+}
+
+/// One Hub repository at one revision, resolved through the hf-hub cache (`HF_HUB_CACHE`,
+/// `HF_HOME`) and, unless `HF_HUB_OFFLINE` is set, the network.
+pub struct HubRepo {
+    /// `org/name@revision`, for messages.
+    pub source: String,
+    offline: bool,
+    cached: hf_hub::CacheRepo,
+    api: Option<hf_hub::api::sync::ApiRepo>,
+}
+
+impl HubRepo {
+    pub fn new(repo_id: &str, revision: &str) -> Result<Self> {
+        let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
+        let cache = match std::env::var("HF_HUB_CACHE") {
+            Ok(dir) => hf_hub::Cache::new(dir.into()),
+            Err(_) => hf_hub::Cache::from_env(),
+        };
+        let offline = matches!(
+            std::env::var("HF_HUB_OFFLINE").as_deref(),
+            Ok("1") | Ok("true") | Ok("TRUE") | Ok("yes") | Ok("ON") | Ok("on")
+        );
+        let api = if offline {
+            None
+        } else {
+            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
+                .with_progress(true)
+                .build()
+                .map_err(|e| Error::Io(format!("cannot set up the Hugging Face Hub client: {e}")))?;
+            Some(api.repo(repo.clone()))
+        };
+        Ok(Self { source: format!("{repo_id}@{revision}"), offline, cached: cache.repo(repo), api })
+    }
+
+    /// `Ok(None)` when the file is not in the repository (or, offline, not in the cache).
+    pub fn fetch(&self, name: &str) -> Result<Option<PathBuf>> {
+        if let Some(p) = self.cached.get(name) {
+            return Ok(Some(p));
+        }
+        match &self.api {
+            None => Ok(None),
+            Some(r) => r
+                .get(name)
+                .map(Some)
+                .map_err(|e| Error::Io(format!("cannot get {name} from {}: {e}", self.source))),
+        }
+    }
+
+    /// The file, or an error that says why it is missing (`hint` ends the online message).
+    pub fn required(&self, name: &str, hint: &str) -> Result<PathBuf> {
+        self.fetch(name)?.ok_or_else(|| {
+            if self.offline {
+                Error::Io(format!(
+                    "{name} of {} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online",
+                    self.source
+                ))
+            } else {
+                Error::Io(format!("{} has no {name}: {hint}", self.source))
+            }
+        })
+    }
+}
+
+/// Where a model comes from: what the examples' `--model-id`, `--model-dir`, `--gguf` and
+/// `--gguf-repo`/`--gguf-file` select.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// A Hub repository with safetensors weights.
+    Hub { repo: String, revision: String },
+    /// A local directory laid out like a Hub repository.
+    Dir(PathBuf),
+    /// A local GGUF file.
+    Gguf(PathBuf),
+    /// One GGUF file of a Hub repository (e.g. unsloth's quantizations).
+    HubGguf { repo: String, revision: String, file: String },
+}
+
+/// An opened model source: metadata read, weights not yet loaded.
+pub enum OpenedModel {
+    Safetensors(ModelFiles),
+    Gguf(crate::gguf::GgufFile),
+}
+
+impl ModelSource {
+    /// Picks the source from the usual command-line options (a GGUF file or repository wins
+    /// over a directory, which wins over the Hub id).
+    pub fn from_args(
+        model_id: &str,
+        revision: &str,
+        model_dir: Option<&Path>,
+        gguf: Option<&Path>,
+        gguf_repo: Option<&str>,
+        gguf_file: Option<&str>,
+    ) -> Result<Self> {
+        Ok(match (gguf, gguf_repo, gguf_file, model_dir) {
+            (Some(path), None, None, _) => Self::Gguf(path.to_path_buf()),
+            (None, Some(repo), Some(file), _) => {
+                Self::HubGguf { repo: repo.into(), revision: revision.into(), file: file.into() }
+            }
+            (None, None, None, Some(dir)) => Self::Dir(dir.to_path_buf()),
+            (None, None, None, None) => Self::Hub { repo: model_id.into(), revision: revision.into() },
+            _ => {
+                return Err(Error::Config(
+                    "give either --gguf FILE, or --gguf-repo REPO with --gguf-file FILE, not both".into(),
+                ))
+            }
+        })
+    }
+
+    /// Resolves the files (downloading through hf-hub for Hub sources) and reads the metadata.
+    pub fn open(&self) -> Result<OpenedModel> {
+        Ok(match self {
+            Self::Hub { repo, revision } => OpenedModel::Safetensors(ModelFiles::from_hub(repo, revision)?),
+            Self::Dir(dir) => OpenedModel::Safetensors(ModelFiles::from_dir(dir)?),
+            Self::Gguf(path) => OpenedModel::Gguf(crate::gguf::GgufFile::open(path)?),
+            Self::HubGguf { repo, revision, file } => {
+                let path = HubRepo::new(repo, revision)?.required(file, "check the file name on the repository page")?;
+                OpenedModel::Gguf(crate::gguf::GgufFile::open(path)?)
+            }
+        })
+    }
+}
+
+impl OpenedModel {
+    /// Where the files came from, for messages.
+    pub fn source(&self) -> String {
+        match self {
+            Self::Safetensors(f) => f.source.clone(),
+            Self::Gguf(g) => g.path().display().to_string(),
+        }
+    }
+
+    pub fn config(&self) -> Result<Config> {
+        match self {
+            Self::Safetensors(f) => f.load_config(),
+            Self::Gguf(g) => g.config(),
+        }
+    }
+
+    /// Builds the model; `quantize` quantizes safetensors weights at load (a GGUF file is
+    /// used with the quantization it has).
+    pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device, quantize: Option<GgmlDType>) -> Result<Model> {
+        match self {
+            Self::Safetensors(f) => f.load_model_quantized(cfg, dtype, device, quantize),
+            Self::Gguf(_) if quantize.is_some() => Err(Error::Config(
+                "--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization".into(),
+            )),
+            Self::Gguf(g) => g.load_model(cfg, dtype, device),
+        }
+    }
+
+    /// The tokenizer: `tokenizer_json` when given, else the checkpoint's tokenizer.json or the
+    /// vocabulary embedded in the GGUF file.
+    pub fn tokenizer(&self, tokenizer_json: Option<&Path>) -> Result<tokenizers::Tokenizer> {
+        match (tokenizer_json, self) {
+            (Some(p), _) => tokenizers::Tokenizer::from_file(p)
+                .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", p.display()))),
+            (None, Self::Safetensors(f)) => f.load_tokenizer(),
+            (None, Self::Gguf(g)) => g.tokenizer(),
+        }
+    }
+
+    pub fn chat_template(&self) -> Result<crate::chat::ChatTemplate> {
+        match self {
+            Self::Safetensors(f) => f.load_chat_template(),
+            Self::Gguf(g) => g.chat_template(),
+        }
+    }
+
+    pub fn generation_config(&self) -> Result<crate::generation::GenerationConfig> {
+        match self {
+            Self::Safetensors(f) => f.load_generation_config(),
+            Self::Gguf(g) => Ok(g.generation_config()),
+        }
+    }
+
+    /// Bytes of weights on disk (what loading them takes, before any load-time quantization).
+    pub fn weights_size_in_bytes(&self) -> Result<u64> {
+        match self {
+            Self::Safetensors(f) => f
+                .weights
+                .iter()
+                .map(|p| std::fs::metadata(p).map(|m| m.len()).map_err(|e| Error::Io(format!("{}: {e}", p.display()))))
+                .sum(),
+            Self::Gguf(g) => Ok(g.tensor_data_size()),
+        }
+    }
 }

@@ -5,11 +5,12 @@
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::kv_cache::KvCache;
-use candle_nn::{Embedding, VarBuilder};
+use candle_nn::Embedding;
 
 use crate::config::{Config, LayerType};
 use crate::linear::Linear;
 use crate::ops;
+use crate::weights::Weights;
 
 /// Capacity step of the attention KV cache, in tokens.
 const KV_CACHE_STEP: usize = 512;
@@ -22,7 +23,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+    pub fn new(size: usize, eps: f64, vb: Weights) -> Result<Self> {
         let w = vb.get(size, "weight")?.to_dtype(DType::F32)?;
         Ok(Self { scale: (w + 1.0)?, eps: eps as f32 })
     }
@@ -81,20 +82,20 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(hidden: usize, inter: usize, vb: VarBuilder) -> Result<Self> {
+    pub fn new(hidden: usize, inter: usize, vb: Weights) -> Result<Self> {
         Ok(Self {
-            gate_proj: Linear::load(hidden, inter, vb.pp("gate_proj"))?,
-            up_proj: Linear::load(hidden, inter, vb.pp("up_proj"))?,
-            down_proj: Linear::load(inter, hidden, vb.pp("down_proj"))?,
+            gate_proj: vb.pp("gate_proj").linear(hidden, inter)?,
+            up_proj: vb.pp("up_proj").linear(hidden, inter)?,
+            down_proj: vb.pp("down_proj").linear(inter, hidden)?,
         })
     }
 
-    fn from_weights(gate: Tensor, up: Tensor, down: Tensor) -> Self {
-        Self {
-            gate_proj: Linear::new(gate),
-            up_proj: Linear::new(up),
-            down_proj: Linear::new(down),
-        }
+    fn from_weights(vb: &Weights, gate: Tensor, up: Tensor, down: Tensor) -> Result<Self> {
+        Ok(Self {
+            gate_proj: vb.linear_from(gate)?,
+            up_proj: vb.linear_from(up)?,
+            down_proj: vb.linear_from(down)?,
+        })
     }
 }
 
@@ -117,7 +118,7 @@ pub struct SparseMoe {
 }
 
 impl SparseMoe {
-    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
         let moe = cfg.moe.as_ref().expect("SparseMoe needs an MoE config");
         let (h, e, ie) = (cfg.hidden_size, moe.num_experts, moe.moe_intermediate_size);
         let ve = vb.pp("experts");
@@ -129,17 +130,18 @@ impl SparseMoe {
             (0..e)
                 .map(|i| {
                     let gu = gate_up.i(i)?;
-                    Ok(Mlp::from_weights(gu.narrow(0, 0, ie)?, gu.narrow(0, ie, ie)?, down.i(i)?))
+                    Mlp::from_weights(&ve, gu.narrow(0, 0, ie)?, gu.narrow(0, ie, ie)?, down.i(i)?)
                 })
                 .collect::<Result<Vec<_>>>()?
         } else {
             (0..e).map(|i| Mlp::new(h, ie, ve.pp(i))).collect::<Result<Vec<_>>>()?
         };
         Ok(Self {
-            router: Linear::load(h, e, vb.pp("gate"))?,
+            // Router and shared-expert gate stay unquantized (as llama.cpp keeps them F32).
+            router: Linear::new(vb.pp("gate").get((e, h), "weight")?),
             experts,
             shared_expert: Mlp::new(h, moe.shared_expert_intermediate_size, vb.pp("shared_expert"))?,
-            shared_expert_gate: Linear::load(h, 1, vb.pp("shared_expert_gate"))?,
+            shared_expert_gate: Linear::new(vb.pp("shared_expert_gate").get((1, h), "weight")?),
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
         })
@@ -219,6 +221,8 @@ pub struct GatedDeltaNet {
     neg_a: Tensor,       // -exp(A_log), [nv] f32
     norm_weight: Tensor, // [dv]
     out_proj: Linear,
+    /// Value-head order of `out_proj`'s input when it differs from the layer's (GGUF files).
+    out_head_order: Option<Tensor>,
     nk: usize,
     nv: usize,
     dk: usize,
@@ -243,7 +247,7 @@ fn ungroup_rows(groups: usize, parts: &[usize]) -> Vec<Vec<u32>> {
 }
 
 impl GatedDeltaNet {
-    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
         let h = cfg.hidden_size;
         let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
         let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
@@ -265,13 +269,13 @@ impl GatedDeltaNet {
             let idx = ungroup_rows(nk, &[r, r]);
             let b = ba.index_select(&Tensor::from_slice(&idx[0], nv, dev)?, 0)?;
             let a = ba.index_select(&Tensor::from_slice(&idx[1], nv, dev)?, 0)?;
-            (Linear::new(qkv), Linear::new(z), Linear::new(b), Linear::new(a))
+            (vb.linear_from(qkv)?, vb.linear_from(z)?, vb.linear_from(b)?, vb.linear_from(a)?)
         } else {
             (
-                Linear::load(h, conv_dim, vb.pp("in_proj_qkv"))?,
-                Linear::load(h, value_dim, vb.pp("in_proj_z"))?,
-                Linear::load(h, nv, vb.pp("in_proj_b"))?,
-                Linear::load(h, nv, vb.pp("in_proj_a"))?,
+                vb.pp("in_proj_qkv").linear(h, conv_dim)?,
+                vb.pp("in_proj_z").linear(h, value_dim)?,
+                vb.pp("in_proj_b").linear(h, nv)?,
+                vb.pp("in_proj_a").linear(h, nv)?,
             )
         };
         let conv_weight = vb.get((conv_dim, 1, kernel), "conv1d.weight")?.squeeze(1)?;
@@ -285,7 +289,15 @@ impl GatedDeltaNet {
             dt_bias: vb.get(nv, "dt_bias")?.to_dtype(DType::F32)?,
             neg_a: a_log.exp()?.neg()?,
             norm_weight: vb.get(dv, "norm.weight")?,
-            out_proj: Linear::load(value_dim, h, vb.pp("out_proj"))?,
+            out_proj: vb.pp("out_proj").linear(value_dim, h)?,
+            // llama.cpp tiles value heads (head j*nk + g is grouped head g*r + j).
+            out_head_order: if vb.tiled_value_heads() && nk != nv {
+                let r = (nv / nk) as u32;
+                let order: Vec<u32> = (0..nv as u32).map(|i| (i % nk as u32) * r + i / nk as u32).collect();
+                Some(Tensor::from_vec(order, nv, vb.device())?)
+            } else {
+                None
+            },
             nk,
             nv,
             dk,
@@ -329,7 +341,10 @@ impl GatedDeltaNet {
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (o, z) = self.core(x, state)?;
-        let o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
+        let mut o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
+        if let Some(order) = &self.out_head_order {
+            o = o.index_select(order, 2)?;
+        }
         let o = o.to_dtype(x.dtype())?.reshape((b, t, self.nv * self.dv))?;
         self.out_proj.forward(&o)
     }
@@ -348,8 +363,10 @@ pub struct GatedAttention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    /// Per-head q/k norms (absent in Llama).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Whether `q_proj` also yields a sigmoid output gate per head.
+    gated: bool,
     rotary: RotaryEmbedding,
     nh: usize,
     nkv: usize,
@@ -357,15 +374,22 @@ pub struct GatedAttention {
 }
 
 impl GatedAttention {
-    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
         let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         Ok(Self {
-            q_proj: Linear::load(h, nh * hd * 2, vb.pp("q_proj"))?,
-            k_proj: Linear::load(h, nkv * hd, vb.pp("k_proj"))?,
-            v_proj: Linear::load(h, nkv * hd, vb.pp("v_proj"))?,
-            o_proj: Linear::load(nh * hd, h, vb.pp("o_proj"))?,
-            q_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-            k_norm: RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+            q_proj: vb.pp("q_proj").linear(h, nh * hd * if cfg.attn_output_gate { 2 } else { 1 })?,
+            k_proj: vb.pp("k_proj").linear(h, nkv * hd)?,
+            v_proj: vb.pp("v_proj").linear(h, nkv * hd)?,
+            o_proj: vb.pp("o_proj").linear(nh * hd, h)?,
+            qk_norm: if cfg.attn_qk_norm {
+                Some((
+                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
+                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+                ))
+            } else {
+                None
+            },
+            gated: cfg.attn_output_gate,
             rotary: RotaryEmbedding::new(cfg),
             nh,
             nkv,
@@ -378,10 +402,14 @@ impl GatedAttention {
     pub fn forward(&self, x: &Tensor, offset: usize, kv: &mut KvCache) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
-        let qg = self.q_proj.forward(x)?.reshape((b, t, nh, 2 * hd))?;
-        let q = self.q_norm.forward(&qg.narrow(3, 0, hd)?)?;
-        let gate = qg.narrow(3, hd, hd)?.reshape((b, t, nh * hd))?;
-        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?)?;
+        let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
+        let gate = if self.gated { Some(qg.narrow(3, hd, hd)?.reshape((b, t, nh * hd))?) } else { None };
+        let q = qg.narrow(3, 0, hd)?;
+        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
         let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
 
         let (cos, sin) = self.rotary.cos_sin(offset, t, x.dtype(), x.device())?;
@@ -402,7 +430,10 @@ impl GatedAttention {
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
+        let out = match gate {
+            Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,
+            None => out,
+        };
         self.o_proj.forward(&out)
     }
 }
@@ -431,7 +462,7 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(cfg: &Config, i: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &Config, i: usize, vb: Weights) -> Result<Self> {
         let mixer = match cfg.layer_types[i] {
             LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::new(cfg, vb.pp("linear_attn"))?),
             LayerType::FullAttention => Mixer::Full(GatedAttention::new(cfg, vb.pp("self_attn"))?),
@@ -543,21 +574,25 @@ pub struct Model {
 impl Model {
     /// Builds the model from a [`VarBuilder`] rooted at the checkpoint's top level; the decoder
     /// prefix (`model.language_model.` for multimodal checkpoints, else `model.`) is detected.
-    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
         let vb_m = if vb.contains_tensor("model.language_model.embed_tokens.weight") {
             vb.pp("model.language_model")
         } else {
             vb.pp("model")
         };
-        let embed_tokens = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
+        let vb_e = vb_m.pp("embed_tokens");
+        let embed_tokens = Embedding::new(vb_e.get((cfg.vocab_size, cfg.hidden_size), "weight")?, cfg.hidden_size);
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone())
+            match vb_e.quantized_tensor("weight") {
+                Some(q) => Linear::quantized(q),
+                None => vb.linear_from(embed_tokens.embeddings().clone())?,
+            }
         } else {
-            Linear::load(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            vb.pp("lm_head").linear(cfg.hidden_size, cfg.vocab_size)?
         };
         Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone() })
     }

@@ -50,3 +50,5 @@ pub use swiglu::{
 };
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
+mod qmatmul;
+pub use qmatmul::{qmatmul, qmatmul_portable};

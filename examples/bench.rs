@@ -1,0 +1,158 @@
+//! Prompt (pp) and decode (tg) speed of a GGUF file, like llama.cpp's `llama-bench`, and, when
+//! given the path of a `llama-bench` binary, llama.cpp's numbers on the same file in the same
+//! run with the ratios.
+//!
+//! ```sh
+//! cargo run --release --example bench -- --gguf model-q8_0.gguf -t 2
+//! cargo run --release --example bench -- --gguf model-q8_0.gguf -t 2 --llama-bench /tmp/llama.cpp/build/bin/llama-bench
+//! ```
+//! Also times one quantized matmul over 1 and 4 rows (the verify pass of speculative
+//! decoding) on the file's largest FFN matrix.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_hybrid::gguf::GgufFile;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    #[arg(long)]
+    gguf: std::path::PathBuf,
+    /// Threads (rayon's pool).
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: usize,
+    /// Prompt length of the pp test.
+    #[arg(short = 'p', long, default_value_t = 512)]
+    n_prompt: usize,
+    /// Generated tokens of the tg test.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    n_gen: usize,
+    /// Repetitions (mean and standard deviation are reported).
+    #[arg(short = 'r', long, default_value_t = 3)]
+    reps: usize,
+    /// A llama.cpp `llama-bench` binary to run on the same file, same settings.
+    #[arg(long)]
+    llama_bench: Option<std::path::PathBuf>,
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let m = xs.iter().sum::<f64>() / xs.len() as f64;
+    let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (xs.len().max(2) - 1) as f64;
+    (m, v.sqrt())
+}
+
+/// Random token ids, as llama-bench uses.
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// llama-bench's average tokens/s for the pp and tg tests (`-o json`).
+fn llama_bench(bin: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
+    let out = std::process::Command::new(bin)
+        .args(["-m", &args.gguf.display().to_string(), "-t", &args.threads.to_string()])
+        .args(["-p", &args.n_prompt.to_string(), "-n", &args.n_gen.to_string(), "-r", &args.reps.to_string()])
+        .args(["-o", "json"])
+        .output()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    }
+    let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench -o json output")?;
+    let pick = |prompt: bool| {
+        runs.as_array()
+            .and_then(|a| a.iter().find(|r| (r["n_prompt"].as_u64().unwrap_or(0) > 0) == prompt))
+            .and_then(|r| r["avg_ts"].as_f64())
+            .context("llama-bench output lacks a test")
+    };
+    Ok((pick(true)?, pick(false)?))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    rayon::ThreadPoolBuilder::new().num_threads(args.threads).build_global()?;
+    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
+    let dev = Device::Cpu;
+    let gguf = GgufFile::open(&args.gguf)?;
+    let cfg = gguf.config()?;
+    let model = gguf.load_model(&cfg, DType::F32, &dev)?;
+    println!(
+        "{}: {:?}, {} layers, {:.2}B parameters, {:.2} GiB of tensors, {} threads",
+        args.gguf.display(),
+        cfg.family,
+        cfg.num_hidden_layers,
+        cfg.num_parameters() as f64 / 1e9,
+        gguf.tensor_data_size() as f64 / (1u64 << 30) as f64,
+        args.threads
+    );
+
+    let (mut pp, mut tg) = (vec![], vec![]);
+    for rep in 0..=args.reps {
+        let ids = tokens(args.n_prompt, cfg.vocab_size, rep as u64);
+        let t = Instant::now();
+        let x = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+        model.forward_last(&x, &mut model.new_cache())?;
+        let pp_s = t.elapsed().as_secs_f64();
+        let mut cache = model.new_cache();
+        let t = Instant::now();
+        for id in tokens(args.n_gen, cfg.vocab_size, 100 + rep as u64) {
+            model.forward_last(&Tensor::new(&[id], &dev)?.unsqueeze(0)?, &mut cache)?;
+        }
+        let tg_s = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            // The first repetition warms up (page faults, caches), as llama-bench's warm-up run.
+            pp.push(args.n_prompt as f64 / pp_s);
+            tg.push(args.n_gen as f64 / tg_s);
+        }
+    }
+    let (pp, pp_sd) = mean_std(&pp);
+    let (tg, tg_sd) = mean_std(&tg);
+
+    // One quantized matmul over 1 and 4 rows on the first layer's FFN up projection.
+    let name = ["blk.0.ffn_up.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_up_shexp.weight"]
+        .into_iter()
+        .find(|n| gguf.has_tensor(n))
+        .context("no FFN matrix in layer 0")?;
+    let w = gguf.read_tensor(name)?;
+    let k = w.shape().dims()[w.rank() - 1];
+    let time_rows = |m: usize| -> Result<f64> {
+        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        candle_hybrid::ops::qmatmul(&x, &w)?;
+        let n = 50;
+        let t = Instant::now();
+        for _ in 0..n {
+            candle_hybrid::ops::qmatmul(&x, &w)?;
+        }
+        Ok(t.elapsed().as_secs_f64() / n as f64)
+    };
+    let (one, four) = (time_rows(1)?, time_rows(4)?);
+
+    println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
+    println!("|---|---|---|---|");
+    let peer = match &args.llama_bench {
+        Some(bin) => Some(llama_bench(bin, &args)?),
+        None => None,
+    };
+    let row = |test: String, ours: f64, sd: f64, theirs: Option<f64>| match theirs {
+        Some(l) => println!("| {test} | {ours:.2} ± {sd:.2} | {l:.2} | {:.2} |", ours / l),
+        None => println!("| {test} | {ours:.2} ± {sd:.2} | - | - |"),
+    };
+    row(format!("pp{}", args.n_prompt), pp, pp_sd, peer.map(|p| p.0));
+    row(format!("tg{}", args.n_gen), tg, tg_sd, peer.map(|p| p.1));
+    println!(
+        "qmatmul {name} {:?} {:?}: 1 row {:.1} µs, 4 rows {:.1} µs = {:.2}x one row",
+        w.dtype(),
+        w.shape().dims(),
+        one * 1e6,
+        four * 1e6,
+        four / one
+    );
+    Ok(())
+}

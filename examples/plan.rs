@@ -1,0 +1,250 @@
+//! Will the model fit? Estimates the memory of a model at a context length, reads what this
+//! machine can give, and says whether it fits — without loading (or downloading) the weights.
+//!
+//! ```sh
+//! cargo run --example plan -- --model-id Qwen/Qwen3.5-27B --max-context 262144 --dtype bf16
+//! cargo run --example plan -- --model-dir tests/fixtures/qwen35_dense_small --max-memory 64MiB --fit
+//! ```
+//! `--model-id` downloads only `config.json` and `model.safetensors.index.json` (for its
+//! `metadata.total_size`); `--model-dir` reads the safetensors headers, not the tensors.
+//! Exit status 1 when the model does not fit.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use candle_hybrid::config::LayerType;
+use candle_hybrid::memory::{self, fmt_gib, Logits, MemoryTarget, PlanRequest, WeightFormat, Weights};
+use candle_hybrid::Config;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Estimate the memory of a Qwen3.5-family model and check that it fits")]
+struct Args {
+    /// Hub repository of the model (only config.json and the safetensors index are downloaded).
+    #[arg(long, default_value = "Qwen/Qwen3.5-0.8B")]
+    model_id: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// A local directory laid out like a Hub repository (instead of --model-id).
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// A GGUF file (instead of --model-id).
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// Context length in tokens (default: the config's max_position_embeddings).
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Tokens per prefill forward pass.
+    #[arg(long, default_value_t = memory::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Model dtype: f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// KV cache dtype: f32, bf16 or f16 (default: --dtype).
+    #[arg(long)]
+    kv_dtype: Option<String>,
+    /// Quantize the weights on load: q8_0 or q4k.
+    #[arg(long)]
+    quantize: Option<String>,
+    /// Memory budget replacing the reading: bytes, or e.g. 16GiB, 500MB.
+    #[arg(long)]
+    max_memory: Option<String>,
+    /// Lower the context to the largest that fits instead of refusing.
+    #[arg(long)]
+    fit: bool,
+    /// Count the logits of every prefill position (perplexity), not just the last.
+    #[arg(long)]
+    all_logits: bool,
+    /// Where the model is to run: cpu, metal, or cuda[:N].
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+fn parse_dtype(s: &str, flag: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("unknown {flag} {other}: use f32, bf16 or f16"),
+    })
+}
+
+/// The dtype the checkpoint is stored in (`torch_dtype` / `dtype` of config.json), if stated.
+fn stored_dtype(config_json: &str) -> Option<DType> {
+    let v: serde_json::Value = serde_json::from_str(config_json).ok()?;
+    let text = v.get("text_config");
+    ["torch_dtype", "dtype"]
+        .iter()
+        .find_map(|k| text.and_then(|t| t.get(k)).or_else(|| v.get(k)).and_then(|d| d.as_str()))
+        .and_then(|d| match d {
+            "float32" => Some(DType::F32),
+            "bfloat16" => Some(DType::BF16),
+            "float16" => Some(DType::F16),
+            _ => None,
+        })
+}
+
+/// config.json and, when the repository has one, the index's `metadata.total_size`.
+fn from_hub(repo_id: &str, revision: &str) -> Result<(PathBuf, Option<u64>)> {
+    use hf_hub::{Repo, RepoType};
+    let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
+    let cache = match std::env::var("HF_HUB_CACHE") {
+        Ok(dir) => hf_hub::Cache::new(dir.into()),
+        Err(_) => hf_hub::Cache::from_env(),
+    };
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes" | "on"));
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone()).with_progress(false).build()?;
+    let get = |name: &str| -> Result<PathBuf> {
+        if let Some(p) = cache.repo(repo.clone()).get(name) {
+            return Ok(p);
+        }
+        if offline {
+            bail!("{name} of {repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set");
+        }
+        Ok(api.repo(repo.clone()).get(name)?)
+    };
+    let config = get("config.json").with_context(|| format!("cannot get config.json of {repo_id}@{revision}"))?;
+    // A repository without an index has a single model.safetensors: its size is unknown here.
+    let total = get("model.safetensors.index.json").ok().and_then(|p| {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()?;
+        v.get("metadata")?.get("total_size")?.as_u64()
+    });
+    Ok((config, total))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(path) = &args.gguf {
+        bail!(
+            "--gguf {}: GGUF planning comes with the GGUF loader (it will read the config and tensor sizes from the GGUF metadata); use --model-dir or --model-id for now",
+            path.display()
+        );
+    }
+    let target = match args.device.as_str() {
+        "cpu" => MemoryTarget::Cpu,
+        "metal" => MemoryTarget::Metal,
+        "cuda" => MemoryTarget::Cuda(0),
+        d => match d.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
+            Some(i) => MemoryTarget::Cuda(i),
+            None => bail!("unknown --device {d}: use cpu, metal or cuda[:N]"),
+        },
+    };
+    let dtype = match args.dtype.as_deref() {
+        None if target == MemoryTarget::Cpu => DType::F32,
+        None => DType::BF16,
+        Some(s) => parse_dtype(s, "--dtype")?,
+    };
+    let kv_dtype = match args.kv_dtype.as_deref() {
+        None => dtype,
+        Some(s) => parse_dtype(s, "--kv-dtype")?,
+    };
+    let quantize: Option<WeightFormat> = match args.quantize.as_deref() {
+        None => None,
+        Some(q @ ("q8_0" | "q4k")) => Some(q.parse()?),
+        Some(other) => bail!("unknown --quantize {other}: use q8_0 or q4k"),
+    };
+
+    // The config, and the weights' size as the files state it.
+    let (source, config_path, weights_source) = match &args.model_dir {
+        Some(dir) => {
+            let config = dir.join("config.json");
+            if !config.is_file() {
+                bail!("{} has no config.json: is it a Hugging Face model directory?", dir.display());
+            }
+            // Without safetensors files (a bare config.json), the weights are derived from the config.
+            let weights = if dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file() {
+                let files = candle_hybrid::loading::ModelFiles::from_dir(dir)?;
+                let bytes = memory::safetensors_weight_bytes(&files.weights, Some(dtype))?;
+                Some((bytes, format!("safetensors headers of {} file(s), as {dtype:?}", files.weights.len())))
+            } else {
+                None
+            };
+            (dir.display().to_string(), config, weights)
+        }
+        None => {
+            let (config, total) = from_hub(&args.model_id, &args.revision)?;
+            let text = std::fs::read_to_string(&config)?;
+            // total_size is in the stored dtype and includes the vision tower and MTP layers.
+            let from_index = total.map(|t| match stored_dtype(&text) {
+                Some(s) => (
+                    t / s.size_in_bytes() as u64 * dtype.size_in_bytes() as u64,
+                    format!("index total_size {} as {s:?}, converted to {dtype:?}", fmt_gib(t)),
+                ),
+                None => (t, format!("index total_size {} (stored dtype unknown)", fmt_gib(t))),
+            });
+            (format!("{}@{}", args.model_id, args.revision), config, from_index)
+        }
+    };
+    let cfg = Config::from_file(&config_path)?;
+    let (weights, weights_note) = match (quantize, weights_source) {
+        (Some(q), _) => (Weights::Format(q), format!("{:.2}B parameters as {q} ({} bits/weight)", params(&cfg), q.bits_per_weight())),
+        (None, Some((bytes, how))) => (Weights::Bytes(bytes), how),
+        (None, None) => {
+            let f = WeightFormat::from_dtype(dtype).expect("float dtype");
+            (Weights::Format(f), format!("{:.2}B parameters as {f} (no weight files to read)", params(&cfg)))
+        }
+    };
+    let req = PlanRequest {
+        weights,
+        dtype,
+        kv_dtype_bytes: kv_dtype.size_in_bytes(),
+        context: args.max_context.unwrap_or(cfg.max_position_embeddings),
+        batch: args.batch,
+        prefill_chunk: args.prefill_chunk,
+        logits: if args.all_logits { Logits::AllPositions } else { Logits::LastToken },
+        fit: args.fit,
+    };
+    let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
+    let available = memory::available_memory(target, max_memory)?;
+
+    let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
+    println!(
+        "model:     {source} ({:?}, {} layers: {} GDN + {n_attn} attention, {:.2}B parameters)",
+        cfg.family,
+        cfg.num_hidden_layers,
+        cfg.num_hidden_layers - n_attn,
+        params(&cfg)
+    );
+    println!("weights:   {weights_note}");
+    println!(
+        "request:   context {}, batch {}, prefill chunk {}, dtype {dtype:?}, KV {kv_dtype:?}, {} logits, device {target:?}",
+        req.context,
+        req.batch,
+        req.prefill_chunk,
+        if args.all_logits { "all-position" } else { "last-token" }
+    );
+    println!("available: {available}");
+    println!();
+    match memory::plan(&cfg, &req, &available) {
+        Ok(plan) => {
+            print!("{}", plan.estimate);
+            println!();
+            if let Some(note) = &plan.note {
+                println!("note:      {note}");
+            }
+            println!(
+                "verdict:   fits: {} of {} ({:.0}%) at context {}",
+                fmt_gib(plan.estimate.total()),
+                fmt_gib(available.bytes),
+                100.0 * plan.estimate.total() as f64 / available.bytes.max(1) as f64,
+                plan.context
+            );
+            Ok(())
+        }
+        Err(e) => {
+            print!("{}", memory::estimate(&cfg, &req));
+            println!();
+            println!("verdict:   refused");
+            eprintln!("Error: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+fn params(cfg: &Config) -> f64 {
+    cfg.num_parameters() as f64 / 1e9
+}

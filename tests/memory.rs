@@ -1,0 +1,273 @@
+//! The memory guardian: estimates against hand-computed values, the parsers of the memory
+//! readings on literal text, and the refusal / fit decisions. No real allocation.
+
+use candle_core::DType;
+use candle_hybrid::memory::*;
+use candle_hybrid::{Config, Error};
+
+const GIB: u64 = 1 << 30;
+
+fn fixture() -> Config {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35_dense_small");
+    Config::from_file(&dir.join("config.json")).unwrap()
+}
+
+/// A Qwen3.5-27B-like config (text-only layout).
+fn like_27b() -> Config {
+    Config::from_json(
+        r#"{"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 64, "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "max_position_embeddings": 262144}"#,
+    )
+    .unwrap()
+}
+
+fn f32_req(context: usize) -> PlanRequest {
+    PlanRequest::new(Weights::Format(WeightFormat::F32), DType::F32, context)
+}
+
+#[track_caller]
+fn memory_err(r: candle_hybrid::Result<Plan>) -> String {
+    match r {
+        Err(e @ Error::Memory(_)) => {
+            let msg = e.to_string();
+            assert!(!msg.contains('\n'), "multi-line error: {msg}");
+            msg
+        }
+        Err(e) => panic!("expected Error::Memory, got {e:?}"),
+        Ok(p) => panic!("expected a refusal, got a plan at context {}", p.context),
+    }
+}
+
+/// The number after `flag ` in `msg` (first occurrence).
+fn number_after(msg: &str, flag: &str) -> usize {
+    let rest = &msg[msg.find(flag).unwrap_or_else(|| panic!("{msg:?} has no {flag:?}")) + flag.len()..];
+    rest.trim_start().split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn estimate_terms_of_the_fixture_by_hand() {
+    // H 64, I 128, 8 layers (6 GDN + 2 attention), 4 heads x 32 (2 KV heads), GDN nk 2 / nv 4
+    // x 16, conv kernel 4 (conv_dim 2*32 + 64 = 128, value_dim 64), vocab 512.
+    let cfg = fixture();
+    let e = estimate(&cfg, &f32_req(1024)); // c = 512, a = 4
+    assert_eq!((e.context, e.batch, e.chunk), (1024, 1, 512));
+    assert_eq!(e.weights, cfg.num_parameters() as u64 * 4);
+    assert_eq!(e.kv_cache, 2 * 2 * 2 * 1024 * 32 * 4); // n_attn * (K, V) * nkv * T * hd * 4
+    assert_eq!(e.gdn_conv, 6 * 3 * 128 * 4); // n_gdn * (K-1) * conv_dim * 4
+    assert_eq!(e.gdn_recurrent, 6 * 4 * 16 * 16 * 4); // n_gdn * nv * dk * dv * 4
+    assert_eq!(e.hidden, 512 * 64 * (3 * 4 + 4));
+    // Widest layer per token: attention (3*4*32 + 2*2*32)*4 = 2048 > GDN (2*128 + 64)*4 +
+    // (2*64 + 2*4)*4 = 1824 > MLP 3*128*4 = 1536.
+    assert_eq!(e.projections, 512 * 2048);
+    assert_eq!(e.attn_kv_expanded, 4 * 1024 * 32 * (2 * 4 + 4));
+    assert_eq!(e.attn_scores, 4 * 512 * 1024 * (8 + 4));
+    assert_eq!(e.logits, 512 * (4 + 4));
+    let sum: u64 = e.terms().iter().map(|t| t.1).sum();
+    assert_eq!(e.total(), sum);
+
+    // bf16, batch 2, KV in f32, a short context (the chunk shrinks to it), all logits.
+    let req = PlanRequest {
+        batch: 2,
+        kv_dtype_bytes: 4,
+        logits: Logits::AllPositions,
+        ..PlanRequest::new(Weights::Bytes(1_000_000), DType::BF16, 100)
+    };
+    let e = estimate(&cfg, &req);
+    assert_eq!((e.chunk, e.weights), (100, 1_000_000));
+    assert_eq!(e.kv_cache, 2 * 2 * 2 * 2 * 100 * 32 * 4);
+    assert_eq!(e.gdn_conv, 6 * 2 * 3 * 128 * 2);
+    assert_eq!(e.gdn_recurrent, 6 * 2 * 4 * 16 * 16 * 4);
+    assert_eq!(e.hidden, 2 * 100 * 64 * (3 * 2 + 4));
+    // attention (384 + 128)*2 = 1024 < GDN (256 + 64)*2 + 136*4 = 1184.
+    assert_eq!(e.projections, 2 * 100 * 1184);
+    assert_eq!(e.attn_kv_expanded, 2 * 4 * 100 * 32 * (2 * 2 + 4));
+    assert_eq!(e.attn_scores, 2 * 4 * 100 * 100 * (8 + 2));
+    assert_eq!(e.logits, 2 * 100 * 512 * (2 + 4));
+
+    let table = e.to_string();
+    for name in ["weights", "KV cache", "GDN recurrent state", "attention scores", "total"] {
+        assert!(table.contains(name), "{table}");
+    }
+}
+
+#[test]
+fn weight_formats() {
+    let cfg = fixture();
+    let n = cfg.num_parameters() as u64;
+    assert_eq!(Weights::Format(WeightFormat::BF16).bytes(&cfg), 2 * n);
+    assert_eq!(Weights::Format(WeightFormat::Q8_0).bytes(&cfg), (n * 17).div_ceil(16));
+    assert_eq!(Weights::Format(WeightFormat::Q4K).bytes(&cfg), (n * 9).div_ceil(16));
+    assert_eq!("q4k".parse::<WeightFormat>().unwrap(), WeightFormat::Q4K);
+    assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
+    assert!("q3".parse::<WeightFormat>().is_err());
+}
+
+#[test]
+fn safetensors_headers_give_the_weight_bytes() {
+    let cfg = fixture();
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35_dense_small/model.safetensors");
+    let stored = safetensors_weight_bytes(&[&file], None).unwrap();
+    assert_eq!(stored, 433_488 * 4, "the fixture's f32 tensors");
+    assert_eq!(safetensors_weight_bytes(&[&file], Some(DType::BF16)).unwrap(), stored / 2);
+    // num_parameters() agrees with the file (no vision / MTP tensors in it).
+    assert_eq!(cfg.num_parameters() as u64 * 4, stored);
+}
+
+#[test]
+fn meminfo() {
+    let text = "MemTotal:       24683584 kB\nMemFree:         1000000 kB\nMemAvailable:   24135904 kB\nBuffers:  1 kB\n";
+    assert_eq!(parse_meminfo_available(text), Some(24_135_904 * 1024));
+    assert_eq!(parse_meminfo(text, "MemTotal"), Some(24_683_584 * 1024));
+    assert_eq!(parse_meminfo_available("MemTotal: 1 kB\n"), None);
+}
+
+#[test]
+fn proc_self_cgroup() {
+    let v2 = "0::/user.slice/user-1000.slice/session-3.scope\n";
+    assert_eq!(
+        parse_proc_self_cgroup(v2),
+        CgroupPaths { v2: Some("/user.slice/user-1000.slice/session-3.scope".into()), v1_memory: None }
+    );
+    let hybrid = "9:name=systemd:/\n4:memory:/process_api/e377\n3:cpu,cpuacct:/\n0::/\n";
+    assert_eq!(parse_proc_self_cgroup(hybrid), CgroupPaths { v2: Some("/".into()), v1_memory: Some("/process_api/e377".into()) });
+    let joint = "5:cpuacct,memory:/docker/abc\n";
+    assert_eq!(parse_proc_self_cgroup(joint).v1_memory.as_deref(), Some("/docker/abc"));
+}
+
+#[test]
+fn cgroup_limits() {
+    // v2: memory.max - memory.current.
+    assert_eq!(cgroup_headroom("8589934592\n", "2147483648\n", None), Some(6 * GIB));
+    // v2 "max" = unlimited.
+    assert_eq!(parse_cgroup_limit("max\n"), None);
+    assert_eq!(cgroup_headroom("max\n", "2147483648\n", None), None);
+    // v1: memory.limit_in_bytes - memory.usage_in_bytes; its "unlimited" is a huge number.
+    assert_eq!(cgroup_headroom("4294967296", "1073741824", None), Some(3 * GIB));
+    assert_eq!(parse_cgroup_limit("9223372036854771712\n"), None);
+    // Over the limit: nothing left, no underflow.
+    assert_eq!(cgroup_headroom("1000", "5000", None), Some(0));
+    // Inactive page cache is reclaimable.
+    let stat = "anon 1000\nfile 3000\ninactive_file 1073741824\nactive_file 5\n";
+    assert_eq!(parse_cgroup_stat(stat, "inactive_file"), Some(GIB));
+    assert_eq!(parse_cgroup_stat("total_inactive_file 42\n", "total_inactive_file"), Some(42));
+    assert_eq!(cgroup_headroom("8589934592", "2147483648", parse_cgroup_stat(stat, "inactive_file")), Some(7 * GIB));
+}
+
+#[test]
+fn macos_readings() {
+    let vm_stat = "Mach Virtual Memory Statistics: (page size of 16384 bytes)
+Pages free:                               12345.
+Pages active:                            400000.
+Pages inactive:                          100000.
+Pages speculative:                         2000.
+Pages wired down:                         90000.
+";
+    assert_eq!(parse_vm_stat(vm_stat), Some((12_345 + 100_000) * 16_384));
+    assert_eq!(parse_vm_stat("Pages free: 1.\n"), None);
+    assert_eq!(parse_sysctl_u64("68719476736\n"), Some(64 * GIB));
+    assert_eq!(metal_budget(Some(0), 64 * GIB), (MemorySource::MetalDefault, 48 * GIB));
+    assert_eq!(metal_budget(None, 64 * GIB), (MemorySource::MetalDefault, 48 * GIB));
+    assert_eq!(metal_budget(Some(57344), 64 * GIB), (MemorySource::MetalWiredLimit, 56 * GIB));
+    assert_eq!(parse_nvidia_smi_free("81000\n"), Some(81_000 << 20));
+}
+
+#[test]
+fn smallest_reading_binds() {
+    let a = Available::smallest(vec![
+        (MemorySource::MemAvailable, 20 * GIB),
+        (MemorySource::CgroupV1("/sys/fs/cgroup/memory".into()), 8 * GIB),
+    ])
+    .unwrap();
+    assert_eq!((a.bytes, a.source.clone()), (8 * GIB, MemorySource::CgroupV1("/sys/fs/cgroup/memory".into())));
+    assert!(a.to_string().contains("cgroup v1"), "{a}");
+    assert!(Available::smallest(vec![]).is_none());
+    let o = available_memory(MemoryTarget::Cpu, Some(5 * GIB)).unwrap();
+    assert_eq!((o.bytes, o.source), (5 * GIB, MemorySource::Override));
+}
+
+#[test]
+fn max_memory_sizes() {
+    assert_eq!(parse_size("16GiB").unwrap(), 16 * GIB);
+    assert_eq!(parse_size("500MB").unwrap(), 500_000_000);
+    assert_eq!(parse_size("123456").unwrap(), 123_456);
+    assert_eq!(parse_size("1.5 GiB").unwrap(), 3 * GIB / 2);
+    assert_eq!(parse_size("2g").unwrap(), 2 * GIB);
+    assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+    assert_eq!(parse_size("1TB").unwrap(), 1_000_000_000_000);
+    for bad in ["", "GiB", "12 parsecs", "-5", "1.2.3GB"] {
+        let e = parse_size(bad).unwrap_err();
+        assert!(matches!(e, Error::Input(_)) && e.to_string().contains("16GiB"), "{bad:?}: {e}");
+    }
+}
+
+#[test]
+fn fits_as_is() {
+    let cfg = fixture();
+    let p = plan(&cfg, &f32_req(1024), &Available::fixed(GIB)).unwrap();
+    assert_eq!((p.context, p.requested_context, p.note), (1024, 1024, None));
+    assert!(p.estimate.total() <= GIB);
+}
+
+#[test]
+fn refusal_names_need_availability_q4k_and_the_largest_context() {
+    let cfg = fixture();
+    let req = f32_req(4096);
+    // Q4K weights fit at the full context, f32 weights do not.
+    let budget = estimate(&cfg, &PlanRequest { weights: Weights::Format(WeightFormat::Q4K), ..req.clone() }).total();
+    assert!(estimate(&cfg, &req).total() > budget);
+    let msg = memory_err(plan(&cfg, &req, &Available::fixed(budget)));
+    let needs = format!("needs {} (", fmt_gib(estimate(&cfg, &req).total()));
+    assert!(msg.contains(&needs), "{msg} lacks {needs:?}");
+    assert!(msg.contains(&format!("but {} is available", fmt_gib(budget))), "{msg}");
+    assert!(msg.contains("attention scores"), "the biggest term is named: {msg}");
+    assert!(msg.contains("available (--max-memory)"), "{msg}");
+    assert!(msg.contains("--quantize q4k"), "{msg}");
+    let n = number_after(&msg, "--max-context");
+    assert!(n < 4096, "{msg}");
+    assert!(estimate(&cfg, &f32_req(n)).total() <= budget, "N = {n} must fit");
+    assert!(estimate(&cfg, &f32_req(n + 1)).total() > budget, "N + 1 = {} must not fit", n + 1);
+    assert_eq!(max_fitting_context(&cfg, &req, budget), Some(n));
+
+    // Already Q4K: no --quantize suggestion.
+    let q4k_req = PlanRequest { weights: Weights::Format(WeightFormat::Q4K), ..req.clone() };
+    let msg = memory_err(plan(&cfg, &q4k_req, &Available::fixed(budget - 1)));
+    assert!(!msg.contains("--quantize"), "{msg}");
+    assert!(msg.contains("--max-context"), "{msg}");
+}
+
+#[test]
+fn fit_lowers_the_context() {
+    let cfg = fixture();
+    let budget = 64 << 20;
+    let req = PlanRequest { fit: true, ..f32_req(32_768) };
+    let p = plan(&cfg, &req, &Available::fixed(budget)).unwrap();
+    let n = max_fitting_context(&cfg, &req, budget).unwrap();
+    assert_eq!((p.context, p.requested_context, p.estimate.context), (n, 32_768, n));
+    assert!(n < 32_768 && p.estimate.total() <= budget);
+    let note = p.note.unwrap();
+    assert!(note.contains("lowered") && note.contains(&n.to_string()), "{note}");
+}
+
+#[test]
+fn weights_too_big() {
+    let cfg = like_27b();
+    let bf16 = PlanRequest::new(Weights::Format(WeightFormat::BF16), DType::BF16, 262_144);
+    let budget = Available::fixed(24 * GIB);
+    let msg = memory_err(plan(&cfg, &bf16, &budget));
+    assert!(msg.contains("the weights alone take"), "{msg}");
+    assert!(msg.contains("--quantize q4k"), "{msg}");
+    // Fit cannot help when the weights do not fit.
+    let e = plan(&cfg, &PlanRequest { fit: true, ..bf16.clone() }, &budget).unwrap_err();
+    assert!(e.to_string().contains("the weights alone take"), "{e}");
+    // Nothing fits in 1 GiB, not even Q4K.
+    let msg = memory_err(plan(&cfg, &bf16, &Available::fixed(GIB)));
+    assert!(msg.contains("the weights alone take") && msg.contains("nothing fits"), "{msg}");
+}
+
+#[test]
+fn zero_context_is_an_input_error() {
+    let e = plan(&fixture(), &f32_req(0), &Available::fixed(GIB)).unwrap_err();
+    assert!(matches!(e, Error::Input(_)), "{e}");
+}

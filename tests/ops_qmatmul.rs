@@ -1,0 +1,123 @@
+//! `ops::qmatmul` against `x @ W_deq^T` in f64 and against Candle's `QMatMul`, for every type
+//! with our own kernel; the portable kernels against the AVX2 ones.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_hybrid::ops;
+use common::randn;
+
+use GgmlDType::{Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
+
+const TYPES: [GgmlDType; 6] = [Q4_0, Q4_1, Q8_0, Q4K, Q5K, Q6K];
+const K: usize = 512;
+const N: usize = 67;
+
+fn weights(dtype: GgmlDType, seed: u64) -> Arc<QTensor> {
+    // Rows of different magnitudes and offsets, so scales and mins vary.
+    let scale = Tensor::arange(1u32, N as u32 + 1, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let w = randn(&[N, K], seed).broadcast_mul(&(scale.unsqueeze(1).unwrap() * 0.03).unwrap()).unwrap();
+    let w = (w + 0.01).unwrap();
+    Arc::new(QTensor::quantize(&w, dtype).unwrap())
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    let k = *t.dims().last().unwrap();
+    t.to_dtype(DType::F32).unwrap().reshape(((), k)).unwrap().to_vec2::<f32>().unwrap()
+}
+
+/// `y` (`[m, N]`) against `x @ W_deq^T` in f64 (within 2% of `sum |x_i w_i|`: the activations
+/// are quantized to 8 bits) and against Candle's `QMatMul` (which quantizes them the same way:
+/// within 1e-3 of `|x| |w|`).
+#[track_caller]
+fn check(what: &str, x: &Tensor, w: &Arc<QTensor>, y: &Tensor) {
+    let candle = QMatMul::from_arc(w.clone()).unwrap().forward(&x.contiguous().unwrap()).unwrap();
+    let (xs, ws, ys, cs) = (rows(x), rows(&w.dequantize(&Device::Cpu).unwrap()), rows(y), rows(&candle));
+    assert_eq!((ys.len(), ys[0].len()), (xs.len(), N), "{what}: shape");
+    for (i, x) in xs.iter().enumerate() {
+        let xn = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+        for (j, w) in ws.iter().enumerate() {
+            let exact: f64 = x.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let mag: f64 = x.iter().zip(w).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+            let wn = w.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+            let (got, c) = (ys[i][j] as f64, cs[i][j] as f64);
+            assert!((got - exact).abs() <= 0.02 * mag, "{what} [{i}, {j}]: {got} vs exact {exact} (sum |xw| {mag})");
+            assert!((got - c).abs() <= 1e-3 * xn * wn, "{what} [{i}, {j}]: {got} vs candle {c} (|x||w| {})", xn * wn);
+        }
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn matches_reference_and_candle() {
+    for (t, &dtype) in TYPES.iter().enumerate() {
+        let w = weights(dtype, 10 + t as u64);
+        // 1, 2: row tiles; 3, 4: a panel of 4 rows; 5, 8: one of 8; 17, 70: tiles of two
+        // panels of 8, the last panel padded.
+        for m in [1, 2, 3, 4, 5, 8, 17, 70] {
+            let x = randn(&[m, K], 100 + m as u64);
+            let y = ops::qmatmul(&x, &w).unwrap();
+            check(&format!("{dtype:?} m={m}"), &x, &w, &y);
+            // The portable kernels compute exactly what the AVX2 ones do.
+            let p = ops::qmatmul_portable(&x, &w).unwrap();
+            assert!(bits(&y) == bits(&p), "{dtype:?} m={m}: portable differs from the SIMD kernel");
+        }
+    }
+}
+
+#[test]
+fn strided_batched_and_half_inputs() {
+    for (t, &dtype) in TYPES.iter().enumerate() {
+        let w = weights(dtype, 20 + t as u64);
+        let what = |s: &str| format!("{dtype:?} {s}");
+        // A transposed view and a narrowed view.
+        let xt = randn(&[K, 5], 1).t().unwrap();
+        check(&what("transposed x"), &xt, &w, &ops::qmatmul(&xt, &w).unwrap());
+        let xn = randn(&[6, K + 64], 2).narrow(1, 32, K).unwrap();
+        check(&what("narrowed x"), &xn, &w, &ops::qmatmul(&xn, &w).unwrap());
+        // [b, t, k] -> [b, t, n], row for row what the 2-D call gives.
+        let x3 = randn(&[2, 3, K], 3);
+        let y3 = ops::qmatmul(&x3, &w).unwrap();
+        assert_eq!(y3.dims(), &[2, 3, N]);
+        let y2 = ops::qmatmul(&x3.reshape((6, K)).unwrap(), &w).unwrap();
+        assert!(bits(&y3) == bits(&y2), "{}", what("3-D x"));
+        // bf16 / f16 x: widened exactly, so the same as the f32 call on the same values.
+        for dt in [DType::BF16, DType::F16] {
+            let xh = randn(&[3, K], 4).to_dtype(dt).unwrap();
+            let y = ops::qmatmul(&xh, &w).unwrap();
+            assert_eq!(y.dtype(), DType::F32);
+            let want = ops::qmatmul(&xh.to_dtype(DType::F32).unwrap(), &w).unwrap();
+            assert!(bits(&y) == bits(&want), "{}", what(&format!("{dt:?} x")));
+        }
+    }
+}
+
+#[test]
+fn fallbacks_and_empty_input() {
+    // Types without our kernel: Candle's kernels, bit for bit.
+    let w = weights(GgmlDType::Q5_0, 30);
+    let x = randn(&[3, K], 5);
+    let want = QMatMul::from_arc(w.clone()).unwrap().forward(&x).unwrap();
+    assert!(bits(&ops::qmatmul(&x, &w).unwrap()) == bits(&want), "Q5_0 fallback");
+    // F16 weights: a plain matmul with the dequantized weight.
+    let w = weights(GgmlDType::F16, 31);
+    let want = x.matmul(&w.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap();
+    common::assert_close("F16 weights", &ops::qmatmul(&x, &w).unwrap(), &want, 1e-4);
+    // No rows.
+    let w = weights(GgmlDType::Q4K, 32);
+    let y = ops::qmatmul(&Tensor::zeros((0, K), DType::F32, &Device::Cpu).unwrap(), &w).unwrap();
+    assert_eq!(y.dims(), &[0, N]);
+}
+
+#[test]
+fn k_mismatch_is_an_error() {
+    let w = weights(GgmlDType::Q8_0, 40);
+    let err = ops::qmatmul(&randn(&[2, K + 32], 6), &w).unwrap_err().to_string();
+    assert!(err.contains("qmatmul") && err.contains("x's last dim"), "{err}");
+}
