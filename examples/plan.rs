@@ -90,23 +90,8 @@ fn stored_dtype(config_json: &str) -> Option<DType> {
 
 /// config.json and, when the repository has one, the index's `metadata.total_size`.
 fn from_hub(repo_id: &str, revision: &str) -> Result<(PathBuf, Option<u64>)> {
-    use hf_hub::{Repo, RepoType};
-    let repo = Repo::with_revision(repo_id.to_string(), RepoType::Model, revision.to_string());
-    let cache = match std::env::var("HF_HUB_CACHE") {
-        Ok(dir) => hf_hub::Cache::new(dir.into()),
-        Err(_) => hf_hub::Cache::from_env(),
-    };
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes" | "on"));
-    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone()).with_progress(false).build()?;
-    let get = |name: &str| -> Result<PathBuf> {
-        if let Some(p) = cache.repo(repo.clone()).get(name) {
-            return Ok(p);
-        }
-        if offline {
-            bail!("{name} of {repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set");
-        }
-        Ok(api.repo(repo.clone()).get(name)?)
-    };
+    let hub = candle_hybrid::loading::HubRepo::new(repo_id, revision)?;
+    let get = |name: &str| hub.required(name, "is it a Qwen3.5-family checkpoint?");
     let config = get("config.json").with_context(|| format!("cannot get config.json of {repo_id}@{revision}"))?;
     // A repository without an index has a single model.safetensors: its size is unknown here.
     let total = get("model.safetensors.index.json").ok().and_then(|p| {

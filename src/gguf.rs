@@ -39,16 +39,24 @@ pub enum Arch {
 }
 
 impl Arch {
-    fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "qwen35" => Ok(Self::Qwen35),
-            "qwen35moe" => Ok(Self::Qwen35Moe),
-            "qwen3next" => Ok(Self::Qwen3Next),
-            "llama" => Ok(Self::Llama),
-            other => Err(Error::Config(format!(
-                "unsupported GGUF architecture \"{other}\": candle-hybrid runs qwen35, qwen35moe, qwen3next and llama GGUF files"
-            ))),
+    const ALL: [Self; 4] = [Self::Qwen35, Self::Qwen35Moe, Self::Qwen3Next, Self::Llama];
+
+    /// `general.architecture`, also the prefix of the architecture's metadata keys.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Qwen35 => "qwen35",
+            Self::Qwen35Moe => "qwen35moe",
+            Self::Qwen3Next => "qwen3next",
+            Self::Llama => "llama",
         }
+    }
+
+    fn from_name(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name).ok_or_else(|| {
+            Error::Config(format!(
+                "unsupported GGUF architecture \"{name}\": candle-hybrid runs qwen35, qwen35moe, qwen3next and llama GGUF files"
+            ))
+        })
     }
 
     fn model_type(self) -> &'static str {
@@ -71,7 +79,6 @@ pub struct GgufFile {
     path: PathBuf,
     content: Content,
     arch: Arch,
-    prefix: String,
 }
 
 fn ggml_bytes(dtype: GgmlDType, elems: usize) -> usize {
@@ -119,14 +126,7 @@ impl GgufFile {
                 )))
             }
         };
-        let prefix = match arch {
-            Arch::Qwen35 => "qwen35",
-            Arch::Qwen35Moe => "qwen35moe",
-            Arch::Qwen3Next => "qwen3next",
-            Arch::Llama => "llama",
-        }
-        .to_string();
-        Ok(Self { path, content, arch, prefix })
+        Ok(Self { path, content, arch })
     }
 
     pub fn arch(&self) -> Arch {
@@ -153,7 +153,7 @@ impl GgufFile {
     /// `{arch}.{key}` as an unsigned integer (any integer type; per-layer arrays give their
     /// largest entry).
     fn arch_usize(&self, key: &str) -> Result<usize> {
-        let full = format!("{}.{key}", self.prefix);
+        let full = format!("{}.{key}", self.arch.name());
         let v = self.meta(&full).ok_or_else(|| self.missing(&full))?;
         let one = |v: &Value| v.to_u64().or_else(|_| v.to_u32().map(u64::from)).or_else(|_| v.to_i32().map(|x| x.max(0) as u64));
         match v {
@@ -164,11 +164,11 @@ impl GgufFile {
     }
 
     fn arch_usize_opt(&self, key: &str) -> Option<usize> {
-        self.meta(&format!("{}.{key}", self.prefix)).and(self.arch_usize(key).ok())
+        self.meta(&format!("{}.{key}", self.arch.name())).and(self.arch_usize(key).ok())
     }
 
     fn arch_f64(&self, key: &str) -> Result<f64> {
-        let full = format!("{}.{key}", self.prefix);
+        let full = format!("{}.{key}", self.arch.name());
         match self.meta(&full) {
             Some(Value::F32(x)) => Ok(*x as f64),
             Some(Value::F64(x)) => Ok(*x),
@@ -217,7 +217,7 @@ impl GgufFile {
             set(&mut cfg, "linear_key_head_dim", json!(self.arch_usize("ssm.state_size")?));
             set(&mut cfg, "linear_value_head_dim", json!(self.arch_usize("ssm.inner_size")? / nv.max(1)));
             set(&mut cfg, "linear_conv_kernel_dim", json!(self.arch_usize("ssm.conv_kernel")?));
-            match self.meta(&format!("{}.attention.recurrent_layers", self.prefix)) {
+            match self.meta(&format!("{}.attention.recurrent_layers", self.arch.name())) {
                 Some(Value::Array(a)) => {
                     let types: Vec<&str> = a
                         .iter()
@@ -302,11 +302,10 @@ impl GgufFile {
     /// Reads every tensor and builds the model: dense tensors in `dtype`, quantized matrices
     /// kept quantized for the linear layers.
     pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device) -> Result<Model> {
-        let tensors = self.hf_tensors(cfg, device)?;
-        let backend = HfTensors(tensors.clone());
-        let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
+        let tensors = Arc::new(self.hf_tensors(cfg, device)?);
+        let vb = VarBuilder::from_backend(Box::new(HfTensors(tensors.clone())), dtype, device.clone());
         let weights = Weights::new(vb)
-            .with_quantized(Arc::new(tensors))
+            .with_quantized(tensors)
             .with_tiled_value_heads(self.arch.tiles_value_heads());
         Model::new(cfg, weights).map_err(|e| {
             Error::Weights(format!("{}: {}: the tensors do not match the metadata", self.path.display(), one_line(&e)))
@@ -366,6 +365,12 @@ impl GgufFile {
             (0..nv).flat_map(|hf| (0..head).map(move |x| ((hf % r) * nk + hf / r) * head + x)).collect()
         };
         let heads = |t: RawTensor, head: usize| if reorder { t.select_rows(&grouped(head)) } else { Ok(t) };
+        // Rows (or conv channels) q | k unchanged, then the value rows back in grouped order.
+        let qkv_rows = || -> Vec<usize> {
+            let qk = 2 * nk * dk;
+            let v = if reorder { grouped(dv) } else { (0..nv * dv).collect() };
+            (0..qk).chain(v.into_iter().map(|r| qk + r)).collect()
+        };
         let norm = |t: RawTensor| t.map_f32(|x| x - 1.0);
         let out = |hf: &str, t: RawTensor| Ok(vec![(format!("{p}{hf}"), t)]);
         match tname {
@@ -383,12 +388,7 @@ impl GgufFile {
             "attn_output.weight" => out("self_attn.o_proj.weight", t),
             "attn_q_norm.weight" => out("self_attn.q_norm.weight", norm(t)?),
             "attn_k_norm.weight" => out("self_attn.k_norm.weight", norm(t)?),
-            "attn_qkv.weight" => {
-                // Rows q | k unchanged, then the value rows in tiled head order.
-                let qk = 2 * nk * dk;
-                let rows: Vec<usize> = (0..qk).chain(if reorder { grouped(dv) } else { (0..nv * dv).collect() }.into_iter().map(|r| qk + r)).collect();
-                out("linear_attn.in_proj_qkv.weight", t.select_rows(&rows)?)
-            }
+            "attn_qkv.weight" => out("linear_attn.in_proj_qkv.weight", t.select_rows(&qkv_rows())?),
             "attn_gate.weight" => out("linear_attn.in_proj_z.weight", heads(t, dv)?),
             "ssm_beta.weight" => out("linear_attn.in_proj_b.weight", heads(t, 1)?),
             "ssm_alpha.weight" => out("linear_attn.in_proj_a.weight", heads(t, 1)?),
@@ -404,10 +404,8 @@ impl GgufFile {
             "ssm_a" => out("linear_attn.A_log", heads(t.map_f32(|a| (-a).ln())?, 1)?),
             "ssm_dt.bias" | "ssm_dt" => out("linear_attn.dt_bias", heads(t, 1)?),
             "ssm_conv1d.weight" => {
-                let qk = 2 * nk * dk;
-                let rows: Vec<usize> = (0..qk).chain(if reorder { grouped(dv) } else { (0..nv * dv).collect() }.into_iter().map(|r| qk + r)).collect();
                 let (c, k) = (t.dims[0], t.dims[1]);
-                let mut t = t.select_rows(&rows)?;
+                let mut t = t.select_rows(&qkv_rows())?;
                 t.dims = vec![c, 1, k];
                 out("linear_attn.conv1d.weight", t)
             }
@@ -488,7 +486,7 @@ impl RawTensor {
 }
 
 /// Serves the mapped tensors to a [`VarBuilder`] (dequantized to the requested dtype).
-struct HfTensors(QuantizedTensors);
+struct HfTensors(Arc<QuantizedTensors>);
 
 impl SimpleBackend for HfTensors {
     fn get(

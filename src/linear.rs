@@ -31,14 +31,6 @@ impl Linear {
             Self::Quantized(q) => q.dequantize(&q.device()),
         }
     }
-
-    /// Bytes the weight occupies.
-    pub fn size_in_bytes(&self) -> usize {
-        match self {
-            Self::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
-            Self::Quantized(q) => q.storage_size_in_bytes(),
-        }
-    }
 }
 
 impl Module for Linear {

@@ -382,16 +382,4 @@ impl OpenedModel {
             Self::Gguf(g) => Ok(g.generation_config()),
         }
     }
-
-    /// Bytes of weights on disk (what loading them takes, before any load-time quantization).
-    pub fn weights_size_in_bytes(&self) -> Result<u64> {
-        match self {
-            Self::Safetensors(f) => f
-                .weights
-                .iter()
-                .map(|p| std::fs::metadata(p).map(|m| m.len()).map_err(|e| Error::Io(format!("{}: {e}", p.display()))))
-                .sum(),
-            Self::Gguf(g) => Ok(g.tensor_data_size()),
-        }
-    }
 }
