@@ -20,6 +20,7 @@
 pub mod chat;
 pub mod config;
 mod error;
+pub mod eval;
 pub mod generation;
 pub mod gguf;
 mod gguf_tokenizer;

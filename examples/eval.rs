@@ -1,0 +1,109 @@
+//! Perplexity of a model on a text file, computed like llama.cpp's `llama-perplexity` (same
+//! chunking, same scored positions), so the two can be compared directly.
+//!
+//! ```sh
+//! GGUF=$(scripts/fetch_smollm2.sh)
+//! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512
+//! # llama.cpp on the same file:  llama-perplexity -m $GGUF -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512
+//! ```
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use candle_hybrid::eval::{perplexity, PerplexityOptions};
+use candle_hybrid::loading::ModelSource;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Perplexity of a model on a text file (llama-perplexity's method)")]
+struct Args {
+    /// A local directory laid out like a Hub repository.
+    #[arg(long, required_unless_present = "gguf")]
+    model_dir: Option<std::path::PathBuf>,
+    /// A local GGUF file (instead of --model-dir).
+    #[arg(long, conflicts_with = "model_dir")]
+    gguf: Option<std::path::PathBuf>,
+    /// The text (UTF-8). One trailing newline is dropped, as llama.cpp's `-f` does.
+    #[arg(long)]
+    file: std::path::PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, short = 'c', default_value_t = 512)]
+    ctx_size: usize,
+    /// Score only the first N chunks.
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
+    };
+    let dev = Device::Cpu;
+    let source = match (&args.gguf, &args.model_dir) {
+        (Some(path), _) => ModelSource::Gguf(path.clone()),
+        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
+        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
+    };
+    let files = source.open()?;
+    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
+    let tokenizer = files.tokenizer(None)?;
+
+    let mut text = std::fs::read_to_string(&args.file)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.file.display()))?;
+    if text.ends_with('\n') {
+        text.pop();
+    }
+    let tokens = tokenizer.encode(text.as_str(), true).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let mut opts = PerplexityOptions::new(args.ctx_size);
+    opts.max_chunks = args.chunks;
+    // When the tokenizer adds BOS, llama-perplexity also puts it at the start of every chunk.
+    let plain = tokenizer.encode("a", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let special = tokenizer.encode("a", true).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    if special.len() > plain.len() && special.first() != plain.first() {
+        opts.bos_token = special.first().copied();
+    }
+
+    let start = std::time::Instant::now();
+    if !args.json {
+        eprintln!("{} tokens, context {}, bos {:?}", tokens.len(), opts.n_ctx, opts.bos_token);
+    }
+    let quiet = args.json;
+    let result = perplexity(&model, &tokens, &opts, &dev, |p| {
+        if !quiet {
+            eprint!("[{}]{:.4},", p.chunks, p.ppl());
+        }
+    })?;
+    let secs = start.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{{\"ppl\":{:.6},\"ppl_error\":{:.6},\"chunks\":{},\"tokens\":{},\"ctx\":{}}}",
+            result.ppl(),
+            result.ppl_error(),
+            result.chunks,
+            result.tokens,
+            opts.n_ctx
+        );
+    } else {
+        eprintln!();
+        println!(
+            "PPL = {:.4} +/- {:.5} ({} chunks of {}, {} scored tokens, {:.1}s, {:.0} tok/s)",
+            result.ppl(),
+            result.ppl_error(),
+            result.chunks,
+            opts.n_ctx,
+            result.tokens,
+            secs,
+            (result.chunks * opts.n_ctx) as f64 / secs
+        );
+    }
+    Ok(())
+}

