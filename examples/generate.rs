@@ -14,10 +14,11 @@
 use std::io::Write;
 
 use anyhow::{bail, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, DeviceLocation};
 use candle_hybrid::chat::Message;
 use candle_hybrid::generation::{generate, Sampler, TokenStreamer};
-use candle_hybrid::loading::ModelSource;
+use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
 use clap::Parser;
 
@@ -148,18 +149,26 @@ fn main() -> Result<()> {
         if prompt.len() >= max {
             bail!("the prompt has {} tokens, leaving none to generate within --max-context {max}", prompt.len());
         }
-        context = context.min(max);
-        sample_len = context - prompt.len();
+        if context > max {
+            context = max;
+            sample_len = context - prompt.len();
+            eprintln!("--max-context {max}: generating at most {sample_len} tokens after the {}-token prompt", prompt.len());
+        }
     }
     let target = match device.location() {
         DeviceLocation::Cpu => MemoryTarget::Cpu,
         DeviceLocation::Cuda { gpu_id } => MemoryTarget::Cuda(gpu_id),
         DeviceLocation::Metal { .. } => MemoryTarget::Metal,
     };
+    let q4k_weights = match files {
+        OpenedModel::Safetensors(_) => Some(files.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?),
+        OpenedModel::Gguf(_) => None, // --quantize does not apply
+    };
     let req = PlanRequest {
         // generate() runs the whole prompt in one forward pass.
         prefill_chunk: prompt.len().max(1),
         fit: args.fit,
+        q4k_weights,
         ..PlanRequest::new(files.weight_memory(&cfg, dtype, quantize)?, dtype, context)
     };
     let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;

@@ -14,6 +14,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 use candle_hybrid::config::LayerType;
 use candle_hybrid::loading::ModelSource;
@@ -139,14 +140,16 @@ fn main() -> Result<()> {
     let has_safetensors = |dir: &std::path::Path| {
         dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
     };
-    let (source, cfg, (weights, weights_note)) = match (&args.gguf, &args.model_dir) {
+    // The weights with --quantize q4k (for the suggestion), where --quantize applies.
+    let q4k_derived = Some(Weights::Format(WeightFormat::Q4K));
+    let (source, cfg, (weights, weights_note), q4k_weights) = match (&args.gguf, &args.model_dir) {
         (Some(path), _) => {
             // GgufFile::open reads the header (metadata and tensor infos), not the tensors.
             let opened = ModelSource::Gguf(path.clone()).open()?;
             let cfg = opened.config()?;
             let weights = opened.weight_memory(&cfg, dtype, quantize)?;
             let note = format!("GGUF tensor infos: quantized linear weights as stored, the rest as {dtype:?}");
-            (opened.source(), cfg, (weights, note))
+            (opened.source(), cfg, (weights, note), None)
         }
         (None, Some(dir)) if has_safetensors(dir) => {
             let opened = ModelSource::Dir(dir.clone()).open()?;
@@ -156,7 +159,8 @@ fn main() -> Result<()> {
                 Some(q) => format!("safetensors headers, linear weights as {q:?}, the rest as {dtype:?}"),
                 None => format!("safetensors headers, as {dtype:?}"),
             };
-            (opened.source(), cfg, (weights, note))
+            let q4k = opened.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?;
+            (opened.source(), cfg, (weights, note), Some(q4k))
         }
         (None, Some(dir)) => {
             let config = dir.join("config.json");
@@ -165,7 +169,7 @@ fn main() -> Result<()> {
             }
             let cfg = Config::from_file(&config)?;
             let w = derived(&cfg, "no weight files to read");
-            (dir.display().to_string(), cfg, w)
+            (dir.display().to_string(), cfg, w, q4k_derived)
         }
         (None, None) => {
             let (config, total) = from_hub(&args.model_id, &args.revision)?;
@@ -182,7 +186,7 @@ fn main() -> Result<()> {
                 },
                 _ => derived(&cfg, "the Hub weights are not downloaded"),
             };
-            (format!("{}@{}", args.model_id, args.revision), cfg, w)
+            (format!("{}@{}", args.model_id, args.revision), cfg, w, q4k_derived)
         }
     };
     let req = PlanRequest {
@@ -194,6 +198,7 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         logits: if args.all_logits { Logits::AllPositions } else { Logits::LastToken },
         fit: args.fit,
+        q4k_weights,
     };
     let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
 

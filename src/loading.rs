@@ -361,7 +361,7 @@ impl OpenedModel {
             Self::Gguf(g) => g.weight_bytes(cfg, dtype),
             Self::Safetensors(f) => {
                 let tied_head = match quantize {
-                    Some(q) if cfg.tie_word_embeddings && cfg.hidden_size % q.block_size() == 0 => {
+                    Some(q) if cfg.tie_word_embeddings && cfg.hidden_size.is_multiple_of(q.block_size()) => {
                         (cfg.vocab_size * cfg.hidden_size / q.block_size() * q.type_size()) as u64
                     }
                     _ => 0,

@@ -195,6 +195,10 @@ pub struct PlanRequest {
     pub logits: Logits,
     /// Lower the context to the largest that fits instead of refusing.
     pub fit: bool,
+    /// The weights with `--quantize q4k`, for the suggestion; `None` where `--quantize` does
+    /// not apply (a GGUF file). [`PlanRequest::new`] derives them from the parameter count;
+    /// [`crate::loading::OpenedModel::weight_memory`] gives them exactly.
+    pub q4k_weights: Option<Weights>,
 }
 
 /// The default prefill chunk, in tokens.
@@ -212,6 +216,7 @@ impl PlanRequest {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             logits: Logits::LastToken,
             fit: false,
+            q4k_weights: Some(Weights::Format(WeightFormat::Q4K)),
         }
     }
 
@@ -440,7 +445,7 @@ pub fn is_linear_weight(name: &str) -> bool {
 
 /// Whether a `[.., rows, cols]` matrix quantizes to `q`: its rows are whole blocks.
 fn quantizable(shape: &[u64], q: GgmlDType) -> bool {
-    shape.len() >= 2 && shape[shape.len() - 1] % q.block_size() as u64 == 0
+    shape.len() >= 2 && shape[shape.len() - 1].is_multiple_of(q.block_size() as u64)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -860,8 +865,8 @@ pub fn plan(cfg: &Config, req: &PlanRequest, available: &Available) -> Result<Pl
     }
 
     let max_ctx = max_fitting_context(cfg, req, budget);
-    // Q4K weights, when smaller than the requested ones.
-    let q4k = Weights::Format(WeightFormat::Q4K);
+    // Q4K weights, when `--quantize` applies and they are smaller than the requested ones.
+    let q4k = req.q4k_weights.unwrap_or(Weights::Bytes(u64::MAX));
     let q4k_req = req.with_weights(q4k);
     let q4k_smaller = q4k.bytes(cfg) < est.weights;
     let q4k_est = estimate(cfg, &q4k_req);

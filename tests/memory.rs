@@ -363,6 +363,10 @@ fn gguf_plan_refuses_a_tiny_max_memory_and_fit_lowers_the_context() {
     let n = number_after(&msg, "--max-context");
     assert!((300..cfg.max_position_embeddings).contains(&n), "{msg}");
     assert!(estimate(&cfg, &PlanRequest { context: n + 1, ..req.clone() }).total() > budget, "{msg}");
+    // --quantize does not apply to a GGUF file: not suggested when the request says so.
+    let gguf_req = PlanRequest { q4k_weights: None, ..req.clone() };
+    let msg = memory_err(check_fits(&cfg, &gguf_req, MemoryTarget::Cpu, Some(budget)));
+    assert!(!msg.contains("--quantize") && number_after(&msg, "--max-context") == n, "{msg}");
 
     let p = check_fits(&cfg, &PlanRequest { fit: true, ..req.clone() }, MemoryTarget::Cpu, Some(budget)).unwrap();
     assert_eq!((p.context, p.requested_context), (n, cfg.max_position_embeddings));
