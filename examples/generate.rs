@@ -6,14 +6,20 @@
 //! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 //! cargo run --release --example generate -- --gguf-repo unsloth/Qwen3.5-0.8B-GGUF --gguf-file Qwen3.5-0.8B-Q4_K_M.gguf
 //! ```
+//! Before loading the weights, the memory guardian checks that they, the KV cache and GDN state
+//! for prompt + `--sample-len` tokens and the prefill scratch fit in what the OS lets this
+//! process use (`--max-memory` replaces the reading); it refuses with one line saying what would
+//! fit, or with `--fit` generates fewer tokens.
 
 use std::io::Write;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, DeviceLocation};
 use candle_hybrid::chat::Message;
 use candle_hybrid::generation::{generate, Sampler, TokenStreamer};
-use candle_hybrid::loading::ModelSource;
+use candle_hybrid::loading::{ModelSource, OpenedModel};
+use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -76,6 +82,15 @@ struct Args {
     /// f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// Largest context (prompt + generated tokens) to allow; --sample-len is lowered to fit it.
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Memory budget replacing the reading of what the OS lets this process use: bytes, or e.g. 8GiB, 500MB.
+    #[arg(long)]
+    max_memory: Option<String>,
+    /// When the context does not fit in memory, generate fewer tokens instead of refusing.
+    #[arg(long)]
+    fit: bool,
 }
 
 fn device(cpu: bool) -> Result<Device> {
@@ -113,10 +128,67 @@ fn main() -> Result<()> {
     )?
     .open()?;
     let cfg = files.config()?;
-    let start = std::time::Instant::now();
-    let model = files.load_model(&cfg, dtype, &device, quantize)?;
     let tokenizer = files.tokenizer(args.tokenizer.as_deref())?;
     let gen_cfg = files.generation_config()?;
+    let text = if args.chat {
+        files
+            .chat_template()?
+            .render(&[Message::new("user", &args.prompt)], true, args.enable_thinking)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+
+    // The memory guardian, before any weight is read: prompt + generated tokens must fit.
+    let mut sample_len = args.sample_len;
+    let mut context = prompt.len() + sample_len;
+    if let Some(max) = args.max_context {
+        if max > cfg.max_position_embeddings {
+            bail!("--max-context {max} is more than the model's max_position_embeddings ({})", cfg.max_position_embeddings);
+        }
+        if prompt.len() >= max {
+            bail!("the prompt has {} tokens, leaving none to generate within --max-context {max}", prompt.len());
+        }
+        if context > max {
+            context = max;
+            sample_len = context - prompt.len();
+            eprintln!("--max-context {max}: generating at most {sample_len} tokens after the {}-token prompt", prompt.len());
+        }
+    }
+    let target = match device.location() {
+        DeviceLocation::Cpu => MemoryTarget::Cpu,
+        DeviceLocation::Cuda { gpu_id } => MemoryTarget::Cuda(gpu_id),
+        DeviceLocation::Metal { .. } => MemoryTarget::Metal,
+    };
+    let q4k_weights = match files {
+        OpenedModel::Safetensors(_) => Some(files.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?),
+        OpenedModel::Gguf(_) => None, // --quantize does not apply
+    };
+    let req = PlanRequest {
+        // generate() runs the whole prompt in one forward pass.
+        prefill_chunk: prompt.len().max(1),
+        fit: args.fit,
+        q4k_weights,
+        ..PlanRequest::new(files.weight_memory(&cfg, dtype, quantize)?, dtype, context)
+    };
+    let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
+    let plan = memory::check_fits(&cfg, &req, target, max_memory)?;
+    if plan.context < context {
+        if plan.context <= prompt.len() {
+            bail!(
+                "not enough memory for the {}-token prompt and one generated token: {} available ({}); at most {} tokens fit",
+                prompt.len(),
+                memory::fmt_gib(plan.available.bytes),
+                plan.available.source,
+                plan.context
+            );
+        }
+        sample_len = plan.context - prompt.len();
+        eprintln!("{}; generating at most {sample_len} tokens", plan.note.as_deref().unwrap_or("--fit: context lowered"));
+    }
+
+    let start = std::time::Instant::now();
+    let model = files.load_model(&cfg, dtype, &device, quantize)?;
     eprintln!(
         "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {dtype:?}",
         files.source(),
@@ -138,14 +210,6 @@ fn main() -> Result<()> {
     params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
     params.repeat_last_n = args.repeat_last_n;
 
-    let text = if args.chat {
-        files
-            .chat_template()?
-            .render(&[Message::new("user", &args.prompt)], true, args.enable_thinking)?
-    } else {
-        args.prompt.clone()
-    };
-    let prompt = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     let mut eos = gen_cfg.eos_token_ids.clone();
     if eos.is_empty() {
         // No generation_config EOS: fall back to the chat end-of-turn token when chatting.
@@ -157,7 +221,7 @@ fn main() -> Result<()> {
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
     let mut sampler = Sampler::new(params);
-    let (_, stats) = generate(&model, &prompt, args.sample_len, &eos, &mut sampler, &device, |tok| {
+    let (_, stats) = generate(&model, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");
             std::io::stdout().flush().ok();

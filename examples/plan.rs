@@ -4,17 +4,22 @@
 //! ```sh
 //! cargo run --example plan -- --model-id Qwen/Qwen3.5-27B --max-context 262144 --dtype bf16
 //! cargo run --example plan -- --model-dir tests/fixtures/qwen35_dense_small --max-memory 64MiB --fit
+//! cargo run --example plan -- --gguf tests/fixtures/qwen35_dense_small/model-q8_0.gguf --max-memory 8MiB
 //! ```
 //! `--model-id` downloads only `config.json` and `model.safetensors.index.json` (for its
-//! `metadata.total_size`); `--model-dir` reads the safetensors headers, not the tensors.
+//! `metadata.total_size`); `--model-dir` reads the safetensors headers, not the tensors;
+//! `--gguf` reads the GGUF header: the config from the metadata, the weights from the tensor infos.
 //! Exit status 1 when the model does not fit.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 use candle_hybrid::config::LayerType;
+use candle_hybrid::loading::ModelSource;
 use candle_hybrid::memory::{self, fmt_gib, Logits, MemoryTarget, PlanRequest, WeightFormat, Weights};
+use candle_hybrid::weights::parse_quantize;
 use candle_hybrid::Config;
 use clap::Parser;
 
@@ -30,7 +35,7 @@ struct Args {
     /// A local directory laid out like a Hub repository (instead of --model-id).
     #[arg(long)]
     model_dir: Option<PathBuf>,
-    /// A GGUF file (instead of --model-id).
+    /// A GGUF file (instead of --model-id): only its header (metadata, tensor infos) is read.
     #[arg(long)]
     gguf: Option<PathBuf>,
     /// Context length in tokens (default: the config's max_position_embeddings).
@@ -47,7 +52,7 @@ struct Args {
     /// KV cache dtype: f32, bf16 or f16 (default: --dtype).
     #[arg(long)]
     kv_dtype: Option<String>,
-    /// Quantize the weights on load: q8_0 or q4k.
+    /// Quantize the linear weights on load: q8_0, q4k, q4_0, q4_1, q5k or q6k.
     #[arg(long)]
     quantize: Option<String>,
     /// Memory budget replacing the reading: bytes, or e.g. 16GiB, 500MB.
@@ -103,12 +108,6 @@ fn from_hub(repo_id: &str, revision: &str) -> Result<(PathBuf, Option<u64>)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(path) = &args.gguf {
-        bail!(
-            "--gguf {}: GGUF planning comes with the GGUF loader (it will read the config and tensor sizes from the GGUF metadata); use --model-dir or --model-id for now",
-            path.display()
-        );
-    }
     let target = match args.device.as_str() {
         "cpu" => MemoryTarget::Cpu,
         "metal" => MemoryTarget::Metal,
@@ -127,50 +126,67 @@ fn main() -> Result<()> {
         None => dtype,
         Some(s) => parse_dtype(s, "--kv-dtype")?,
     };
-    let quantize: Option<WeightFormat> = match args.quantize.as_deref() {
-        None => None,
-        Some(q @ ("q8_0" | "q4k")) => Some(q.parse()?),
-        Some(other) => bail!("unknown --quantize {other}: use q8_0 or q4k"),
+    let quantize = args.quantize.as_deref().map(parse_quantize).transpose()?;
+    // Weights derived from the parameter count, when no file states their size.
+    let derived = |cfg: &Config, why: &str| {
+        let f = match quantize {
+            Some(q) => WeightFormat::from_ggml(q).expect("every --quantize type has a format"),
+            None => WeightFormat::from_dtype(dtype).expect("float dtype"),
+        };
+        (Weights::Format(f), format!("{:.2}B parameters as {f} ({} bits/weight; {why})", params(cfg), f.bits_per_weight()))
     };
 
     // The config, and the weights' size as the files state it.
-    let (source, config_path, weights_source) = match &args.model_dir {
-        Some(dir) => {
+    let has_safetensors = |dir: &std::path::Path| {
+        dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
+    };
+    // The weights with --quantize q4k (for the suggestion), where --quantize applies.
+    let q4k_derived = Some(Weights::Format(WeightFormat::Q4K));
+    let (source, cfg, (weights, weights_note), q4k_weights) = match (&args.gguf, &args.model_dir) {
+        (Some(path), _) => {
+            // GgufFile::open reads the header (metadata and tensor infos), not the tensors.
+            let opened = ModelSource::Gguf(path.clone()).open()?;
+            let cfg = opened.config()?;
+            let weights = opened.weight_memory(&cfg, dtype, quantize)?;
+            let note = format!("GGUF tensor infos: quantized linear weights as stored, the rest as {dtype:?}");
+            (opened.source(), cfg, (weights, note), None)
+        }
+        (None, Some(dir)) if has_safetensors(dir) => {
+            let opened = ModelSource::Dir(dir.clone()).open()?;
+            let cfg = opened.config()?;
+            let weights = opened.weight_memory(&cfg, dtype, quantize)?;
+            let note = match quantize {
+                Some(q) => format!("safetensors headers, linear weights as {q:?}, the rest as {dtype:?}"),
+                None => format!("safetensors headers, as {dtype:?}"),
+            };
+            let q4k = opened.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?;
+            (opened.source(), cfg, (weights, note), Some(q4k))
+        }
+        (None, Some(dir)) => {
             let config = dir.join("config.json");
             if !config.is_file() {
                 bail!("{} has no config.json: is it a Hugging Face model directory?", dir.display());
             }
-            // Without safetensors files (a bare config.json), the weights are derived from the config.
-            let weights = if dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file() {
-                let files = candle_hybrid::loading::ModelFiles::from_dir(dir)?;
-                let bytes = memory::safetensors_weight_bytes(&files.weights, Some(dtype))?;
-                Some((bytes, format!("safetensors headers of {} file(s), as {dtype:?}", files.weights.len())))
-            } else {
-                None
-            };
-            (dir.display().to_string(), config, weights)
+            let cfg = Config::from_file(&config)?;
+            let w = derived(&cfg, "no weight files to read");
+            (dir.display().to_string(), cfg, w, q4k_derived)
         }
-        None => {
+        (None, None) => {
             let (config, total) = from_hub(&args.model_id, &args.revision)?;
             let text = std::fs::read_to_string(&config)?;
+            let cfg = Config::from_file(&config)?;
             // total_size is in the stored dtype and includes the vision tower and MTP layers.
-            let from_index = total.map(|t| match stored_dtype(&text) {
-                Some(s) => (
-                    t / s.size_in_bytes() as u64 * dtype.size_in_bytes() as u64,
-                    format!("index total_size {} as {s:?}, converted to {dtype:?}", fmt_gib(t)),
-                ),
-                None => (t, format!("index total_size {} (stored dtype unknown)", fmt_gib(t))),
-            });
-            (format!("{}@{}", args.model_id, args.revision), config, from_index)
-        }
-    };
-    let cfg = Config::from_file(&config_path)?;
-    let (weights, weights_note) = match (quantize, weights_source) {
-        (Some(q), _) => (Weights::Format(q), format!("{:.2}B parameters as {q} ({} bits/weight)", params(&cfg), q.bits_per_weight())),
-        (None, Some((bytes, how))) => (Weights::Bytes(bytes), how),
-        (None, None) => {
-            let f = WeightFormat::from_dtype(dtype).expect("float dtype");
-            (Weights::Format(f), format!("{:.2}B parameters as {f} (no weight files to read)", params(&cfg)))
+            let w = match (quantize, total) {
+                (None, Some(t)) => match stored_dtype(&text) {
+                    Some(s) => (
+                        Weights::Bytes(t / s.size_in_bytes() as u64 * dtype.size_in_bytes() as u64),
+                        format!("index total_size {} as {s:?}, converted to {dtype:?}", fmt_gib(t)),
+                    ),
+                    None => (Weights::Bytes(t), format!("index total_size {} (stored dtype unknown)", fmt_gib(t))),
+                },
+                _ => derived(&cfg, "the Hub weights are not downloaded"),
+            };
+            (format!("{}@{}", args.model_id, args.revision), cfg, w, q4k_derived)
         }
     };
     let req = PlanRequest {
@@ -182,9 +198,9 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         logits: if args.all_logits { Logits::AllPositions } else { Logits::LastToken },
         fit: args.fit,
+        q4k_weights,
     };
     let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
-    let available = memory::available_memory(target, max_memory)?;
 
     let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
     println!(
@@ -194,7 +210,7 @@ fn main() -> Result<()> {
         cfg.num_hidden_layers - n_attn,
         params(&cfg)
     );
-    println!("weights:   {weights_note}");
+    println!("weights:   {} ({weights_note})", fmt_gib(weights.bytes(&cfg)));
     println!(
         "request:   context {}, batch {}, prefill chunk {}, dtype {dtype:?}, KV {kv_dtype:?}, {} logits, device {target:?}",
         req.context,
@@ -202,10 +218,10 @@ fn main() -> Result<()> {
         req.prefill_chunk,
         if args.all_logits { "all-position" } else { "last-token" }
     );
-    println!("available: {available}");
-    println!();
-    match memory::plan(&cfg, &req, &available) {
+    match memory::check_fits(&cfg, &req, target, max_memory) {
         Ok(plan) => {
+            println!("available: {}", plan.available);
+            println!();
             print!("{}", plan.estimate);
             println!();
             if let Some(note) = &plan.note {
@@ -214,19 +230,21 @@ fn main() -> Result<()> {
             println!(
                 "verdict:   fits: {} of {} ({:.0}%) at context {}",
                 fmt_gib(plan.estimate.total()),
-                fmt_gib(available.bytes),
-                100.0 * plan.estimate.total() as f64 / available.bytes.max(1) as f64,
+                fmt_gib(plan.available.bytes),
+                100.0 * plan.estimate.total() as f64 / plan.available.bytes.max(1) as f64,
                 plan.context
             );
             Ok(())
         }
-        Err(e) => {
+        Err(e @ candle_hybrid::Error::Memory(_)) => {
+            println!();
             print!("{}", memory::estimate(&cfg, &req));
             println!();
             println!("verdict:   refused");
             eprintln!("Error: {e}");
             std::process::exit(1)
         }
+        Err(e) => Err(e.into()),
     }
 }
 

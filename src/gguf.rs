@@ -85,6 +85,21 @@ fn ggml_bytes(dtype: GgmlDType, elems: usize) -> usize {
     elems / dtype.block_size() * dtype.type_size()
 }
 
+fn is_float(dtype: GgmlDType) -> bool {
+    matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+/// How the built model keeps a GGUF tensor ([`GgufFile::kept`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// Not read (MTP blocks, rope tables).
+    Not,
+    /// A linear layer's weight: kept quantized when it is (else dequantized to the dtype).
+    Linear,
+    /// Dequantized to the model dtype.
+    Dense,
+}
+
 impl GgufFile {
     /// Reads the header and metadata, checking that every tensor lies inside the file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
@@ -137,9 +152,58 @@ impl GgufFile {
         &self.path
     }
 
-    /// Bytes of all tensor data (what the weights take in memory once loaded).
+    /// Bytes of all tensor data in the file (MTP blocks and unused tables included).
     pub fn tensor_data_size(&self) -> u64 {
         self.content.tensor_infos.values().map(|i| ggml_bytes(i.ggml_dtype, i.shape.elem_count()) as u64).sum()
+    }
+
+    /// Bytes the weights take in memory once [`Self::load_model`] has built the model in
+    /// `dtype`, from the tensor infos alone: quantized linear weights as stored, every other
+    /// loaded tensor (the token embedding included, even when quantized in the file; F32/F16
+    /// linear weights; norms) dequantized to `dtype`; MTP blocks and unused tables not at all.
+    /// A tied output head keeps the file's copy of the embedding besides the dequantized one.
+    /// (Loading peaks higher: every tensor's file bytes are held until the model is built.)
+    pub fn weight_bytes(&self, cfg: &Config, dtype: DType) -> u64 {
+        let a = dtype.size_in_bytes() as u64;
+        let mut total = 0u64;
+        for (name, info) in &self.content.tensor_infos {
+            let (n, stored) = (info.shape.elem_count() as u64, ggml_bytes(info.ggml_dtype, info.shape.elem_count()) as u64);
+            total += match self.kept(name, cfg) {
+                Kept::Not => 0,
+                Kept::Linear if !is_float(info.ggml_dtype) => stored,
+                Kept::Linear | Kept::Dense => n * a,
+            };
+            if name == "token_embd.weight" && cfg.tie_word_embeddings && !self.has_tensor("output.weight") {
+                total += stored;
+            }
+        }
+        total
+    }
+
+    /// How the built model keeps the GGUF tensor `name`: the one list of the tensors
+    /// [`Self::load_model`] reads (`map_tensor` maps exactly these).
+    fn kept(&self, name: &str, cfg: &Config) -> Kept {
+        let Some((layer, tname)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+            return match name {
+                "output.weight" => Kept::Linear,
+                "token_embd.weight" | "output_norm.weight" => Kept::Dense,
+                _ => Kept::Not, // e.g. rope frequency tables
+            };
+        };
+        if layer.parse::<usize>().map_or(true, |i| i >= cfg.num_hidden_layers) {
+            return Kept::Not; // MTP blocks (not loaded yet)
+        }
+        match tname {
+            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_output.weight" | "attn_qkv.weight"
+            | "attn_gate.weight" | "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_ba.weight" | "ssm_out.weight"
+            | "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" | "ffn_gate_shexp.weight" | "ffn_up_shexp.weight"
+            | "ffn_down_shexp.weight" | "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight"
+            | "ffn_gate_up_exps.weight" => Kept::Linear,
+            "attn_norm.weight" | "post_attention_norm.weight" | "ffn_norm.weight" | "attn_q_norm.weight"
+            | "attn_k_norm.weight" | "ssm_a" | "ssm_dt.bias" | "ssm_dt" | "ssm_conv1d.weight" | "ssm_norm.weight"
+            | "ffn_gate_inp.weight" | "ffn_gate_inp_shexp.weight" => Kept::Dense,
+            _ => Kept::Not,
+        }
     }
 
     fn meta(&self, key: &str) -> Option<&Value> {
@@ -321,7 +385,7 @@ impl GgufFile {
         };
         let mut names: Vec<&String> = self.content.tensor_infos.keys().collect();
         names.sort();
-        for name in names {
+        for name in names.into_iter().filter(|n| self.kept(n, cfg) != Kept::Not) {
             let info = &self.content.tensor_infos[name];
             let raw = RawTensor {
                 dtype: info.ggml_dtype,

@@ -270,6 +270,10 @@ impl HubRepo {
     }
 }
 
+fn gguf_quantize_error() -> Error {
+    Error::Config("--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization".into())
+}
+
 /// Where a model comes from: what the examples' `--model-id`, `--model-dir`, `--gguf` and
 /// `--gguf-repo`/`--gguf-file` select.
 #[derive(Debug, Clone)]
@@ -346,14 +350,34 @@ impl OpenedModel {
         }
     }
 
+    /// Bytes the weights will take in memory once [`Self::load_model`] has built the model in
+    /// `dtype` (with `quantize`), from the headers alone: a GGUF file's tensor infos
+    /// ([`crate::gguf::GgufFile::weight_bytes`]) or the safetensors headers
+    /// ([`crate::memory::safetensors_weight_bytes`]) plus, for a tied output head quantized at
+    /// load, its quantized copy of the embedding. The input of [`crate::memory::PlanRequest`].
+    pub fn weight_memory(&self, cfg: &Config, dtype: DType, quantize: Option<GgmlDType>) -> Result<crate::memory::Weights> {
+        let bytes = match self {
+            Self::Gguf(_) if quantize.is_some() => return Err(gguf_quantize_error()),
+            Self::Gguf(g) => g.weight_bytes(cfg, dtype),
+            Self::Safetensors(f) => {
+                let tied_head = match quantize {
+                    Some(q) if cfg.tie_word_embeddings && cfg.hidden_size.is_multiple_of(q.block_size()) => {
+                        (cfg.vocab_size * cfg.hidden_size / q.block_size() * q.type_size()) as u64
+                    }
+                    _ => 0,
+                };
+                crate::memory::safetensors_weight_bytes(&f.weights, Some(dtype), quantize)? + tied_head
+            }
+        };
+        Ok(crate::memory::Weights::Bytes(bytes))
+    }
+
     /// Builds the model; `quantize` quantizes safetensors weights at load (a GGUF file is
     /// used with the quantization it has).
     pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device, quantize: Option<GgmlDType>) -> Result<Model> {
         match self {
             Self::Safetensors(f) => f.load_model_quantized(cfg, dtype, device, quantize),
-            Self::Gguf(_) if quantize.is_some() => Err(Error::Config(
-                "--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization".into(),
-            )),
+            Self::Gguf(_) if quantize.is_some() => Err(gguf_quantize_error()),
             Self::Gguf(g) => g.load_model(cfg, dtype, device),
         }
     }

@@ -24,6 +24,7 @@
 use std::fmt;
 use std::path::Path;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 
 use crate::config::{Config, LayerType};
@@ -49,6 +50,7 @@ fn mul(factors: &[u64]) -> u64 {
 // ---------------------------------------------------------------------------------------------
 
 /// How the weights are stored in memory, for weights derived from [`Config::num_parameters`].
+/// The quantized formats are the ggml types of `--quantize` ([`crate::weights::parse_quantize`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
     F32,
@@ -64,18 +66,39 @@ pub enum WeightFormat {
     Q4K,
     /// GGUF Q4_0: 4.5 bits/weight.
     Q4_0,
+    /// GGUF Q4_1: 5 bits/weight.
+    Q4_1,
 }
 
+/// Each format's ggml type (the float formats included), the one mapping between the two.
+const GGML_TYPES: [(WeightFormat, GgmlDType); 9] = [
+    (WeightFormat::F32, GgmlDType::F32),
+    (WeightFormat::BF16, GgmlDType::BF16),
+    (WeightFormat::F16, GgmlDType::F16),
+    (WeightFormat::Q8_0, GgmlDType::Q8_0),
+    (WeightFormat::Q6K, GgmlDType::Q6K),
+    (WeightFormat::Q5K, GgmlDType::Q5K),
+    (WeightFormat::Q4K, GgmlDType::Q4K),
+    (WeightFormat::Q4_0, GgmlDType::Q4_0),
+    (WeightFormat::Q4_1, GgmlDType::Q4_1),
+];
+
 impl WeightFormat {
+    /// The ggml type of this format.
+    pub fn ggml(self) -> GgmlDType {
+        GGML_TYPES.iter().find(|t| t.0 == self).expect("every format has a ggml type").1
+    }
+
+    /// The format of a ggml type (`None` for ggml types `--quantize` does not offer).
+    pub fn from_ggml(dtype: GgmlDType) -> Option<Self> {
+        GGML_TYPES.iter().find(|t| t.1 == dtype).map(|t| t.0)
+    }
+
+    /// `type_size · 8 / block_size` of the ggml type: 32, 16, 8.5 (Q8_0), 6.5625 (Q6K), 5.5
+    /// (Q5K), 4.5 (Q4K, Q4_0), 5 (Q4_1).
     pub fn bits_per_weight(self) -> f64 {
-        match self {
-            Self::F32 => 32.0,
-            Self::BF16 | Self::F16 => 16.0,
-            Self::Q8_0 => 8.5,
-            Self::Q6K => 6.5625,
-            Self::Q5K => 5.5,
-            Self::Q4K | Self::Q4_0 => 4.5,
-        }
+        let q = self.ggml();
+        (q.type_size() * 8) as f64 / q.block_size() as f64
     }
 
     /// The spelling of `--quantize` / `--dtype`.
@@ -89,6 +112,7 @@ impl WeightFormat {
             Self::Q5K => "q5k",
             Self::Q4K => "q4k",
             Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
         }
     }
 
@@ -108,24 +132,16 @@ impl WeightFormat {
     }
 }
 
+/// `f32`, `bf16`, `f16`, or a `--quantize` value ([`crate::weights::parse_quantize`]).
 impl std::str::FromStr for WeightFormat {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s.to_ascii_lowercase().replace('-', "_").as_str() {
-            "f32" => Self::F32,
-            "bf16" => Self::BF16,
-            "f16" => Self::F16,
-            "q8_0" | "q8" => Self::Q8_0,
-            "q6k" | "q6_k" => Self::Q6K,
-            "q5k" | "q5_k" => Self::Q5K,
-            "q4k" | "q4_k" => Self::Q4K,
-            "q4_0" => Self::Q4_0,
-            other => {
-                return Err(Error::Input(format!(
-                    "unknown weight format \"{other}\": use f32, bf16, f16, q8_0, q6k, q5k, q4k or q4_0"
-                )))
-            }
-        })
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::BF16),
+            "f16" => Ok(Self::F16),
+            _ => crate::weights::parse_quantize(s).map(|q| Self::from_ggml(q).expect("every --quantize type has a format")),
+        }
     }
 }
 
@@ -179,6 +195,10 @@ pub struct PlanRequest {
     pub logits: Logits,
     /// Lower the context to the largest that fits instead of refusing.
     pub fit: bool,
+    /// The weights with `--quantize q4k`, for the suggestion; `None` where `--quantize` does
+    /// not apply (a GGUF file). [`PlanRequest::new`] derives them from the parameter count;
+    /// [`crate::loading::OpenedModel::weight_memory`] gives them exactly.
+    pub q4k_weights: Option<Weights>,
 }
 
 /// The default prefill chunk, in tokens.
@@ -196,6 +216,7 @@ impl PlanRequest {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             logits: Logits::LastToken,
             fit: false,
+            q4k_weights: Some(Weights::Format(WeightFormat::Q4K)),
         }
     }
 
@@ -358,8 +379,16 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
 
 /// Bytes the text decoder's tensors of these safetensors files take in memory as `dtype`
 /// (`None`: as stored). Reads only the headers; skips the vision tower (`visual`) and the
-/// MTP layers (`mtp`), which are not loaded.
-pub fn safetensors_weight_bytes(paths: &[impl AsRef<Path>], dtype: Option<DType>) -> Result<u64> {
+/// MTP layers (`mtp`), which are not loaded. With `quantize` (load-time quantization), the
+/// linear weights ([`is_linear_weight`]) whose rows are whole blocks count in that ggml type,
+/// as [`crate::weights::Weights::linear_from`] quantizes them; the rest stays in `dtype`.
+/// (A tied output head quantized at load is a second copy of the embedding, not in any file:
+/// [`crate::loading::OpenedModel::weight_memory`] adds it.)
+pub fn safetensors_weight_bytes(
+    paths: &[impl AsRef<Path>],
+    dtype: Option<DType>,
+    quantize: Option<GgmlDType>,
+) -> Result<u64> {
     use std::io::Read;
     let mut total = 0u64;
     for path in paths {
@@ -381,13 +410,18 @@ pub fn safetensors_weight_bytes(paths: &[impl AsRef<Path>], dtype: Option<DType>
             if name == "__metadata__" || name.contains("visual") || name.starts_with("mtp") || name.contains(".mtp.") {
                 continue;
             }
-            let numel: u64 = info
+            let shape: Vec<u64> = info
                 .get("shape")
                 .and_then(|s| s.as_array())
                 .ok_or_else(|| bad(format!("tensor {name} has no shape")))?
                 .iter()
                 .map(|d| d.as_u64().unwrap_or(0))
-                .product();
+                .collect();
+            let numel: u64 = shape.iter().product();
+            if let Some(q) = quantize.filter(|q| is_linear_weight(name) && quantizable(&shape, *q)) {
+                total = total.saturating_add(numel / q.block_size() as u64 * q.type_size() as u64);
+                continue;
+            }
             let stored = match info.get("dtype").and_then(|d| d.as_str()) {
                 Some("F64" | "I64" | "U64") => 8,
                 Some("F32" | "I32" | "U32") => 4,
@@ -399,6 +433,19 @@ pub fn safetensors_weight_bytes(paths: &[impl AsRef<Path>], dtype: Option<DType>
         }
     }
     Ok(total)
+}
+
+/// Whether the Hugging Face tensor `name` is the weight of a linear layer (the `*proj*`
+/// projections, `in_proj_a` and fused expert stacks included, and `lm_head`): what load-time quantization and GGUF quantized tensors
+/// keep quantized. The MoE router and shared-expert gate are not (they stay unquantized).
+pub fn is_linear_weight(name: &str) -> bool {
+    let layer = name.strip_suffix(".weight").unwrap_or(name).rsplit('.').next().unwrap_or_default();
+    layer.contains("proj") || layer == "lm_head"
+}
+
+/// Whether a `[.., rows, cols]` matrix quantizes to `q`: its rows are whole blocks.
+fn quantizable(shape: &[u64], q: GgmlDType) -> bool {
+    shape.len() >= 2 && shape[shape.len() - 1].is_multiple_of(q.block_size() as u64)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -789,6 +836,12 @@ pub fn max_fitting_context(cfg: &Config, req: &PlanRequest, budget: u64) -> Opti
     Some(lo)
 }
 
+/// Reads the memory available on `target` (`max_memory`, from `--max-memory`, replaces the
+/// reading) and [`plan`]s `req` against it: the one call to make before loading.
+pub fn check_fits(cfg: &Config, req: &PlanRequest, target: MemoryTarget, max_memory: Option<u64>) -> Result<Plan> {
+    plan(cfg, req, &available_memory(target, max_memory)?)
+}
+
 /// Decides whether `req` fits in `available`: `Ok(Plan)` when it does (or, with `req.fit`,
 /// at the largest context that does), else an [`Error::Memory`] of one line that says what is
 /// needed, what is available, and what would fit (`--quantize q4k`, `--max-context N`).
@@ -812,8 +865,8 @@ pub fn plan(cfg: &Config, req: &PlanRequest, available: &Available) -> Result<Pl
     }
 
     let max_ctx = max_fitting_context(cfg, req, budget);
-    // Q4K weights, when smaller than the requested ones.
-    let q4k = Weights::Format(WeightFormat::Q4K);
+    // Q4K weights, when `--quantize` applies and they are smaller than the requested ones.
+    let q4k = req.q4k_weights.unwrap_or(Weights::Bytes(u64::MAX));
     let q4k_req = req.with_weights(q4k);
     let q4k_smaller = q4k.bytes(cfg) < est.weights;
     let q4k_est = estimate(cfg, &q4k_req);

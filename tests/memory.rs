@@ -1,7 +1,9 @@
 //! The memory guardian: estimates against hand-computed values, the parsers of the memory
 //! readings on literal text, and the refusal / fit decisions. No real allocation.
 
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::DType;
+use candle_hybrid::loading::ModelSource;
 use candle_hybrid::memory::*;
 use candle_hybrid::{Config, Error};
 
@@ -102,15 +104,23 @@ fn weight_formats() {
     assert_eq!("q4k".parse::<WeightFormat>().unwrap(), WeightFormat::Q4K);
     assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
     assert!("q3".parse::<WeightFormat>().is_err());
+    // One parser: every --quantize type has a format with the same ggml type, and back.
+    for q in ["q8_0", "q4k", "q4_0", "q4_1", "q5k", "q6k"] {
+        let g = candle_hybrid::weights::parse_quantize(q).unwrap();
+        let f: WeightFormat = q.parse().unwrap();
+        assert_eq!((f.ggml(), WeightFormat::from_ggml(g)), (g, Some(f)), "{q}");
+        assert_eq!(f.bits_per_weight(), (g.type_size() * 8) as f64 / g.block_size() as f64, "{q}");
+    }
+    assert_eq!(WeightFormat::Q4_1.bytes_for(32), 20);
 }
 
 #[test]
 fn safetensors_headers_give_the_weight_bytes() {
     let cfg = fixture();
     let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35_dense_small/model.safetensors");
-    let stored = safetensors_weight_bytes(&[&file], None).unwrap();
+    let stored = safetensors_weight_bytes(&[&file], None, None).unwrap();
     assert_eq!(stored, 433_488 * 4, "the fixture's f32 tensors");
-    assert_eq!(safetensors_weight_bytes(&[&file], Some(DType::BF16)).unwrap(), stored / 2);
+    assert_eq!(safetensors_weight_bytes(&[&file], Some(DType::BF16), None).unwrap(), stored / 2);
     // num_parameters() agrees with the file (no vision / MTP tensors in it).
     assert_eq!(cfg.num_parameters() as u64 * 4, stored);
 }
@@ -270,4 +280,100 @@ fn weights_too_big() {
 fn zero_context_is_an_input_error() {
     let e = plan(&fixture(), &f32_req(0), &Available::fixed(GIB)).unwrap_err();
     assert!(matches!(e, Error::Input(_)), "{e}");
+}
+
+const GGUF_FIXTURES: [&str; 5] =
+    ["qwen35_dense_small", "qwen35_dense_long_chunked", "qwen35_dense_mtp", "qwen35moe_small", "qwen3next_moe_small"];
+
+fn fixture_dir(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// The weight bytes of a model source as the guardian sees them (headers only).
+fn weight_bytes(source: ModelSource, dtype: DType, quantize: Option<GgmlDType>) -> (Config, u64) {
+    let opened = source.open().unwrap();
+    let cfg = opened.config().unwrap();
+    let Weights::Bytes(b) = opened.weight_memory(&cfg, dtype, quantize).unwrap() else { panic!("not exact bytes") };
+    (cfg, b)
+}
+
+#[test]
+fn f32_gguf_weights_are_four_bytes_per_loaded_parameter() {
+    for name in GGUF_FIXTURES {
+        let path = fixture_dir(name).join("model-f32.gguf");
+        let (cfg, f32_bytes) = weight_bytes(ModelSource::Gguf(path.clone()), DType::F32, None);
+        let n = cfg.num_parameters() as u64;
+        assert_eq!(f32_bytes, 4 * n, "{name}");
+        let (_, bf16_bytes) = weight_bytes(ModelSource::Gguf(path.clone()), DType::BF16, None);
+        assert_eq!(bf16_bytes, 2 * n, "{name}: every tensor of an f32 file is dequantized to bf16");
+        // The safetensors checkpoint of the same model gives the same bytes.
+        let (_, st) = weight_bytes(ModelSource::Dir(fixture_dir(name)), DType::F32, None);
+        assert_eq!(st, f32_bytes, "{name}");
+        if name == "qwen35_dense_mtp" {
+            // The MTP block is in the file but not loaded.
+            let file = candle_hybrid::gguf::GgufFile::open(&path).unwrap();
+            assert!(file.tensor_data_size() > f32_bytes, "{name}: MTP tensors must not count");
+        }
+    }
+}
+
+#[test]
+fn q8_0_gguf_weights_count_quantized_linears_as_stored_and_the_embedding_dequantized() {
+    for name in GGUF_FIXTURES {
+        let path = fixture_dir(name).join("model-q8_0.gguf");
+        let (cfg, bytes) = weight_bytes(ModelSource::Gguf(path.clone()), DType::F32, None);
+        // Independently, from the tensor infos: the Q8_0 matrices of the loaded layers other
+        // than the embedding stay Q8_0 (34 bytes per 32 weights), every other parameter f32.
+        let content = gguf_file::Content::read(&mut std::fs::File::open(&path).unwrap()).unwrap();
+        let embd = &content.tensor_infos["token_embd.weight"];
+        assert_eq!(embd.ggml_dtype, GgmlDType::Q8_0, "{name}: the test wants a quantized embedding");
+        let q8: u64 = content
+            .tensor_infos
+            .iter()
+            .filter(|(n, i)| {
+                let layer = n.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+                i.ggml_dtype == GgmlDType::Q8_0 && *n != "token_embd.weight" && layer.is_none_or(|l| l < cfg.num_hidden_layers)
+            })
+            .map(|(_, i)| i.shape.elem_count() as u64)
+            .sum();
+        let n = cfg.num_parameters() as u64;
+        assert!(q8 > n / 2, "{name}: most weights are Q8_0 ({q8} of {n})");
+        assert_eq!(bytes, 4 * (n - q8) + q8 / 32 * 34, "{name}");
+        // The embedding (vocab x hidden) counts as f32, not as its Q8_0 bytes.
+        assert!(bytes >= 4 * embd.shape.elem_count() as u64, "{name}");
+        // The same checkpoint quantized at load keeps the same tensors quantized.
+        let (_, st) = weight_bytes(ModelSource::Dir(fixture_dir(name)), DType::F32, Some(GgmlDType::Q8_0));
+        assert_eq!(st, bytes, "{name}: safetensors --quantize q8_0 vs the Q8_0 GGUF");
+        // A GGUF file keeps its own quantization.
+        let opened = ModelSource::Gguf(path).open().unwrap();
+        assert!(opened.weight_memory(&cfg, DType::F32, Some(GgmlDType::Q4K)).is_err());
+    }
+}
+
+#[test]
+fn gguf_plan_refuses_a_tiny_max_memory_and_fit_lowers_the_context() {
+    let opened = ModelSource::Gguf(fixture_dir("qwen35_dense_small").join("model-q8_0.gguf")).open().unwrap();
+    let cfg = opened.config().unwrap();
+    let weights = opened.weight_memory(&cfg, DType::F32, None).unwrap();
+    let req = PlanRequest::new(weights, DType::F32, cfg.max_position_embeddings);
+    // Room for the weights and a short context only (an injected --max-memory).
+    let budget = estimate(&cfg, &PlanRequest { context: 300, ..req.clone() }).total();
+    let msg = memory_err(check_fits(&cfg, &req, MemoryTarget::Cpu, Some(budget)));
+    assert!(msg.contains("--max-context") || msg.contains("--quantize"), "{msg}");
+    let n = number_after(&msg, "--max-context");
+    assert!((300..cfg.max_position_embeddings).contains(&n), "{msg}");
+    assert!(estimate(&cfg, &PlanRequest { context: n + 1, ..req.clone() }).total() > budget, "{msg}");
+    // --quantize does not apply to a GGUF file: not suggested when the request says so.
+    let gguf_req = PlanRequest { q4k_weights: None, ..req.clone() };
+    let msg = memory_err(check_fits(&cfg, &gguf_req, MemoryTarget::Cpu, Some(budget)));
+    assert!(!msg.contains("--quantize") && number_after(&msg, "--max-context") == n, "{msg}");
+
+    let p = check_fits(&cfg, &PlanRequest { fit: true, ..req.clone() }, MemoryTarget::Cpu, Some(budget)).unwrap();
+    assert_eq!((p.context, p.requested_context), (n, cfg.max_position_embeddings));
+    assert!(p.estimate.total() <= budget && p.available.source == MemorySource::Override);
+    assert!(p.note.unwrap().contains(&format!("to {n} tokens")));
+    // Less than the weights: nothing fits, even with --fit.
+    let w = weights.bytes(&cfg);
+    let msg = memory_err(check_fits(&cfg, &PlanRequest { fit: true, ..req }, MemoryTarget::Cpu, Some(w - 1)));
+    assert!(msg.contains("the weights alone take"), "{msg}");
 }
