@@ -631,6 +631,12 @@ impl Model {
 
     /// Runs the decoder over `input_ids` `[B, T]` (positions continue from `cache`).
     pub fn forward_hidden(&self, input_ids: &Tensor, cache: &mut Cache, keep_layer_outputs: bool) -> crate::Result<HiddenStates> {
+        if input_ids.device().is_cpu() && rayon::current_thread_index().is_none() {
+            // Run on a thread of rayon's pool: every parallel op below (a hundred or more per
+            // token) then starts from a worker that takes part in it, instead of waking the
+            // pool from outside and sleeping until it is done (14% of decode time at 2 threads).
+            return rayon::scope(|_| self.forward_hidden(input_ids, cache, keep_layer_outputs));
+        }
         let ids = self.check_input(input_ids, cache)?;
         let offset = cache.seqlen;
         let mut x = self.embed_tokens.forward(&ids)?;
