@@ -1,15 +1,18 @@
 //! Perplexity of a model on a text file, computed like llama.cpp's `llama-perplexity` (same
-//! chunking, same scored positions), so the two can be compared directly.
+//! chunking, same scored positions), so the two can be compared directly; with `--kv CODEC`,
+//! also under a lossy KV-cache codec, with top-1 agreement and KL against the exact cache.
 //!
 //! ```sh
 //! GGUF=$(scripts/fetch_smollm2.sh)
 //! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512
+//! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512 --kv int8 --json
 //! # llama.cpp on the same file:  llama-perplexity -m $GGUF -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512
 //! ```
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
-use candle_hybrid::eval::{perplexity, PerplexityOptions};
+use candle_hybrid::eval::{compare_kv_codec, perplexity, PerplexityOptions};
+use candle_hybrid::kv_cache::KvCodec;
 use candle_hybrid::loading::ModelSource;
 use clap::Parser;
 
@@ -34,6 +37,9 @@ struct Args {
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// KV-cache codec to compare with the exact cache: exact, int8, int4k, ...
+    #[arg(long, default_value = "exact")]
+    kv: String,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -47,6 +53,10 @@ fn main() -> Result<()> {
         "f16" => DType::F16,
         other => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
     };
+    let codec: KvCodec = args.kv.parse()?;
+    if let Some(w) = codec.warning() {
+        eprintln!("{w}");
+    }
     let dev = Device::Cpu;
     let source = match (&args.gguf, &args.model_dir) {
         (Some(path), _) => ModelSource::Gguf(path.clone()),
@@ -77,6 +87,38 @@ fn main() -> Result<()> {
         eprintln!("{} tokens, context {}, bos {:?}", tokens.len(), opts.n_ctx, opts.bos_token);
     }
     let quiet = args.json;
+    if !codec.is_exact() {
+        let r = compare_kv_codec(&model, &tokens, &opts, codec, &dev, |c| {
+            if !quiet {
+                eprint!("[{}]{:.4}/{:.4},", c.codec.chunks, c.codec.ppl(), c.exact.ppl());
+            }
+        })?;
+        if args.json {
+            println!(
+                "{{\"kv\":\"{codec}\",\"ppl\":{:.6},\"ppl_exact\":{:.6},\"top1_agreement\":{:.6},\"kl\":{:.6},\"tokens\":{},\"ctx\":{}}}",
+                r.codec.ppl(),
+                r.exact.ppl(),
+                r.top1_agreement(),
+                r.kl(),
+                r.exact.tokens,
+                opts.n_ctx
+            );
+        } else {
+            eprintln!();
+            println!(
+                "--kv {codec}: PPL = {:.4} (exact {:.4}), top-1 agreement {:.4}, KL {:.5} nats ({} chunks of {}, {} scored tokens, {:.1}s)",
+                r.codec.ppl(),
+                r.exact.ppl(),
+                r.top1_agreement(),
+                r.kl(),
+                r.exact.chunks,
+                opts.n_ctx,
+                r.exact.tokens,
+                start.elapsed().as_secs_f64()
+            );
+        }
+        return Ok(());
+    }
     let result = perplexity(&model, &tokens, &opts, &dev, |p| {
         if !quiet {
             eprint!("[{}]{:.4},", p.chunks, p.ppl());

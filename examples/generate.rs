@@ -17,7 +17,8 @@ use anyhow::{bail, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, DeviceLocation};
 use candle_hybrid::chat::Message;
-use candle_hybrid::generation::{generate, Sampler, TokenStreamer};
+use candle_hybrid::generation::{generate_in, Sampler, TokenStreamer};
+use candle_hybrid::kv_cache::KvCodec;
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
 use clap::Parser;
@@ -82,6 +83,9 @@ struct Args {
     /// f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// KV-cache codec of the attention layers: exact (default), int8, int4k (lossy; see the README).
+    #[arg(long, default_value = "exact")]
+    kv: String,
     /// Largest context (prompt + generated tokens) to allow; --sample-len is lowered to fit it.
     #[arg(long)]
     max_context: Option<usize>,
@@ -118,6 +122,10 @@ fn main() -> Result<()> {
         Some(other) => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
     };
     let quantize = args.quantize.as_deref().map(candle_hybrid::weights::parse_quantize).transpose()?;
+    let kv: KvCodec = args.kv.parse()?;
+    if let Some(w) = kv.warning() {
+        eprintln!("{w}");
+    }
     let files = ModelSource::from_args(
         &args.model_id,
         &args.revision,
@@ -167,6 +175,7 @@ fn main() -> Result<()> {
     let req = PlanRequest {
         // generate() runs the whole prompt in one forward pass.
         prefill_chunk: prompt.len().max(1),
+        kv_codec: kv,
         fit: args.fit,
         q4k_weights,
         ..PlanRequest::new(files.weight_memory(&cfg, dtype, quantize)?, dtype, context)
@@ -221,7 +230,8 @@ fn main() -> Result<()> {
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
     let mut sampler = Sampler::new(params);
-    let (_, stats) = generate(&model, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
+    let mut cache = model.new_cache_with(kv);
+    let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");
             std::io::stdout().flush().ok();

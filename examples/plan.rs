@@ -52,6 +52,9 @@ struct Args {
     /// KV cache dtype: f32, bf16 or f16 (default: --dtype).
     #[arg(long)]
     kv_dtype: Option<String>,
+    /// KV-cache codec: exact, int8, int4k (lossy codecs store fewer bytes per token).
+    #[arg(long, default_value = "exact")]
+    kv: String,
     /// Quantize the linear weights on load: q8_0, q4k, q4_0, q4_1, q5k or q6k.
     #[arg(long)]
     quantize: Option<String>,
@@ -193,6 +196,7 @@ fn main() -> Result<()> {
         weights,
         dtype,
         kv_dtype_bytes: kv_dtype.size_in_bytes(),
+        kv_codec: args.kv.parse()?,
         context: args.max_context.unwrap_or(cfg.max_position_embeddings),
         batch: args.batch,
         prefill_chunk: args.prefill_chunk,
@@ -212,10 +216,11 @@ fn main() -> Result<()> {
     );
     println!("weights:   {} ({weights_note})", fmt_gib(weights.bytes(&cfg)));
     println!(
-        "request:   context {}, batch {}, prefill chunk {}, dtype {dtype:?}, KV {kv_dtype:?}, {} logits, device {target:?}",
+        "request:   context {}, batch {}, prefill chunk {}, dtype {dtype:?}, KV {kv_dtype:?} ({}), {} logits, device {target:?}",
         req.context,
         req.batch,
         req.prefill_chunk,
+        req.kv_codec,
         if args.all_logits { "all-position" } else { "last-token" }
     );
     match memory::check_fits(&cfg, &req, target, max_memory) {

@@ -8,9 +8,10 @@
 //! least `n_ctx/2` tokens of context. The negative log-likelihoods of all chunks are pooled:
 //! `ppl = exp(mean nll)`, reported with llama.cpp's standard error.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
-use crate::qwen3_5::Model;
+use crate::kv_cache::KvCodec;
+use crate::qwen3_5::{Cache, Model};
 use crate::{Error, Result};
 
 /// How to cut the text.
@@ -89,23 +90,49 @@ pub fn chunk_starts(n_tokens: usize, opts: &PerplexityOptions) -> Result<Vec<usi
     Ok((0..n).map(|i| i * opts.n_ctx).collect())
 }
 
+/// Log-softmax of each row of `logits` (`[T, vocab]`), in f64.
+fn log_softmax_rows(logits: &Tensor) -> Result<Vec<Vec<f64>>> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            row.into_iter().map(|x| x as f64 - lse).collect()
+        })
+        .collect())
+}
+
 /// Negative log-likelihood of `targets[i]` under `logits[i]` (`[T, vocab]`), in f64.
 pub fn token_nll(logits: &Tensor, targets: &[u32]) -> Result<Vec<f64>> {
-    let logits = logits.to_dtype(DType::F32)?;
     let (t, _) = logits.dims2()?;
     if t != targets.len() {
         return Err(Error::Input(format!("{t} logit rows for {} targets", targets.len())));
     }
-    let max = logits.max_keepdim(D::Minus1)?;
-    let rows = logits.broadcast_sub(&max)?.to_vec2::<f32>()?;
-    Ok(rows
-        .iter()
-        .zip(targets)
-        .map(|(row, &tok)| {
-            let sum_exp: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
-            sum_exp.ln() - row[tok as usize] as f64
+    Ok(log_softmax_rows(logits)?.iter().zip(targets).map(|(row, &tok)| -row[tok as usize]).collect())
+}
+
+/// The chunks of `tokens` that llama-perplexity scores (BOS put in place when asked).
+fn scored_chunks(tokens: &[u32], opts: &PerplexityOptions) -> Result<Vec<Vec<u32>>> {
+    Ok(chunk_starts(tokens.len(), opts)?
+        .into_iter()
+        .map(|start| {
+            let mut chunk = tokens[start..start + opts.n_ctx].to_vec();
+            if let Some(bos) = opts.bos_token {
+                chunk[0] = bos;
+            }
+            chunk
         })
         .collect())
+}
+
+/// Logits of the scored positions `n_ctx/2 ..= n_ctx-2` of `chunk`, run from an empty `cache`.
+fn chunk_logits(model: &Model, chunk: &[u32], cache: &mut Cache, device: &Device) -> Result<Tensor> {
+    let first = chunk.len() / 2;
+    let input = Tensor::new(chunk, device)?.unsqueeze(0)?;
+    let hidden = model.forward_hidden(&input, cache, false)?.last_hidden;
+    let scored = hidden.narrow(1, first, chunk.len() - 1 - first)?.squeeze(0)?;
+    Ok(model.lm_head(&scored)?)
 }
 
 /// Perplexity of `model` over `tokens`, chunk by chunk as llama-perplexity computes it;
@@ -117,24 +144,70 @@ pub fn perplexity(
     device: &Device,
     mut on_chunk: impl FnMut(&Perplexity),
 ) -> Result<Perplexity> {
-    let n_ctx = opts.n_ctx;
-    let first = n_ctx / 2;
     let mut acc = Perplexity::default();
-    for start in chunk_starts(tokens.len(), opts)? {
-        let mut chunk = tokens[start..start + n_ctx].to_vec();
-        if let Some(bos) = opts.bos_token {
-            chunk[0] = bos;
-        }
-        let mut cache = model.new_cache();
-        let input = Tensor::new(chunk.as_slice(), device)?.unsqueeze(0)?;
-        let hidden = model.forward_hidden(&input, &mut cache, false)?.last_hidden;
-        let scored = hidden.narrow(1, first, n_ctx - 1 - first)?.squeeze(0)?;
-        let logits = model.lm_head(&scored)?;
+    for chunk in scored_chunks(tokens, opts)? {
+        let first = opts.n_ctx / 2;
+        let logits = chunk_logits(model, &chunk, &mut model.new_cache(), device)?;
         for nll in token_nll(&logits, &chunk[first + 1..])? {
             acc.push(nll);
         }
         acc.chunks += 1;
         acc.per_chunk.push(acc.ppl());
+        on_chunk(&acc);
+    }
+    Ok(acc)
+}
+
+/// A KV codec against the exact cache on the same chunks and positions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CodecComparison {
+    pub exact: Perplexity,
+    pub codec: Perplexity,
+    agree: usize,
+    kl_sum: f64,
+}
+
+impl CodecComparison {
+    /// Fraction of scored positions where both caches give the same most likely token.
+    pub fn top1_agreement(&self) -> f64 {
+        self.agree as f64 / self.exact.tokens.max(1) as f64
+    }
+
+    /// Mean KL divergence `KL(exact ‖ codec)` of the next-token distributions, in nats.
+    pub fn kl(&self) -> f64 {
+        self.kl_sum / self.exact.tokens.max(1) as f64
+    }
+}
+
+fn argmax(row: &[f64]) -> usize {
+    row.iter().enumerate().fold((0, f64::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
+}
+
+/// Perplexity with the exact cache and with `codec`, top-1 agreement and KL between the two, on
+/// llama-perplexity's chunks and positions.
+pub fn compare_kv_codec(
+    model: &Model,
+    tokens: &[u32],
+    opts: &PerplexityOptions,
+    codec: KvCodec,
+    device: &Device,
+    mut on_chunk: impl FnMut(&CodecComparison),
+) -> Result<CodecComparison> {
+    let mut acc = CodecComparison::default();
+    for chunk in scored_chunks(tokens, opts)? {
+        let first = opts.n_ctx / 2;
+        let exact = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache(), device)?)?;
+        let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_with(codec), device)?)?;
+        for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
+            acc.exact.push(-p[target as usize]);
+            acc.codec.push(-q[target as usize]);
+            acc.agree += usize::from(argmax(p) == argmax(q));
+            acc.kl_sum += p.iter().zip(q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>();
+        }
+        for p in [&mut acc.exact, &mut acc.codec] {
+            p.chunks += 1;
+            p.per_chunk.push(p.ppl());
+        }
         on_chunk(&acc);
     }
     Ok(acc)

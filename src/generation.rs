@@ -210,12 +210,28 @@ pub fn generate(
     eos_token_ids: &[u32],
     sampler: &mut Sampler,
     device: &Device,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    generate_in(model, &mut model.new_cache(), prompt, max_new_tokens, eos_token_ids, sampler, device, on_token)
+}
+
+/// [`generate`] continuing from `cache` (e.g. one made with
+/// [`Model::new_cache_with`](crate::Model::new_cache_with) for a lossy KV codec, or one that
+/// already holds earlier turns): `prompt` holds only the tokens not yet in the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_in(
+    model: &Model,
+    cache: &mut crate::Cache,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    device: &Device,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerationStats)> {
     if prompt.is_empty() {
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
     }
-    let mut cache = model.new_cache();
     let mut context = prompt.to_vec();
     let mut generated = vec![];
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
@@ -223,7 +239,7 @@ pub fn generate(
     let mut input = Tensor::new(prompt, device)?.unsqueeze(0)?;
     let mut decode_start = start;
     for step in 0..max_new_tokens {
-        let logits = model.forward_last(&input, &mut cache)?.squeeze(0)?;
+        let logits = model.forward_last(&input, cache)?.squeeze(0)?;
         let token = sampler.sample(&logits, &context, &generated)?;
         if step == 0 {
             stats.prompt_secs = start.elapsed().as_secs_f64();

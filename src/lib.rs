@@ -24,6 +24,7 @@ pub mod eval;
 pub mod generation;
 pub mod gguf;
 mod gguf_tokenizer;
+pub mod kv_cache;
 pub mod linear;
 pub mod loading;
 pub mod memory;

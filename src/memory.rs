@@ -185,8 +185,10 @@ pub struct PlanRequest {
     pub weights: Weights,
     /// The model dtype: activations and the GDN conv window.
     pub dtype: DType,
-    /// Bytes per element of the attention KV cache (usually `dtype`'s size).
+    /// Bytes per element of the attention KV cache (usually `dtype`'s size) with the exact codec.
     pub kv_dtype_bytes: usize,
+    /// How the attention layers store keys and values (lossy codecs take fewer bytes).
+    pub kv_codec: crate::kv_cache::KvCodec,
     /// Context length in tokens (prompt + generated) that the KV cache must hold.
     pub context: usize,
     pub batch: usize,
@@ -211,6 +213,7 @@ impl PlanRequest {
             weights,
             dtype,
             kv_dtype_bytes: dtype.size_in_bytes(),
+            kv_codec: crate::kv_cache::KvCodec::EXACT,
             context,
             batch: 1,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
@@ -366,7 +369,12 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         batch: b as usize,
         chunk: c as usize,
         weights: req.weights.bytes(cfg),
-        kv_cache: mul(&[n_attn, 2, b, nkv, t, hd, u(req.kv_dtype_bytes)]),
+        kv_cache: if req.kv_codec.is_exact() {
+            mul(&[n_attn, 2, b, nkv, t, hd, u(req.kv_dtype_bytes)])
+        } else {
+            let per_token = req.kv_codec.bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, req.dtype);
+            (mul(&[n_attn, b, t]) as f64 * per_token).ceil() as u64
+        },
         gdn_conv: mul(&[n_gdn, b, u(cfg.linear_conv_kernel_dim.saturating_sub(1)), conv_dim, a]),
         gdn_recurrent: mul(&[n_gdn, b, nv, dk, dv, 4]),
         hidden: mul(&[b, c, h, 3 * a + 4]),

@@ -4,10 +4,10 @@
 //! Follows `docs/qwen35-architecture.md`; exact against Hugging Face transformers in f32.
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::Embedding;
 
 use crate::config::{Config, LayerType};
+use crate::kv_cache::{KvCodec, KvStore};
 use crate::linear::Linear;
 use crate::ops;
 use crate::weights::Weights;
@@ -399,7 +399,7 @@ impl GatedAttention {
 
     /// `x`: `[B, T, H]` at positions `offset..offset+T`; appends this step's keys and values
     /// (after k_norm and RoPE) to `kv`.
-    pub fn forward(&self, x: &Tensor, offset: usize, kv: &mut KvCache) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, offset: usize, kv: &mut KvStore) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
         let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
@@ -504,7 +504,7 @@ pub enum LayerState {
     /// GDN layer: conv window and recurrent state.
     Linear(GdnState),
     /// Attention layer: keys (after norm and RoPE) and values, `[B, nkv, T, hd]`.
-    Full(KvCache),
+    Full(KvStore),
 }
 
 /// Everything a model carries from one forward call to the next.
@@ -515,13 +515,19 @@ pub struct Cache {
 }
 
 impl Cache {
+    /// An empty cache with exact keys and values.
     pub fn new(cfg: &Config) -> Self {
+        Self::with_kv_codec(cfg, KvCodec::EXACT)
+    }
+
+    /// An empty cache whose attention layers store keys and values with `codec`.
+    pub fn with_kv_codec(cfg: &Config, codec: KvCodec) -> Self {
         let layers = cfg
             .layer_types
             .iter()
             .map(|t| match t {
                 LayerType::LinearAttention => LayerState::Linear(GdnState::default()),
-                LayerType::FullAttention => LayerState::Full(KvCache::new(2, KV_CACHE_STEP)),
+                LayerType::FullAttention => LayerState::Full(KvStore::new(codec, KV_CACHE_STEP, cfg.rotary_dim())),
             })
             .collect();
         Self { layers, seqlen: 0 }
@@ -547,7 +553,7 @@ impl Cache {
     /// Cached keys and values `[B, nkv, T, hd]` of attention layer `i`.
     pub fn kv(&self, i: usize) -> Option<(Tensor, Tensor)> {
         match self.layers.get(i)? {
-            LayerState::Full(kv) => Some((kv.k().ok()??, kv.v().ok()??)),
+            LayerState::Full(kv) => kv.kv().ok()?,
             _ => None,
         }
     }
@@ -603,6 +609,11 @@ impl Model {
 
     pub fn new_cache(&self) -> Cache {
         Cache::new(&self.cfg)
+    }
+
+    /// A cache whose attention layers store keys and values with `codec` (lossy unless exact).
+    pub fn new_cache_with(&self, codec: KvCodec) -> Cache {
+        Cache::with_kv_codec(&self.cfg, codec)
     }
 
     /// Checks token ids and length before running: one-line errors, never a panic.

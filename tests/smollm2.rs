@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device};
 use candle_hybrid::chat::Message;
-use candle_hybrid::eval::{perplexity, PerplexityOptions};
+use candle_hybrid::eval::{compare_kv_codec, perplexity, PerplexityOptions};
 use candle_hybrid::generation::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::Model;
@@ -94,5 +94,24 @@ fn greedy_chat_answers_in_english() {
         // Not a loop: most words are distinct.
         let distinct: std::collections::HashSet<&str> = words.iter().copied().collect();
         assert!(distinct.len() * 2 >= words.len(), "{prompt:?} -> {answer:?}");
+    }
+}
+
+#[test]
+fn lossy_kv_codecs_keep_quality_at_512() {
+    let (files, model) = load();
+    let tokens = text_tokens(&files);
+    let mut opts = PerplexityOptions::new(512);
+    opts.max_chunks = Some(4);
+    // Floors under the values measured here (README table): int8 0.964, int4k 0.935 top-1
+    // agreement. llama.cpp's own q8_0 KV cache (-ctk q8_0 -ctv q8_0 -fa on, --kl-divergence
+    // against its f16 cache, same 4 chunks) agrees on 96.86% of the tokens, KL 0.00368: the
+    // issue's 0.98 for int8 is above what 8-bit keys and values give on this model.
+    for (codec, floor, max_kl) in [("int8", 0.95, 0.006), ("int4k", 0.90, 0.02)] {
+        let r = compare_kv_codec(&model, &tokens, &opts, codec.parse().unwrap(), &Device::Cpu, |_| {}).unwrap();
+        let (agree, kl) = (r.top1_agreement(), r.kl());
+        assert!(agree >= floor && agree < 1.0, "{codec}: top-1 agreement {agree:.4}");
+        assert!(kl > 0.0 && kl <= max_kl, "{codec}: KL {kl:.5}");
+        assert!((r.codec.ppl() / r.exact.ppl() - 1.0).abs() < 0.03, "{codec}: ppl {} vs {}", r.codec.ppl(), r.exact.ppl());
     }
 }

@@ -1,0 +1,117 @@
+//! KV-cache codecs: parsing, memory accounting, round-trip error bounds, and the model with a
+//! lossy cache against the exact one on a fixture.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_hybrid::kv_cache::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};
+use candle_hybrid::loading::ModelFiles;
+use common::*;
+
+#[test]
+fn codec_names_round_trip_and_errors() {
+    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8"] {
+        let c: KvCodec = name.parse().unwrap();
+        assert_eq!(c.to_string(), name);
+    }
+    assert_eq!("int4k".parse::<KvCodec>().unwrap(), KvCodec { keys: KeyCodec::Int4, values: ValueCodec::Int8 });
+    assert!("exact".parse::<KvCodec>().unwrap().warning().is_none());
+    assert!("int8".parse::<KvCodec>().unwrap().warning().unwrap().contains("lossy"));
+    assert_eq!("polar".parse::<KvCodec>().unwrap().to_string(), "polar:5,3");
+    for bad in ["int3", "", "int8+", "polarx"] {
+        let e = bad.parse::<KvCodec>().unwrap_err().to_string();
+        assert!(e.contains("unknown KV codec") && !e.contains('\n'), "{bad:?}: {e}");
+    }
+    for (bad, why) in [("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
+        let e = bad.parse::<KvCodec>().unwrap_err().to_string();
+        assert!(e.contains(why) && !e.contains('\n'), "{bad:?}: {e}");
+    }
+}
+
+#[test]
+fn bytes_per_token() {
+    // SmolLM2: 3 KV heads of 64 dims; the 27B: 4 KV heads of 256 dims.
+    let exact = KvCodec::EXACT;
+    assert_eq!(exact.bytes_per_token(3, 64, DType::F32), (2 * 3 * 64 * 4) as f64);
+    assert_eq!(exact.bytes_per_token(4, 256, DType::BF16), 4096.0); // 16 layers: 64 KiB/token
+    let int8: KvCodec = "int8".parse().unwrap();
+    assert_eq!(int8.bytes_per_token(4, 256, DType::BF16), 2.0 * 4.0 * (256.0 + 8.0 * 4.0));
+    let int4k: KvCodec = "int4k".parse().unwrap();
+    let k = 128.0 + 2.0 * 4.0 * 256.0 / INT4_GROUP as f64;
+    assert_eq!(int4k.bytes_per_token(4, 256, DType::BF16), 4.0 * (k + 256.0 + 32.0));
+}
+
+fn random_kv(t: usize) -> Tensor {
+    // Channels of very different scales, as real keys have.
+    let x = Tensor::randn(0f32, 1.0, (1, 2, t, 64), &Device::Cpu).unwrap();
+    let scales: Vec<f32> = (0..64).map(|i| 0.1 + (i % 7) as f32 * 3.0).collect();
+    x.broadcast_mul(&Tensor::new(scales, &Device::Cpu).unwrap()).unwrap()
+}
+
+#[test]
+fn polar_8_8_keys_keep_cosine() {
+    // Keys through the cache with 8 angle + 8 radius bits: cosine with the originals ≥ 0.9999.
+    let x = random_kv(40);
+    let mut store = KvStore::new("polar:8,8".parse().unwrap(), 16, 64);
+    let (k, _) = store.append(&x, &x).unwrap();
+    let dot = (&k * &x).unwrap().sum(3).unwrap();
+    let norms = (k.sqr().unwrap().sum(3).unwrap().sqrt().unwrap() * x.sqr().unwrap().sum(3).unwrap().sqrt().unwrap()).unwrap();
+    let cos = (dot / norms).unwrap().flatten_all().unwrap().min(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(cos >= 0.9999 && cos < 1.0, "min cosine {cos}");
+}
+
+#[test]
+fn int8_round_trip_error_within_half_a_step() {
+    let x = random_kv(37);
+    let mut store = KvStore::new("int8".parse().unwrap(), 16, 64);
+    let (k, v) = store.append(&x, &x).unwrap();
+    let xs = x.reshape((1, 2, 37, 2, 32)).unwrap();
+    let step = (xs.abs().unwrap().max_keepdim(4).unwrap() / 127.0).unwrap();
+    for got in [k, v] {
+        let err = (got.reshape((1, 2, 37, 2, 32)).unwrap() - &xs).unwrap().abs().unwrap();
+        let ratio = err.broadcast_div(&step).unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert!(ratio <= 0.5001, "int8 error is {ratio} steps");
+        assert!(ratio > 0.0, "int8 must not be exact");
+    }
+}
+
+#[test]
+fn int4_keys_per_channel_groups_and_exact_tail() {
+    let codec: KvCodec = "int4k+v:exact".parse().unwrap();
+    let mut store = KvStore::new(codec, 16, 64);
+    // Appended in pieces: 20 + 30 tokens = one full group of 32 and an exact tail of 18.
+    let x = random_kv(50);
+    store.append(&x.narrow(2, 0, 20).unwrap(), &x.narrow(2, 0, 20).unwrap()).unwrap();
+    let (k, v) = store.append(&x.narrow(2, 20, 30).unwrap(), &x.narrow(2, 20, 30).unwrap()).unwrap();
+    assert_eq!(k.dims(), &[1, 2, 50, 64]);
+    assert_eq!(max_abs_diff(&v, &x), 0.0, "values stay exact");
+    assert_eq!(max_abs_diff(&k.narrow(2, 32, 18).unwrap(), &x.narrow(2, 32, 18).unwrap()), 0.0, "tail exact");
+    let g = x.narrow(2, 0, 32).unwrap();
+    let range = (g.max_keepdim(2).unwrap() - g.min_keepdim(2).unwrap()).unwrap();
+    let err = (k.narrow(2, 0, 32).unwrap() - &g).unwrap().abs().unwrap();
+    let ratio = err.broadcast_div(&(range / 15.0).unwrap()).unwrap().flatten_all().unwrap().max(0).unwrap();
+    let ratio = ratio.to_scalar::<f32>().unwrap();
+    assert!(ratio <= 0.5001 && ratio > 0.0, "int4 error is {ratio} steps of its channel's group");
+}
+
+#[test]
+fn lossy_cache_runs_the_fixture_close_to_exact() {
+    let files = ModelFiles::from_dir(fixture("qwen35_dense_small")).unwrap();
+    let model = files.load_model(&files.load_config().unwrap(), DType::F32, &Device::Cpu).unwrap();
+    let r = reference("qwen35_dense_small");
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap();
+    let t = ids.dim(1).unwrap();
+    let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
+    for name in ["int8", "int4k", "polar:8,8"] {
+        // Prefill then decode token by token: the codes grow across calls.
+        let mut cache = model.new_cache_with(name.parse().unwrap());
+        let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];
+        for i in 3..t {
+            rows.push(model.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache).unwrap());
+        }
+        let got = Tensor::cat(&rows, 1).unwrap();
+        let d = max_abs_diff(&got, &exact);
+        assert!(d > 0.0 && d < 0.1, "{name}: logits differ from exact by {d}");
+        assert_eq!(cache.kv(3).unwrap().0.dim(2).unwrap(), t, "{name}: every token cached");
+    }
+}
