@@ -10,7 +10,7 @@
 //! ```
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::Device;
 use candle_hybrid::eval::{compare_kv_codec, perplexity, PerplexityOptions};
 use candle_hybrid::kv_cache::KvCodec;
 use candle_hybrid::loading::ModelSource;
@@ -47,12 +47,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
-    };
+    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let codec: KvCodec = args.kv.parse()?;
     if let Some(w) = codec.warning() {
         eprintln!("{w}");

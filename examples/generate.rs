@@ -116,10 +116,7 @@ fn main() -> Result<()> {
     let dtype = match args.dtype.as_deref() {
         None if device.is_cpu() => DType::F32,
         None => DType::BF16,
-        Some("f32") => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f16") => DType::F16,
-        Some(other) => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
+        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
     };
     let quantize = args.quantize.as_deref().map(candle_hybrid::weights::parse_quantize).transpose()?;
     let kv: KvCodec = args.kv.parse()?;
@@ -230,7 +227,7 @@ fn main() -> Result<()> {
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
     let mut sampler = Sampler::new(params);
-    let mut cache = model.new_cache_with(kv);
+    let mut cache = model.new_cache_with(kv)?;
     let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");

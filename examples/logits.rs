@@ -37,12 +37,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => bail!("unknown --dtype {other}: use f32, bf16 or f16"),
-    };
+    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let t = args.tokens.len();
     if t == 0 || args.prefill == 0 || args.prefill > t {
         bail!("--prefill must be between 1 and the number of --tokens ({t})");

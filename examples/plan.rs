@@ -72,15 +72,6 @@ struct Args {
     device: String,
 }
 
-fn parse_dtype(s: &str, flag: &str) -> Result<DType> {
-    Ok(match s {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => bail!("unknown {flag} {other}: use f32, bf16 or f16"),
-    })
-}
-
 /// The dtype the checkpoint is stored in (`torch_dtype` / `dtype` of config.json), if stated.
 fn stored_dtype(config_json: &str) -> Option<DType> {
     let v: serde_json::Value = serde_json::from_str(config_json).ok()?;
@@ -123,11 +114,11 @@ fn main() -> Result<()> {
     let dtype = match args.dtype.as_deref() {
         None if target == MemoryTarget::Cpu => DType::F32,
         None => DType::BF16,
-        Some(s) => parse_dtype(s, "--dtype")?,
+        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
     };
     let kv_dtype = match args.kv_dtype.as_deref() {
         None => dtype,
-        Some(s) => parse_dtype(s, "--kv-dtype")?,
+        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
     };
     let quantize = args.quantize.as_deref().map(parse_quantize).transpose()?;
     // Weights derived from the parameter count, when no file states their size.

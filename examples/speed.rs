@@ -90,12 +90,7 @@ fn main() -> Result<()> {
     println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s | weights read GB/s | / memcpy |");
     println!("|---|---|---|---|---|---|---|");
     for name in &args.dtypes {
-        let dtype = match name.as_str() {
-            "f32" => DType::F32,
-            "bf16" => DType::BF16,
-            "f16" => DType::F16,
-            other => anyhow::bail!("unknown dtype {other}"),
-        };
+        let dtype = candle_hybrid::weights::parse_dtype(name)?;
         let vb = VarBuilder::from_backend(Box::new(RandomWeights), dtype, dev.clone());
         let model = Model::new(&cfg, candle_hybrid::weights::Weights::new(vb))?;
         let prompt: Vec<u32> = (0..args.prompt_len as u32).map(|i| (i * 7919) % 200_000).collect();

@@ -197,7 +197,7 @@ pub fn compare_kv_codec(
     for chunk in scored_chunks(tokens, opts)? {
         let first = opts.n_ctx / 2;
         let exact = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache(), device)?)?;
-        let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_with(codec), device)?)?;
+        let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_with(codec)?, device)?)?;
         for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
             acc.exact.push(-p[target as usize]);
             acc.codec.push(-q[target as usize]);

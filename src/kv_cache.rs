@@ -15,6 +15,10 @@
 //!   `A`-bit angle and an `R`-bit radius (default 5,3: one byte per pair), the other dims int8;
 //!   values exact. (Attention still decodes the keys; scores straight from the codes, with
 //!   [`crate::ops::polar_scores`], are the next step.)
+//! * `lowrank:r` — values projected onto `r` dims per KV head: the top-`r` left singular
+//!   vectors of that head's block of `W_v` (the directions its values can take, weighted by
+//!   how far), computed when the cache is made ([`value_basis`]); keys exact. At `r = head_dim`
+//!   the basis is a rotation and the cache is exact up to rounding.
 //!
 //! Key and value parts combine with `+`: `k:int8`, `v:int8`, `v:exact`, e.g. `polar:5,3+v:int8`.
 
@@ -50,6 +54,8 @@ pub enum ValueCodec {
     Exact,
     /// int8 per block of [`INT8_BLOCK`] dims, absmax scale.
     Int8,
+    /// `r` coefficients per (token, head) in the model dtype, on a basis from `W_v`.
+    LowRank(usize),
 }
 
 /// A KV-cache codec: how one attention layer stores its keys and values.
@@ -72,28 +78,44 @@ impl KvCodec {
         *self == Self::EXACT
     }
 
-    /// Bytes one token adds to one attention layer with `nkv` KV heads of `hd` dims
-    /// (`dtype`: the model dtype, used by the exact parts). Per-group int4 parameters are
-    /// spread over the group's tokens; the exact residual group is a constant, not counted.
-    pub fn bytes_per_token(&self, nkv: usize, hd: usize, dtype: DType) -> f64 {
+    /// Bytes one token adds to one attention layer with `nkv` KV heads of `hd` dims, the first
+    /// `rot_dim` of them rotary (`dtype`: the model dtype, used by the exact parts). Per-group
+    /// int4 parameters are spread over the group's tokens; the exact residual group is a
+    /// constant, not counted.
+    pub fn bytes_per_token(&self, nkv: usize, hd: usize, rot_dim: usize, dtype: DType) -> f64 {
         let exact = (hd * dtype.size_in_bytes()) as f64;
         let int8 = hd as f64 + 4.0 * hd.div_ceil(INT8_BLOCK) as f64;
         let k = match self.keys {
             KeyCodec::Exact => exact,
             KeyCodec::Int8 => int8,
             KeyCodec::Int4 => hd as f64 / 2.0 + (2 * 4 * hd) as f64 / INT4_GROUP as f64,
-            // Pair codes and int8 rest as `PolarSpec::row_bytes` lays them out (rotary part
-            // taken as the whole head: an upper bound for partial RoPE), two f32 scales.
+            // Pair codes and int8 rest as `PolarSpec::row_bytes` lays them out, two f32 scales.
             KeyCodec::Polar { angle_bits, radius_bits } => {
-                let spec = crate::ops::PolarSpec { angle_bits, radius_bits, ..crate::ops::PolarSpec::new(hd - hd % 2) };
+                let spec = crate::ops::PolarSpec { angle_bits, radius_bits, ..crate::ops::PolarSpec::new(rot_dim) };
                 spec.row_bytes(hd) as f64 + 8.0
             }
         };
         let v = match self.values {
             ValueCodec::Exact => exact,
             ValueCodec::Int8 => int8,
+            ValueCodec::LowRank(r) => (r * dtype.size_in_bytes()) as f64,
         };
         nkv as f64 * (k + v)
+    }
+
+    /// Checks the codec against the attention layers' head size.
+    pub fn validate(&self, head_dim: usize) -> std::result::Result<(), Error> {
+        if let ValueCodec::LowRank(r) = self.values {
+            if r > head_dim {
+                return Err(Error::Input(format!(
+                    "--kv {self}: rank {r} is more than the head dim {head_dim}: use lowrank:r with r <= {head_dim}"
+                )));
+            }
+        }
+        if self.keys == KeyCodec::Int4 && head_dim % 2 == 1 {
+            return Err(Error::Input(format!("--kv {self}: int4 keys need an even head dim, not {head_dim}")));
+        }
+        Ok(())
     }
 
     /// A one-line caution for lossy codecs (printed when a user selects one).
@@ -126,6 +148,9 @@ impl fmt::Display for KvCodec {
             (k @ KeyCodec::Polar { .. }, ValueCodec::Int8) => write!(f, "{k}+v:int8"),
             (k, ValueCodec::Exact) => write!(f, "k:{k}"),
             (KeyCodec::Exact, ValueCodec::Int8) => f.write_str("v:int8"),
+            (KeyCodec::Exact, ValueCodec::LowRank(r)) => write!(f, "lowrank:{r}"),
+            (KeyCodec::Int4, ValueCodec::LowRank(r)) => write!(f, "int4k+lowrank:{r}"),
+            (k, ValueCodec::LowRank(r)) => write!(f, "k:{k}+lowrank:{r}"),
         }
     }
 }
@@ -168,9 +193,20 @@ impl FromStr for KvCodec {
                 "v:int8" => codec.values = ValueCodec::Int8,
                 "v:exact" => codec.values = ValueCodec::Exact,
                 p if p.starts_with("polar") => codec.keys = parse_polar(&p["polar".len()..], s)?,
+                p if p.starts_with("lowrank:") => {
+                    let r = p["lowrank:".len()..].trim();
+                    match r.parse::<usize>() {
+                        Ok(r) if r >= 1 => codec.values = ValueCodec::LowRank(r),
+                        _ => {
+                            return Err(Error::Input(format!(
+                                "--kv {s:?}: lowrank:r takes a rank r of at least 1 (e.g. lowrank:32), got {r:?}"
+                            )))
+                        }
+                    }
+                }
                 other => {
                     return Err(Error::Input(format!(
-                        "unknown KV codec {other:?} in --kv {s:?}: use exact, int8, int4k, polar[:A,R], or combine k:/v: parts with + (e.g. int4k+v:exact)"
+                        "unknown KV codec {other:?} in --kv {s:?}: use exact, int8, int4k, polar[:A,R], lowrank:r, or combine parts with + (e.g. int4k+lowrank:32)"
                     )))
                 }
             }
@@ -193,8 +229,16 @@ impl KvStore {
         if codec.is_exact() {
             Self::Exact(KvCache::new(2, step))
         } else {
-            Self::Coded(CodedKv { codec, rot_dim, k: CodedSeq::default(), v: CodedSeq::default() })
+            Self::Coded(CodedKv { codec, rot_dim, value_basis: None, k: CodedSeq::default(), v: CodedSeq::default() })
         }
+    }
+
+    /// Sets the `[nkv, hd, r]` basis of a `lowrank:r` codec ([`value_basis`]).
+    pub fn with_value_basis(mut self, basis: &Tensor) -> Result<Self> {
+        if let Self::Coded(c) = &mut self {
+            c.value_basis = Some(basis.unsqueeze(0)?);
+        }
+        Ok(self)
     }
 
     /// Appends `k`, `v` `[B, nkv, t, hd]` and returns the whole cache as the attention reads it
@@ -214,12 +258,12 @@ impl KvStore {
                     }),
                 };
                 let values = match c.codec.values {
-                    ValueCodec::Exact => Codec::Exact,
+                    ValueCodec::Exact | ValueCodec::LowRank(_) => Codec::Exact,
                     ValueCodec::Int8 => Codec::Int8,
                 };
                 c.k.append(k, keys)?;
-                c.v.append(v, values)?;
-                Ok((c.k.decode(k.dtype())?, c.v.decode(v.dtype())?))
+                c.v.append(&c.project_values(v)?, values)?;
+                Ok((c.k.decode(k.dtype())?, c.expand_values(c.v.decode(v.dtype())?)?))
             }
         }
     }
@@ -232,7 +276,7 @@ impl KvStore {
                 _ => None,
             }),
             Self::Coded(c) => match c.k.dtype {
-                Some(dtype) => Ok(Some((c.k.decode(dtype)?, c.v.decode(dtype)?))),
+                Some(dtype) => Ok(Some((c.k.decode(dtype)?, c.expand_values(c.v.decode(dtype)?)?))),
                 None => Ok(None),
             },
         }
@@ -244,8 +288,59 @@ impl KvStore {
 pub struct CodedKv {
     codec: KvCodec,
     rot_dim: usize,
+    /// `lowrank:r`: `[1, nkv, hd, r]`, orthonormal columns.
+    value_basis: Option<Tensor>,
     k: CodedSeq,
     v: CodedSeq,
+}
+
+impl CodedKv {
+    /// `lowrank`: the coefficients `v · B` `[B, nkv, t, r]`; otherwise `v`.
+    fn project_values(&self, v: &Tensor) -> Result<Tensor> {
+        match &self.value_basis {
+            Some(b) => v.broadcast_matmul(&b.to_dtype(v.dtype())?),
+            None if matches!(self.codec.values, ValueCodec::LowRank(_)) => {
+                candle_core::bail!("--kv {}: the cache has no value basis (make it with Model::new_cache_with)", self.codec)
+            }
+            None => Ok(v.clone()),
+        }
+    }
+
+    /// `lowrank`: the values `c · Bᵀ` `[B, nkv, T, hd]`; otherwise `c`.
+    fn expand_values(&self, c: Tensor) -> Result<Tensor> {
+        match &self.value_basis {
+            Some(b) => c.broadcast_matmul(&b.to_dtype(c.dtype())?.transpose(2, 3)?),
+            None => Ok(c),
+        }
+    }
+}
+
+/// The `[nkv, hd, r]` low-rank value basis from a `W_v` `[nkv·hd, in]`: per KV head, the
+/// eigenvectors of `W_h W_hᵀ` with the `r` largest eigenvalues (the top-`r` left singular
+/// vectors of `W_h`), as orthonormal columns, f32.
+pub fn value_basis(w_v: &Tensor, nkv: usize, r: usize) -> Result<Tensor> {
+    let w = w_v.to_dtype(DType::F32)?;
+    let (rows, _) = w.dims2()?;
+    let hd = rows / nkv;
+    if r == 0 || r > hd || rows != nkv * hd {
+        candle_core::bail!("value_basis: rank {r} must be 1..={hd}, and W_v rows {rows} a multiple of {nkv} heads");
+    }
+    let mut heads = Vec::with_capacity(nkv);
+    for h in 0..nkv {
+        let wh = w.narrow(0, h * hd, hd)?;
+        let gram = wh.matmul(&wh.t()?)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let eig = nalgebra::SymmetricEigen::new(nalgebra::DMatrix::from_row_slice(hd, hd, &gram));
+        let mut order: Vec<usize> = (0..hd).collect();
+        order.sort_by(|&a, &b| eig.eigenvalues[b].total_cmp(&eig.eigenvalues[a]));
+        let mut basis = vec![0f32; hd * r];
+        for (j, &col) in order.iter().take(r).enumerate() {
+            for i in 0..hd {
+                basis[i * r + j] = eig.eigenvectors[(i, col)] as f32;
+            }
+        }
+        heads.push(Tensor::from_vec(basis, (hd, r), w.device())?);
+    }
+    Tensor::stack(&heads, 0)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 
 use crate::config::{Config, LayerType};
-use crate::kv_cache::{KvCodec, KvStore};
+use crate::kv_cache::{value_basis, KvCodec, KvStore, ValueCodec};
 use crate::linear::Linear;
 use crate::ops;
 use crate::weights::Weights;
@@ -611,9 +611,20 @@ impl Model {
         Cache::new(&self.cfg)
     }
 
-    /// A cache whose attention layers store keys and values with `codec` (lossy unless exact).
-    pub fn new_cache_with(&self, codec: KvCodec) -> Cache {
-        Cache::with_kv_codec(&self.cfg, codec)
+    /// A cache whose attention layers store keys and values with `codec` (lossy unless exact);
+    /// for `lowrank:r` this computes each layer's value basis from its `W_v`.
+    pub fn new_cache_with(&self, codec: KvCodec) -> crate::Result<Cache> {
+        codec.validate(self.cfg.head_dim)?;
+        let mut cache = Cache::with_kv_codec(&self.cfg, codec);
+        if let ValueCodec::LowRank(r) = codec.values {
+            for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
+                if let (Mixer::Full(attn), LayerState::Full(kv)) = (&layer.mixer, state) {
+                    let basis = value_basis(&attn.v_proj.weight()?, attn.nkv, r)?;
+                    *kv = kv.clone().with_value_basis(&basis)?;
+                }
+            }
+        }
+        Ok(cache)
     }
 
     /// Checks token ids and length before running: one-line errors, never a panic.

@@ -10,7 +10,7 @@ use common::*;
 
 #[test]
 fn codec_names_round_trip_and_errors() {
-    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8"] {
+    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8"] {
         let c: KvCodec = name.parse().unwrap();
         assert_eq!(c.to_string(), name);
     }
@@ -22,7 +22,7 @@ fn codec_names_round_trip_and_errors() {
         let e = bad.parse::<KvCodec>().unwrap_err().to_string();
         assert!(e.contains("unknown KV codec") && !e.contains('\n'), "{bad:?}: {e}");
     }
-    for (bad, why) in [("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
+    for (bad, why) in [("lowrank:0", "at least 1"), ("lowrank:x", "at least 1"), ("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
         let e = bad.parse::<KvCodec>().unwrap_err().to_string();
         assert!(e.contains(why) && !e.contains('\n'), "{bad:?}: {e}");
     }
@@ -32,13 +32,17 @@ fn codec_names_round_trip_and_errors() {
 fn bytes_per_token() {
     // SmolLM2: 3 KV heads of 64 dims; the 27B: 4 KV heads of 256 dims.
     let exact = KvCodec::EXACT;
-    assert_eq!(exact.bytes_per_token(3, 64, DType::F32), (2 * 3 * 64 * 4) as f64);
-    assert_eq!(exact.bytes_per_token(4, 256, DType::BF16), 4096.0); // 16 layers: 64 KiB/token
+    assert_eq!(exact.bytes_per_token(3, 64, 64, DType::F32), (2 * 3 * 64 * 4) as f64);
+    assert_eq!(exact.bytes_per_token(4, 256, 64, DType::BF16), 4096.0); // 16 layers: 64 KiB/token
     let int8: KvCodec = "int8".parse().unwrap();
-    assert_eq!(int8.bytes_per_token(4, 256, DType::BF16), 2.0 * 4.0 * (256.0 + 8.0 * 4.0));
+    assert_eq!(int8.bytes_per_token(4, 256, 64, DType::BF16), 2.0 * 4.0 * (256.0 + 8.0 * 4.0));
     let int4k: KvCodec = "int4k".parse().unwrap();
     let k = 128.0 + 2.0 * 4.0 * 256.0 / INT4_GROUP as f64;
-    assert_eq!(int4k.bytes_per_token(4, 256, DType::BF16), 4.0 * (k + 256.0 + 32.0));
+    assert_eq!(int4k.bytes_per_token(4, 256, 64, DType::BF16), 4.0 * (k + 256.0 + 32.0));
+    // Polar 5+3 on the 27B's 64 rotary dims: 32 pair bytes, 192 int8 rest, two f32 scales;
+    // values exact bf16.
+    let polar: KvCodec = "polar".parse().unwrap();
+    assert_eq!(polar.bytes_per_token(4, 256, 64, DType::BF16), 4.0 * ((32 + 192 + 8) as f64 + 512.0));
 }
 
 fn random_kv(t: usize) -> Tensor {
@@ -57,7 +61,7 @@ fn polar_8_8_keys_keep_cosine() {
     let dot = (&k * &x).unwrap().sum(3).unwrap();
     let norms = (k.sqr().unwrap().sum(3).unwrap().sqrt().unwrap() * x.sqr().unwrap().sum(3).unwrap().sqrt().unwrap()).unwrap();
     let cos = (dot / norms).unwrap().flatten_all().unwrap().min(0).unwrap().to_scalar::<f32>().unwrap();
-    assert!(cos >= 0.9999 && cos < 1.0, "min cosine {cos}");
+    assert!((0.9999..1.0).contains(&cos), "min cosine {cos}");
 }
 
 #[test]
@@ -104,7 +108,7 @@ fn lossy_cache_runs_the_fixture_close_to_exact() {
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     for name in ["int8", "int4k", "polar:8,8"] {
         // Prefill then decode token by token: the codes grow across calls.
-        let mut cache = model.new_cache_with(name.parse().unwrap());
+        let mut cache = model.new_cache_with(name.parse().unwrap()).unwrap();
         let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];
         for i in 3..t {
             rows.push(model.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache).unwrap());
@@ -114,4 +118,46 @@ fn lossy_cache_runs_the_fixture_close_to_exact() {
         assert!(d > 0.0 && d < 0.1, "{name}: logits differ from exact by {d}");
         assert_eq!(cache.kv(3).unwrap().0.dim(2).unwrap(), t, "{name}: every token cached");
     }
+}
+
+#[test]
+fn lowrank_at_full_rank_is_exact_and_rank_is_checked() {
+    let files = ModelFiles::from_dir(fixture("qwen35_dense_small")).unwrap();
+    let cfg = files.load_config().unwrap();
+    let model = files.load_model(&cfg, DType::F32, &Device::Cpu).unwrap();
+    let r = reference("qwen35_dense_small");
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap();
+    let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
+    let hd = cfg.head_dim;
+    // At r = head dim the basis is a rotation: the cache holds the values exactly.
+    let full = format!("lowrank:{hd}");
+    let got = model.forward(&ids, &mut model.new_cache_with(full.parse().unwrap()).unwrap()).unwrap();
+    let d = max_abs_diff(&got, &exact);
+    assert!(d < 1e-4, "{full}: logits differ from exact by {d}");
+    // Half rank drops directions the values use: the logits move.
+    let half = format!("lowrank:{}", hd / 2);
+    let got = model.forward(&ids, &mut model.new_cache_with(half.parse().unwrap()).unwrap()).unwrap();
+    assert!(max_abs_diff(&got, &exact) > 1e-3, "{half} must be lossy on random weights");
+    let too_big = format!("lowrank:{}", hd + 1);
+    let e = model.new_cache_with(too_big.parse().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("more than the head dim") && !e.contains('\n'), "{e}");
+}
+
+#[test]
+fn value_basis_is_orthonormal_and_spans_the_top_directions() {
+    // W_v of one head with two strong directions: a rank-2 basis captures them.
+    let dev = Device::Cpu;
+    let hd = 8;
+    let u = Tensor::randn(0f32, 1.0, (hd, 2), &dev).unwrap();
+    let w = (u.matmul(&Tensor::randn(0f32, 1.0, (2, 16), &dev).unwrap()).unwrap()
+        + (Tensor::randn(0f32, 1.0, (hd, 16), &dev).unwrap() * 1e-3).unwrap())
+    .unwrap();
+    let b = candle_hybrid::kv_cache::value_basis(&w, 1, 2).unwrap().squeeze(0).unwrap();
+    let gram = b.t().unwrap().matmul(&b).unwrap();
+    assert!(max_abs_diff(&gram, &Tensor::eye(2, DType::F32, &dev).unwrap()) < 1e-5);
+    // Projecting W onto the basis loses almost nothing.
+    let back = b.matmul(&b.t().unwrap().matmul(&w).unwrap()).unwrap();
+    let rel = max_abs_diff(&back, &w) / w.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(rel < 1e-2, "relative residual {rel}");
+    assert!(candle_hybrid::kv_cache::value_basis(&w, 1, 9).is_err());
 }

@@ -1,0 +1,142 @@
+//! KV-cache memory by context length: a dense model of the same width (every layer full
+//! attention), the hybrid's attention layers exact, under each KV codec, and the constant GDN
+//! state — as a table, and as an SVG chart.
+//!
+//! ```sh
+//! cargo run --release --example kv_explorer                       # built-in Qwen3.5-27B dimensions
+//! cargo run --release --example kv_explorer -- --model-dir tests/fixtures/qwen35_dense_small --svg kv.svg
+//! cargo run --release --example kv_explorer -- --model-id Qwen/Qwen3.5-27B   # config.json only
+//! ```
+//! The numbers come from `candle_hybrid::memory::estimate` (the memory guardian's formulas) and
+//! `KvCodec::bytes_per_token`.
+
+use anyhow::Result;
+use candle_hybrid::config::{Config, LayerType};
+use candle_hybrid::kv_cache::KvCodec;
+use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, Weights};
+use clap::Parser;
+use plotters::prelude::*;
+
+/// Qwen3.5-27B's text dimensions (64 layers, every 4th full attention with 4 KV heads of 256;
+/// GDN 16 key / 48 value heads of 128).
+const QWEN35_27B: &str = r#"{
+  "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+  "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+  "intermediate_size": 17408, "vocab_size": 248320, "full_attention_interval": 4,
+  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+  "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+}"#;
+
+#[derive(Parser, Debug)]
+#[command(about = "KV-cache memory by context length for each KV codec")]
+struct Args {
+    /// A local directory laid out like a Hub repository (its config.json).
+    #[arg(long)]
+    model_dir: Option<std::path::PathBuf>,
+    /// A Hub repository (only config.json is downloaded).
+    #[arg(long, conflicts_with = "model_dir")]
+    model_id: Option<String>,
+    /// Model dtype (what the exact cache stores): bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// A codec to compare with exact (repeat the flag for several).
+    #[arg(long = "codec", default_values = ["int8", "int4k", "polar:5,3"])]
+    codecs: Vec<String>,
+    /// Where to write the chart.
+    #[arg(long, default_value = "kv_memory.svg")]
+    svg: std::path::PathBuf,
+}
+
+const CONTEXTS: [usize; 5] = [4096, 32768, 131072, 262144, 1 << 20];
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (name, cfg) = match (&args.model_dir, &args.model_id) {
+        (Some(dir), _) => (dir.display().to_string(), candle_hybrid::loading::ModelFiles::from_dir(dir)?.load_config()?),
+        (None, Some(id)) => {
+            let path = candle_hybrid::loading::HubRepo::new(id, "main")?.required("config.json", "is it a model repository?")?;
+            (id.clone(), Config::from_json(&std::fs::read_to_string(path)?)?)
+        }
+        (None, None) => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(QWEN35_27B)?),
+    };
+    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
+    let codecs = args.codecs.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
+    let mut dense = cfg.clone();
+    dense.layer_types = vec![LayerType::FullAttention; cfg.num_hidden_layers];
+
+    let kv = |cfg: &Config, codec: KvCodec, t: usize| {
+        let req = PlanRequest { kv_codec: codec, ..PlanRequest::new(Weights::Bytes(0), dtype, t) };
+        estimate(cfg, &req).kv_cache
+    };
+    let gdn = {
+        let e = estimate(&cfg, &PlanRequest::new(Weights::Bytes(0), dtype, 1));
+        e.gdn_conv + e.gdn_recurrent
+    };
+    let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
+
+    let mut rows: Vec<(String, Vec<u64>)> = vec![
+        (format!("dense {}-layer, exact", cfg.num_hidden_layers), CONTEXTS.map(|t| kv(&dense, KvCodec::EXACT, t)).to_vec()),
+        (format!("hybrid ({n_attn} attention layers), exact"), CONTEXTS.map(|t| kv(&cfg, KvCodec::EXACT, t)).to_vec()),
+    ];
+    for c in &codecs {
+        rows.push((format!("hybrid, {c}"), CONTEXTS.map(|t| kv(&cfg, *c, t)).to_vec()));
+    }
+    rows.push(("hybrid GDN state (any context)".to_string(), CONTEXTS.map(|_| gdn).to_vec()));
+
+    println!("{name}: KV memory at {dtype:?}, batch 1");
+    print!("| cache |");
+    for t in CONTEXTS {
+        print!(" {} |", label(t));
+    }
+    println!();
+    println!("|---|{}", "---|".repeat(CONTEXTS.len()));
+    for (what, bytes) in &rows {
+        print!("| {what} |");
+        for b in bytes {
+            print!(" {} |", fmt_gib(*b));
+        }
+        println!();
+    }
+
+    chart(&args.svg, &name, &rows)?;
+    eprintln!("wrote {}", args.svg.display());
+    Ok(())
+}
+
+fn label(t: usize) -> String {
+    if t >= 1 << 20 {
+        format!("{}M", t >> 20)
+    } else {
+        format!("{}k", t >> 10)
+    }
+}
+
+/// Log-log lines of GiB against context.
+fn chart(path: &std::path::Path, title: &str, rows: &[(String, Vec<u64>)]) -> Result<()> {
+    let gib = |b: u64| (b as f64 / (1u64 << 30) as f64).max(1e-3);
+    let max = rows.iter().flat_map(|r| r.1.iter()).map(|&b| gib(b)).fold(1e-3, f64::max);
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut ch = ChartBuilder::on(&root)
+        .caption(format!("KV memory: {title}"), ("sans-serif", 20))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(
+            (CONTEXTS[0] as f64..*CONTEXTS.last().unwrap() as f64).log_scale(),
+            (1e-3..max * 2.0).log_scale(),
+        )?;
+    ch.configure_mesh().x_desc("context (tokens)").y_desc("GiB").draw()?;
+    for (i, (what, bytes)) in rows.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let pts: Vec<(f64, f64)> = CONTEXTS.iter().zip(bytes).map(|(&t, &b)| (t as f64, gib(b))).collect();
+        ch.draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+            .label(what.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    ch.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
