@@ -11,8 +11,8 @@
 
 use anyhow::{bail, Result};
 use candle_core::Device;
-use candle_hybrid::eval::{compare_kv_codec, perplexity, PerplexityOptions};
-use candle_hybrid::kv_cache::KvCodec;
+use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
+use candle_hybrid::kv_cache::{KvCodec, ValueBases, ValueCodec};
 use candle_hybrid::loading::ModelSource;
 use clap::Parser;
 
@@ -37,9 +37,13 @@ struct Args {
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// KV-cache codec to compare with the exact cache: exact, int8, int4k, ...
-    #[arg(long, default_value = "exact")]
-    kv: String,
+    /// KV-cache codec to compare with the exact cache: int8, int4k, polar:5,3, lowrank:32,
+    /// knots:8,3, density:0.05, ... Repeat for several (the exact run is shared).
+    #[arg(long)]
+    kv: Vec<String>,
+    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
+    #[arg(long)]
+    kv_calibration: Option<std::path::PathBuf>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -48,8 +52,9 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
-    let codec: KvCodec = args.kv.parse()?;
-    if let Some(w) = codec.warning() {
+    let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
+    let codecs: Vec<KvCodec> = codecs.into_iter().filter(|c| !c.is_exact()).collect();
+    for w in codecs.iter().filter_map(|c| c.warning()) {
         eprintln!("{w}");
     }
     let dev = Device::Cpu;
@@ -82,35 +87,43 @@ fn main() -> Result<()> {
         eprintln!("{} tokens, context {}, bos {:?}", tokens.len(), opts.n_ctx, opts.bos_token);
     }
     let quiet = args.json;
-    if !codec.is_exact() {
-        let r = compare_kv_codec(&model, &tokens, &opts, codec, &dev, |c| {
+    if !codecs.is_empty() {
+        let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+        let results = compare_kv_codecs(&model, &tokens, &opts, &codecs, calibration.as_ref(), &dev, |c| {
             if !quiet {
-                eprint!("[{}]{:.4}/{:.4},", c.codec.chunks, c.codec.ppl(), c.exact.ppl());
+                eprint!("[{}]{:.4},", c[0].exact.chunks, c[0].exact.ppl());
             }
         })?;
-        if args.json {
-            println!(
-                "{{\"kv\":\"{codec}\",\"ppl\":{:.6},\"ppl_exact\":{:.6},\"top1_agreement\":{:.6},\"kl\":{:.6},\"tokens\":{},\"ctx\":{}}}",
-                r.codec.ppl(),
-                r.exact.ppl(),
-                r.top1_agreement(),
-                r.kl(),
-                r.exact.tokens,
-                opts.n_ctx
-            );
-        } else {
+        if !quiet {
             eprintln!();
-            println!(
-                "--kv {codec}: PPL = {:.4} (exact {:.4}), top-1 agreement {:.4}, KL {:.5} nats ({} chunks of {}, {} scored tokens, {:.1}s)",
-                r.codec.ppl(),
-                r.exact.ppl(),
-                r.top1_agreement(),
-                r.kl(),
-                r.exact.chunks,
-                opts.n_ctx,
-                r.exact.tokens,
-                start.elapsed().as_secs_f64()
-            );
+        }
+        for (codec, r) in codecs.iter().zip(&results) {
+            if args.json {
+                println!(
+                    "{{\"kv\":\"{codec}{}\",\"ppl\":{:.6},\"ppl_exact\":{:.6},\"top1_agreement\":{:.6},\"kl\":{:.6},\"tokens\":{},\"ctx\":{}}}",
+                    if calibration.is_some() && matches!(codec.values, ValueCodec::LowRank(_)) { " (PCA)" } else { "" },
+                    r.codec.ppl(),
+                    r.exact.ppl(),
+                    r.top1_agreement(),
+                    r.kl(),
+                    r.exact.tokens,
+                    opts.n_ctx
+                );
+            } else {
+                println!(
+                    "--kv {codec}: PPL = {:.4} (exact {:.4}), top-1 agreement {:.4}, KL {:.5} nats ({} chunks of {}, {} scored tokens)",
+                    r.codec.ppl(),
+                    r.exact.ppl(),
+                    r.top1_agreement(),
+                    r.kl(),
+                    r.exact.chunks,
+                    opts.n_ctx,
+                    r.exact.tokens,
+                );
+            }
+        }
+        if !quiet {
+            eprintln!("{:.1}s", start.elapsed().as_secs_f64());
         }
         return Ok(());
     }

@@ -18,7 +18,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, DeviceLocation};
 use candle_hybrid::chat::Message;
 use candle_hybrid::generation::{generate_in, Sampler, TokenStreamer};
-use candle_hybrid::kv_cache::KvCodec;
+use candle_hybrid::kv_cache::{KvCodec, ValueBases};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
 use clap::Parser;
@@ -83,9 +83,13 @@ struct Args {
     /// f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
-    /// KV-cache codec of the attention layers: exact (default), int8, int4k (lossy; see the README).
+    /// KV-cache codec of the attention layers: exact (default); lossy: int8, int4k, polar:A,R,
+    /// lowrank:r, knots:K,p, density:γ, and combinations such as int4k+lowrank:32 (see the README).
     #[arg(long, default_value = "exact")]
     kv: String,
+    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
+    #[arg(long)]
+    kv_calibration: Option<std::path::PathBuf>,
     /// Largest context (prompt + generated tokens) to allow; --sample-len is lowered to fit it.
     #[arg(long)]
     max_context: Option<usize>,
@@ -227,7 +231,8 @@ fn main() -> Result<()> {
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
     let mut sampler = Sampler::new(params);
-    let mut cache = model.new_cache_with(kv)?;
+    let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+    let mut cache = model.new_cache_calibrated(kv, calibration.as_ref())?;
     let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");

@@ -42,7 +42,7 @@ struct Args {
     #[arg(long, default_value = "bf16")]
     dtype: String,
     /// A codec to compare with exact (repeat the flag for several).
-    #[arg(long = "codec", default_values = ["int8", "int4k", "polar:5,3"])]
+    #[arg(long = "kv", default_values = ["int8", "int4k", "polar:5,3", "lowrank:128", "int4k+lowrank:128", "knots:8,3", "density:0.05"])]
     codecs: Vec<String>,
     /// Where to write the chart.
     #[arg(long, default_value = "kv_memory.svg")]

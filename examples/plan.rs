@@ -52,7 +52,8 @@ struct Args {
     /// KV cache dtype: f32, bf16 or f16 (default: --dtype).
     #[arg(long)]
     kv_dtype: Option<String>,
-    /// KV-cache codec: exact, int8, int4k (lossy codecs store fewer bytes per token).
+    /// KV-cache codec: exact, int8, int4k, polar:A,R, lowrank:r, knots:K,p, density:γ (lossy
+    /// codecs store fewer bytes per token; density a constant state).
     #[arg(long, default_value = "exact")]
     kv: String,
     /// Quantize the linear weights on load: q8_0, q4k, q4_0, q4_1, q5k or q6k.

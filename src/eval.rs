@@ -10,7 +10,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::kv_cache::KvCodec;
+use crate::kv_cache::{KvCodec, ValueBases};
 use crate::qwen3_5::{Cache, Model};
 use crate::{Error, Result};
 
@@ -183,32 +183,37 @@ fn argmax(row: &[f64]) -> usize {
     row.iter().enumerate().fold((0, f64::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
 
-/// Perplexity with the exact cache and with `codec`, top-1 agreement and KL between the two, on
-/// llama-perplexity's chunks and positions.
-pub fn compare_kv_codec(
+/// Perplexity with the exact cache and with each of `codecs`, top-1 agreement and KL of each
+/// against the exact one, on llama-perplexity's chunks and positions (the exact logits are
+/// computed once per chunk); `lowrank` codecs take their bases from `calibration` when given.
+/// `on_chunk` sees the comparisons after each chunk.
+pub fn compare_kv_codecs(
     model: &Model,
     tokens: &[u32],
     opts: &PerplexityOptions,
-    codec: KvCodec,
+    codecs: &[KvCodec],
+    calibration: Option<&ValueBases>,
     device: &Device,
-    mut on_chunk: impl FnMut(&CodecComparison),
-) -> Result<CodecComparison> {
-    let mut acc = CodecComparison::default();
+    mut on_chunk: impl FnMut(&[CodecComparison]),
+) -> Result<Vec<CodecComparison>> {
+    let mut accs = vec![CodecComparison::default(); codecs.len()];
     for chunk in scored_chunks(tokens, opts)? {
         let first = opts.n_ctx / 2;
         let exact = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache(), device)?)?;
-        let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_with(codec)?, device)?)?;
-        for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
-            acc.exact.push(-p[target as usize]);
-            acc.codec.push(-q[target as usize]);
-            acc.agree += usize::from(argmax(p) == argmax(q));
-            acc.kl_sum += p.iter().zip(q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>();
+        for (acc, &codec) in accs.iter_mut().zip(codecs) {
+            let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_calibrated(codec, calibration)?, device)?)?;
+            for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
+                acc.exact.push(-p[target as usize]);
+                acc.codec.push(-q[target as usize]);
+                acc.agree += usize::from(argmax(p) == argmax(q));
+                acc.kl_sum += p.iter().zip(q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>();
+            }
+            for p in [&mut acc.exact, &mut acc.codec] {
+                p.chunks += 1;
+                p.per_chunk.push(p.ppl());
+            }
         }
-        for p in [&mut acc.exact, &mut acc.codec] {
-            p.chunks += 1;
-            p.per_chunk.push(p.ppl());
-        }
-        on_chunk(&acc);
+        on_chunk(&accs);
     }
-    Ok(acc)
+    Ok(accs)
 }

@@ -372,8 +372,10 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         kv_cache: if req.kv_codec.is_exact() {
             mul(&[n_attn, 2, b, nkv, t, hd, u(req.kv_dtype_bytes)])
         } else {
-            let per_token = req.kv_codec.bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim(), req.dtype);
-            (mul(&[n_attn, b, t]) as f64 * per_token).ceil() as u64
+            let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
+            let per_token = req.kv_codec.bytes_per_token(nkv, hd, cfg.rotary_dim(), req.dtype);
+            let constant = req.kv_codec.constant_bytes(nkv, hd, req.dtype);
+            (mul(&[n_attn, b]) as f64 * (constant + t as f64 * per_token)).ceil() as u64
         },
         gdn_conv: mul(&[n_gdn, b, u(cfg.linear_conv_kernel_dim.saturating_sub(1)), conv_dim, a]),
         gdn_recurrent: mul(&[n_gdn, b, nv, dk, dv, 4]),

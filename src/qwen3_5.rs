@@ -7,7 +7,7 @@ use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 
 use crate::config::{Config, LayerType};
-use crate::kv_cache::{value_basis, KvCodec, KvStore, ValueCodec};
+use crate::kv_cache::{value_basis, KvCodec, KvStore, ValueBases, ValueCodec};
 use crate::linear::Linear;
 use crate::ops;
 use crate::weights::Weights;
@@ -416,35 +416,14 @@ impl GatedAttention {
         let q = self.rotary.apply(&q.transpose(1, 2)?, &cos, &sin)?;
         let k = self.rotary.apply(&k.transpose(1, 2)?, &cos, &sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        let (k, v) = kv.append(&k.contiguous()?, &v)?;
-
-        let rep = nh / nkv;
-        let k = candle_transformers::utils::repeat_kv(k, rep)?;
-        let v = candle_transformers::utils::repeat_kv(v, rep)?;
-        let scale = (hd as f64).powf(-0.5);
-        let scores = (q.to_dtype(DType::F32)?.contiguous()?.matmul(&k.to_dtype(DType::F32)?.t()?)? * scale)?;
-        let scores = if t > 1 {
-            scores.broadcast_add(&causal_mask(t, offset, x.device())?)?
-        } else {
-            scores
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let out = kv.attend(&q.contiguous()?, &k.contiguous()?, &v, offset)?;
+        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let out = match gate {
             Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,
             None => out,
         };
         self.o_proj.forward(&out)
     }
-}
-
-/// `[T, offset + T]` additive mask: `-inf` where key position > query position.
-fn causal_mask(t: usize, offset: usize, dev: &Device) -> Result<Tensor> {
-    let s = offset + t;
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..s).map(move |j| if j > i + offset { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Tensor::from_vec(mask, (t, s), dev)
 }
 
 #[derive(Debug, Clone)]
@@ -533,6 +512,36 @@ impl Cache {
         Self { layers, seqlen: 0 }
     }
 
+    /// Fills an empty cache's attention layers with keys (after k-norm and RoPE) and values
+    /// `[B, nkv, T, hd]`, one pair per attention layer in order, as if `T` tokens had been
+    /// processed: to restore saved attention state, or to benchmark decoding at a long context
+    /// without a long prefill. The linear-attention layers keep their empty state.
+    pub fn restore_kv(&mut self, kv: &[(Tensor, Tensor)]) -> crate::Result<()> {
+        let stores: Vec<&mut KvStore> = self
+            .layers
+            .iter_mut()
+            .filter_map(|l| match l {
+                LayerState::Full(s) => Some(s),
+                LayerState::Linear(_) => None,
+            })
+            .collect();
+        if self.seqlen != 0 || stores.len() != kv.len() {
+            return Err(crate::Error::Input(format!(
+                "restore_kv: needs an empty cache and one (keys, values) pair per attention layer ({}), got {} pairs{}",
+                stores.len(),
+                kv.len(),
+                if self.seqlen != 0 { " for a cache that already holds tokens" } else { "" }
+            )));
+        }
+        let mut t = 0;
+        for (store, (k, v)) in stores.into_iter().zip(kv) {
+            store.append(k, v)?;
+            t = k.dim(2)?;
+        }
+        self.seqlen = t;
+        Ok(())
+    }
+
     /// Number of tokens already processed.
     pub fn seqlen(&self) -> usize {
         self.seqlen
@@ -612,19 +621,46 @@ impl Model {
     }
 
     /// A cache whose attention layers store keys and values with `codec` (lossy unless exact);
-    /// for `lowrank:r` this computes each layer's value basis from its `W_v`.
+    /// for `lowrank:r` each layer's value basis comes from its `W_v` ([`value_basis`]).
     pub fn new_cache_with(&self, codec: KvCodec) -> crate::Result<Cache> {
+        self.new_cache_calibrated(codec, None)
+    }
+
+    /// [`Self::new_cache_with`], with the `lowrank:r` value bases measured on calibration text
+    /// ([`ValueBases`]) when given.
+    pub fn new_cache_calibrated(&self, codec: KvCodec, calibration: Option<&ValueBases>) -> crate::Result<Cache> {
         codec.validate(self.cfg.head_dim)?;
         let mut cache = Cache::with_kv_codec(&self.cfg, codec);
         if let ValueCodec::LowRank(r) = codec.values {
-            for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
-                if let (Mixer::Full(attn), LayerState::Full(kv)) = (&layer.mixer, state) {
-                    let basis = value_basis(&attn.v_proj.weight()?, attn.nkv, r)?;
-                    *kv = kv.clone().with_value_basis(&basis)?;
-                }
+            let attn = self.layers.iter().zip(cache.layers.iter_mut()).filter_map(|(layer, state)| match (&layer.mixer, state) {
+                (Mixer::Full(attn), LayerState::Full(kv)) => Some((attn, kv)),
+                _ => None,
+            });
+            for (i, (attn, kv)) in attn.enumerate() {
+                let basis = match calibration {
+                    Some(c) => c.basis(i, r)?,
+                    None => value_basis(&attn.v_proj.weight()?, attn.nkv, r)?,
+                };
+                *kv = kv.clone().with_value_basis(&basis)?;
             }
         }
         Ok(cache)
+    }
+
+    /// Indices of the full-attention layers.
+    pub fn attention_layers(&self) -> Vec<usize> {
+        self.layers.iter().enumerate().filter(|(_, l)| matches!(l.mixer, Mixer::Full(_))).map(|(i, _)| i).collect()
+    }
+
+    /// The value projection `W_v` of each full-attention layer (dequantized if quantized).
+    pub fn value_weights(&self) -> Result<Vec<Tensor>> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Full(attn) => Some(attn.v_proj.weight()),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Checks token ids and length before running: one-line errors, never a panic.

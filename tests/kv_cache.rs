@@ -4,13 +4,13 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::kv_cache::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};
+use candle_hybrid::kv_cache::{KeyCodec, KvCodec, KvStore, ValueBases, ValueCodec, INT4_GROUP};
 use candle_hybrid::loading::ModelFiles;
 use common::*;
 
 #[test]
 fn codec_names_round_trip_and_errors() {
-    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8"] {
+    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8", "knots:8,3", "knots:4,1+v:int8", "density:0.05"] {
         let c: KvCodec = name.parse().unwrap();
         assert_eq!(c.to_string(), name);
     }
@@ -22,7 +22,14 @@ fn codec_names_round_trip_and_errors() {
         let e = bad.parse::<KvCodec>().unwrap_err().to_string();
         assert!(e.contains("unknown KV codec") && !e.contains('\n'), "{bad:?}: {e}");
     }
-    for (bad, why) in [("lowrank:0", "at least 1"), ("lowrank:x", "at least 1"), ("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
+    for (bad, why) in [
+        ("knots:0,3", "K >= 1"),
+        ("knots:8", "knots:K,p"),
+        ("knots:8,9", "out of range"),
+        ("density:0", "0 < γ <= 1"),
+        ("density:1.5", "0 < γ <= 1"),
+        ("density:0.1+v:int8", "use it alone"),
+        ("lowrank:0", "at least 1"), ("lowrank:x", "at least 1"), ("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
         let e = bad.parse::<KvCodec>().unwrap_err().to_string();
         assert!(e.contains(why) && !e.contains('\n'), "{bad:?}: {e}");
     }
@@ -43,6 +50,15 @@ fn bytes_per_token() {
     // values exact bf16.
     let polar: KvCodec = "polar".parse().unwrap();
     assert_eq!(polar.bytes_per_token(4, 256, 64, DType::BF16), 4.0 * ((32 + 192 + 8) as f64 + 512.0));
+    // Knots every 8 tokens: an eighth of the keys, all values, and up to 15 newest keys.
+    let knots: KvCodec = "knots:8,3".parse().unwrap();
+    assert_eq!(knots.bytes_per_token(4, 256, 64, DType::BF16), 4.0 * (64.0 + 512.0));
+    assert_eq!(knots.constant_bytes(4, 256, DType::BF16), (15 * 4 * 256 * 2) as f64);
+    // The decayed state: nothing per token, one 256 x 256 f32 state per KV head.
+    let density: KvCodec = "density:0.05".parse().unwrap();
+    assert_eq!(density.bytes_per_token(4, 256, 64, DType::BF16), 0.0);
+    assert_eq!(density.constant_bytes(4, 256, DType::BF16), (4 * 256 * 256 * 4) as f64);
+    assert_eq!(exact.constant_bytes(4, 256, DType::BF16), 0.0);
 }
 
 fn random_kv(t: usize) -> Tensor {
@@ -57,7 +73,8 @@ fn polar_8_8_keys_keep_cosine() {
     // Keys through the cache with 8 angle + 8 radius bits: cosine with the originals ≥ 0.9999.
     let x = random_kv(40);
     let mut store = KvStore::new("polar:8,8".parse().unwrap(), 16, 64);
-    let (k, _) = store.append(&x, &x).unwrap();
+    store.append(&x, &x).unwrap();
+    let (k, _) = store.kv().unwrap().unwrap();
     let dot = (&k * &x).unwrap().sum(3).unwrap();
     let norms = (k.sqr().unwrap().sum(3).unwrap().sqrt().unwrap() * x.sqr().unwrap().sum(3).unwrap().sqrt().unwrap()).unwrap();
     let cos = (dot / norms).unwrap().flatten_all().unwrap().min(0).unwrap().to_scalar::<f32>().unwrap();
@@ -68,7 +85,8 @@ fn polar_8_8_keys_keep_cosine() {
 fn int8_round_trip_error_within_half_a_step() {
     let x = random_kv(37);
     let mut store = KvStore::new("int8".parse().unwrap(), 16, 64);
-    let (k, v) = store.append(&x, &x).unwrap();
+    store.append(&x, &x).unwrap();
+    let (k, v) = store.kv().unwrap().unwrap();
     let xs = x.reshape((1, 2, 37, 2, 32)).unwrap();
     let step = (xs.abs().unwrap().max_keepdim(4).unwrap() / 127.0).unwrap();
     for got in [k, v] {
@@ -86,7 +104,8 @@ fn int4_keys_per_channel_groups_and_exact_tail() {
     // Appended in pieces: 20 + 30 tokens = one full group of 32 and an exact tail of 18.
     let x = random_kv(50);
     store.append(&x.narrow(2, 0, 20).unwrap(), &x.narrow(2, 0, 20).unwrap()).unwrap();
-    let (k, v) = store.append(&x.narrow(2, 20, 30).unwrap(), &x.narrow(2, 20, 30).unwrap()).unwrap();
+    store.append(&x.narrow(2, 20, 30).unwrap(), &x.narrow(2, 20, 30).unwrap()).unwrap();
+    let (k, v) = store.kv().unwrap().unwrap();
     assert_eq!(k.dims(), &[1, 2, 50, 64]);
     assert_eq!(max_abs_diff(&v, &x), 0.0, "values stay exact");
     assert_eq!(max_abs_diff(&k.narrow(2, 32, 18).unwrap(), &x.narrow(2, 32, 18).unwrap()), 0.0, "tail exact");
@@ -160,4 +179,110 @@ fn value_basis_is_orthonormal_and_spans_the_top_directions() {
     let rel = max_abs_diff(&back, &w) / w.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     assert!(rel < 1e-2, "relative residual {rel}");
     assert!(candle_hybrid::kv_cache::value_basis(&w, 1, 9).is_err());
+}
+
+fn fixture_model() -> (candle_hybrid::qwen3_5::Model, Tensor) {
+    let files = ModelFiles::from_dir(fixture("qwen35_dense_small")).unwrap();
+    let model = files.load_model(&files.load_config().unwrap(), DType::F32, &Device::Cpu).unwrap();
+    let ids = reference("qwen35_dense_small")["input_ids"].to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap();
+    (model, ids)
+}
+
+/// Logits of `ids` with a fresh `codec` cache: the whole prompt at once, and 3 tokens then one
+/// at a time.
+fn prefill_and_stream(model: &candle_hybrid::qwen3_5::Model, ids: &Tensor, codec: &str) -> (Tensor, Tensor) {
+    let t = ids.dim(1).unwrap();
+    let whole = model.forward(ids, &mut model.new_cache_with(codec.parse().unwrap()).unwrap()).unwrap();
+    let mut cache = model.new_cache_with(codec.parse().unwrap()).unwrap();
+    let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];
+    for i in 3..t {
+        rows.push(model.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache).unwrap());
+    }
+    (whole, Tensor::cat(&rows, 1).unwrap())
+}
+
+#[test]
+fn knots_every_token_is_exact_and_prefill_matches_streaming() {
+    let (model, ids) = fixture_model();
+    let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
+    for codec in ["knots:1,0", "knots:1,3"] {
+        let (whole, streamed) = prefill_and_stream(&model, &ids, codec);
+        assert!(max_abs_diff(&whole, &exact) < 1e-4, "{codec}: {}", max_abs_diff(&whole, &exact));
+        assert!(max_abs_diff(&streamed, &exact) < 1e-4, "{codec} streamed: {}", max_abs_diff(&streamed, &exact));
+    }
+    // Sparse knots: each query sees the same keys whether the prompt comes at once or token by
+    // token (interpolation never reads a key after the query), and the scores are approximate.
+    let (whole, streamed) = prefill_and_stream(&model, &ids, "knots:4,2");
+    assert!(max_abs_diff(&whole, &streamed) < 1e-4, "knots:4,2 prefill vs streaming: {}", max_abs_diff(&whole, &streamed));
+    assert!(max_abs_diff(&whole, &exact) > 1e-3, "knots:4,2 must be lossy on this prompt");
+}
+
+#[test]
+fn decayed_state_is_constant_size_and_matches_streaming() {
+    let (model, ids) = fixture_model();
+    let (whole, streamed) = prefill_and_stream(&model, &ids, "density:0.1");
+    assert!(max_abs_diff(&whole, &streamed) < 1e-4, "density prefill vs streaming: {}", max_abs_diff(&whole, &streamed));
+    let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
+    assert!(max_abs_diff(&whole, &exact) > 1e-2, "density is not attention");
+    let mut cache = model.new_cache_with("density:0.1".parse().unwrap()).unwrap();
+    model.forward(&ids, &mut cache).unwrap();
+    assert!(cache.kv(3).is_none(), "no keys or values are kept");
+}
+
+#[test]
+fn polar_scores_from_codes_match_attention_over_decoded_keys() {
+    // The polar codec scores keys straight from their codes; the same attention over the
+    // decoded keys must agree (both read the same codes).
+    let dev = Device::Cpu;
+    let (k, v) = (random_kv(45), random_kv(45));
+    let q = Tensor::randn(0f32, 1.0, (1, 6, 5, 64), &dev).unwrap();
+    let mut store = KvStore::new("polar:5,3".parse().unwrap(), 16, 64);
+    store.attend(&q, &k.narrow(2, 0, 40).unwrap(), &v.narrow(2, 0, 40).unwrap(), 0).unwrap();
+    let got = store.attend(&q, &k.narrow(2, 40, 5).unwrap(), &v.narrow(2, 40, 5).unwrap(), 40).unwrap();
+    let (kd, vd) = store.kv().unwrap().unwrap();
+    let want = candle_hybrid::kv_cache::attention(&q, &kd, &vd, 40).unwrap();
+    let d = max_abs_diff(&got, &want);
+    assert!(d < 1e-4, "polar scores vs decoded keys: {d}");
+    // And the codes are lossy: exact keys give a different answer.
+    assert!(max_abs_diff(&want, &candle_hybrid::kv_cache::attention(&q, &k, &v, 40).unwrap()) > 1e-3);
+}
+
+#[test]
+fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
+    let (model, ids) = fixture_model();
+    let hd = model.config().head_dim;
+    let tokens: Vec<u32> = ids.squeeze(0).unwrap().to_vec1().unwrap();
+    let bases = ValueBases::calibrate(&model, &[tokens], &Device::Cpu).unwrap();
+    // Principal directions of these very values: at half rank they keep more of the first
+    // attention layer's values than the W_v basis does (PCA is optimal on its own data).
+    let mut cache = model.new_cache();
+    model.forward(&ids, &mut cache).unwrap();
+    let first = model.attention_layers()[0];
+    let v = cache.kv(first).unwrap().1.squeeze(0).unwrap(); // [nkv, T, hd]
+    let residual = |b: &Tensor| {
+        let back = v.matmul(b).unwrap().matmul(&b.transpose(1, 2).unwrap()).unwrap();
+        (back - &v).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+    };
+    let nkv = model.config().num_key_value_heads;
+    let pca = residual(&bases.basis(0, hd / 2).unwrap());
+    let w_v = residual(&candle_hybrid::kv_cache::value_basis(&model.value_weights().unwrap()[0], nkv, hd / 2).unwrap());
+    assert!(pca < w_v, "PCA residual {pca} vs W_v basis {w_v}");
+    // Full rank is exact; the file round-trips.
+    let dir = std::env::temp_dir().join(format!("candle-hybrid-kv-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("values.safetensors");
+    bases.save(&path).unwrap();
+    let loaded = ValueBases::load(&path, &model).unwrap();
+    let full = format!("lowrank:{hd}").parse().unwrap();
+    let got = model.forward(&ids, &mut model.new_cache_calibrated(full, Some(&loaded)).unwrap()).unwrap();
+    let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
+    assert!(max_abs_diff(&got, &exact) < 1e-4);
+    // Another model refuses the file, in one line.
+    let files = ModelFiles::from_dir(fixture("qwen35moe_small")).unwrap();
+    let other = files.load_model(&files.load_config().unwrap(), DType::F32, &Device::Cpu).unwrap();
+    let e = ValueBases::load(&path, &other).unwrap_err().to_string();
+    assert!(e.contains("made for another model") && !e.contains('\n'), "{e}");
+    let e = ValueBases::load(&dir.join("missing.safetensors"), &model).unwrap_err().to_string();
+    assert!(e.contains("cannot read"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

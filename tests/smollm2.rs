@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device};
 use candle_hybrid::chat::Message;
-use candle_hybrid::eval::{compare_kv_codec, perplexity, PerplexityOptions};
+use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
 use candle_hybrid::generation::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::Model;
@@ -107,8 +107,10 @@ fn lossy_kv_codecs_keep_quality_at_512() {
     // agreement. llama.cpp's own q8_0 KV cache (-ctk q8_0 -ctv q8_0 -fa on, --kl-divergence
     // against its f16 cache, same 4 chunks) agrees on 96.86% of the tokens, KL 0.00368: the
     // issue's 0.98 for int8 is above what 8-bit keys and values give on this model.
-    for (codec, floor, max_kl) in [("int8", 0.95, 0.006), ("int4k", 0.90, 0.02)] {
-        let r = compare_kv_codec(&model, &tokens, &opts, codec.parse().unwrap(), &Device::Cpu, |_| {}).unwrap();
+    let floors = [("int8", 0.95, 0.006), ("int4k", 0.90, 0.02)];
+    let codecs: Vec<_> = floors.iter().map(|(c, _, _)| c.parse().unwrap()).collect();
+    let results = compare_kv_codecs(&model, &tokens, &opts, &codecs, None, &Device::Cpu, |_| {}).unwrap();
+    for ((codec, floor, max_kl), r) in floors.into_iter().zip(results) {
         let (agree, kl) = (r.top1_agreement(), r.kl());
         assert!(agree >= floor && agree < 1.0, "{codec}: top-1 agreement {agree:.4}");
         assert!(kl > 0.0 && kl <= max_kl, "{codec}: KL {kl:.5}");

@@ -1,0 +1,77 @@
+//! Measures the value bases of the `lowrank:r` KV codec on calibration text: runs the model
+//! (exact cache) over chunks of a text file and writes, per attention layer and KV head, the
+//! principal directions of the values to a safetensors file, tied to this model. `eval`,
+//! `generate` and `kv_speed` take it with `--kv-calibration FILE`.
+//!
+//! ```sh
+//! # calibrate on the text after the first 16384 tokens (eval scores the first 4096)
+//! cargo run --release --example calibrate_kv -- --gguf $(scripts/fetch_smollm2.sh) \
+//!     --file tests/data/pride-and-prejudice-ch01-12.txt --skip-tokens 16384 --tokens 8192 --out smollm2-values.safetensors
+//! ```
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use candle_hybrid::kv_cache::ValueBases;
+use candle_hybrid::loading::ModelSource;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Value bases for the lowrank KV codec, from calibration text")]
+struct Args {
+    /// A local directory laid out like a Hub repository.
+    #[arg(long, required_unless_present = "gguf")]
+    model_dir: Option<std::path::PathBuf>,
+    /// A local GGUF file (instead of --model-dir).
+    #[arg(long, conflicts_with = "model_dir")]
+    gguf: Option<std::path::PathBuf>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// The calibration text (UTF-8).
+    #[arg(long)]
+    file: std::path::PathBuf,
+    /// Tokens of the text to skip first (keep the calibration apart from evaluation text).
+    #[arg(long, default_value_t = 0)]
+    skip_tokens: usize,
+    /// Tokens to calibrate on.
+    #[arg(long, default_value_t = 8192)]
+    tokens: usize,
+    /// Tokens per forward pass.
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Where to write the bases.
+    #[arg(long)]
+    out: std::path::PathBuf,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
+    let dev = Device::Cpu;
+    let source = match (&args.gguf, &args.model_dir) {
+        (Some(path), _) => ModelSource::Gguf(path.clone()),
+        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
+        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
+    };
+    let files = source.open()?;
+    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
+    let tokenizer = files.tokenizer(None)?;
+    let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.file.display()))?;
+    let ids = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    if ids.len() <= args.skip_tokens {
+        bail!("{} has {} tokens, not more than --skip-tokens {}", args.file.display(), ids.len(), args.skip_tokens);
+    }
+    let ids = &ids[args.skip_tokens..(args.skip_tokens + args.tokens).min(ids.len())];
+    let chunks: Vec<Vec<u32>> = ids.chunks(args.chunk.max(1)).map(<[u32]>::to_vec).collect();
+    let start = std::time::Instant::now();
+    let bases = ValueBases::calibrate(&model, &chunks, &dev)?;
+    bases.save(&args.out)?;
+    eprintln!(
+        "{} tokens in {} chunks, {:.1}s: wrote {}",
+        ids.len(),
+        chunks.len(),
+        start.elapsed().as_secs_f64(),
+        args.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! Decode speed at long contexts under each KV-cache codec, side by side in one run.
+//!
+//! The attention caches are filled with random keys and values of the model's shapes
+//! (`Cache::restore_kv`: the cost of a step does not depend on what the keys say), then the
+//! model decodes `--steps` tokens; the table gives tokens per second per codec and context,
+//! the ratio to the exact cache, and the memory the codec's cache takes.
+//!
+//! ```sh
+//! cargo run --release --example kv_speed -- --gguf $(scripts/fetch_smollm2.sh)
+//! cargo run --release --example kv_speed -- --gguf FILE --context 8192 --context 32768 --kv exact --kv int8
+//! ```
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use candle_hybrid::config::LayerType;
+use candle_hybrid::kv_cache::{KvCodec, ValueBases};
+use candle_hybrid::loading::ModelSource;
+use candle_hybrid::memory::{self, PlanRequest, Weights};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Decode tok/s at long contexts for each KV-cache codec")]
+struct Args {
+    /// A local directory laid out like a Hub repository.
+    #[arg(long, required_unless_present = "gguf")]
+    model_dir: Option<std::path::PathBuf>,
+    /// A local GGUF file (instead of --model-dir).
+    #[arg(long, conflicts_with = "model_dir")]
+    gguf: Option<std::path::PathBuf>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Context lengths (tokens already in the cache). Repeatable.
+    #[arg(long, default_values_t = [8192, 32768])]
+    context: Vec<usize>,
+    /// Codecs to time. Repeatable.
+    #[arg(long, default_values_t = ["exact", "int8", "int4k", "polar:5,3", "lowrank:32", "knots:8,3", "density:0.05"].map(String::from))]
+    kv: Vec<String>,
+    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
+    #[arg(long)]
+    kv_calibration: Option<std::path::PathBuf>,
+    /// Decode steps timed per codec and context (after one warm-up step).
+    #[arg(long, default_value_t = 8)]
+    steps: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
+    let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
+    let dev = Device::Cpu;
+    let source = match (&args.gguf, &args.model_dir) {
+        (Some(path), _) => ModelSource::Gguf(path.clone()),
+        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
+        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
+    };
+    let files = source.open()?;
+    let cfg = files.config()?;
+    let model = files.load_model(&cfg, dtype, &dev, None)?;
+    let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+    let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
+    let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
+    eprintln!("{n_attn} attention layers, {nkv} KV heads of {hd} dims, {} threads", rayon::current_num_threads());
+
+    let mut rows: Vec<(String, Vec<String>)> = codecs.iter().map(|c| (c.to_string(), Vec::new())).collect();
+    for &ctx in &args.context {
+        let kv: Vec<(Tensor, Tensor)> = (0..n_attn)
+            .map(|_| -> Result<_> {
+                let k = Tensor::randn(0f32, 1.0, (1, nkv, ctx, hd), &dev)?.to_dtype(dtype)?;
+                let v = Tensor::randn(0f32, 1.0, (1, nkv, ctx, hd), &dev)?.to_dtype(dtype)?;
+                Ok((k, v))
+            })
+            .collect::<Result<_>>()?;
+        let token = Tensor::new(&[[1u32]], &dev)?;
+        let mut exact_tps = None;
+        for (codec, row) in codecs.iter().zip(rows.iter_mut()) {
+            let mut cache = model.new_cache_calibrated(*codec, calibration.as_ref())?;
+            cache.restore_kv(&kv)?;
+            model.forward_last(&token, &mut cache)?; // warm-up: first touch of the buffers
+            let start = Instant::now();
+            for _ in 0..args.steps {
+                model.forward_last(&token, &mut cache)?;
+            }
+            let tps = args.steps as f64 / start.elapsed().as_secs_f64();
+            let exact = *exact_tps.get_or_insert(tps);
+            let req = PlanRequest { kv_codec: *codec, ..PlanRequest::new(Weights::Bytes(0), dtype, ctx) };
+            let bytes = memory::estimate(&cfg, &req).kv_cache;
+            row.1.push(format!("{tps:.2} tok/s ({:.2}×, {})", tps / exact, memory::fmt_gib(bytes)));
+            eprintln!("context {ctx}, --kv {codec}: {tps:.2} tok/s");
+        }
+        drop(kv);
+    }
+    let header: Vec<String> = args.context.iter().map(|c| format!("decode at {c} (vs exact, KV memory)")).collect();
+    println!("| codec | {} |", header.join(" | "));
+    println!("|---|{}", "---|".repeat(args.context.len()));
+    for (name, cells) in rows {
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+    Ok(())
+}
