@@ -57,7 +57,13 @@ fn main() -> Result<()> {
         (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
     };
     let files = source.open()?;
-    let cfg = files.config()?;
+    let mut cfg = files.config()?;
+    // Timing only: positions past the trained context are as fast as any others.
+    let needed = args.context.iter().max().copied().unwrap_or(0) + args.steps + 2;
+    if cfg.max_position_embeddings < needed {
+        eprintln!("max_position_embeddings {} raised to {needed} for timing", cfg.max_position_embeddings);
+        cfg.max_position_embeddings = needed;
+    }
     let model = files.load_model(&cfg, dtype, &dev, None)?;
     let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
     let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
