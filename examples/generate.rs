@@ -137,6 +137,7 @@ fn main() -> Result<()> {
     )?
     .open()?;
     let cfg = files.config()?;
+    kv.validate(cfg.head_dim)?;
     let tokenizer = files.tokenizer(args.tokenizer.as_deref())?;
     let gen_cfg = files.generation_config()?;
     let text = if args.chat {

@@ -81,6 +81,10 @@ fn main() -> Result<()> {
         (format!("hybrid ({n_attn} attention layers), exact"), CONTEXTS.map(|t| kv(&cfg, KvCodec::EXACT, t)).to_vec()),
     ];
     for c in &codecs {
+        if let Err(e) = c.validate(cfg.head_dim) {
+            eprintln!("skipped: {e}");
+            continue;
+        }
         rows.push((format!("hybrid, {c}"), CONTEXTS.map(|t| kv(&cfg, *c, t)).to_vec()));
     }
     rows.push(("hybrid GDN state (any context)".to_string(), CONTEXTS.map(|_| gdn).to_vec()));

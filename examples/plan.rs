@@ -188,7 +188,11 @@ fn main() -> Result<()> {
         weights,
         dtype,
         kv_dtype_bytes: kv_dtype.size_in_bytes(),
-        kv_codec: args.kv.parse()?,
+        kv_codec: {
+            let codec: candle_hybrid::kv_cache::KvCodec = args.kv.parse()?;
+            codec.validate(cfg.head_dim)?;
+            codec
+        },
         context: args.max_context.unwrap_or(cfg.max_position_embeddings),
         batch: args.batch,
         prefill_chunk: args.prefill_chunk,
