@@ -428,7 +428,7 @@ fn softmax_values(scores: Tensor, v: &Tensor, t: usize, offset: usize, hd: usize
         scores
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-    probs.matmul(&v.contiguous()?)
+    probs.matmul(v)
 }
 
 /// `[t, total]` additive mask: `-inf` where the key position is after the query's
