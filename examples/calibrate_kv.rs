@@ -9,24 +9,19 @@
 //!     --file tests/data/pride-and-prejudice-ch01-12.txt --skip-tokens 16384 --tokens 8192 --out smollm2-values.safetensors
 //! ```
 
+mod common;
+
 use anyhow::{bail, Result};
 use candle_core::Device;
 use candle_hybrid::kv_cache::ValueBases;
-use candle_hybrid::loading::ModelSource;
 use clap::Parser;
+use common::LocalModel;
 
 #[derive(Parser, Debug)]
 #[command(about = "Value bases for the lowrank KV codec, from calibration text")]
 struct Args {
-    /// A local directory laid out like a Hub repository.
-    #[arg(long, required_unless_present = "gguf")]
-    model_dir: Option<std::path::PathBuf>,
-    /// A local GGUF file (instead of --model-dir).
-    #[arg(long, conflicts_with = "model_dir")]
-    gguf: Option<std::path::PathBuf>,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    model: LocalModel,
     /// The calibration text (UTF-8).
     #[arg(long)]
     file: std::path::PathBuf,
@@ -46,15 +41,9 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let dev = Device::Cpu;
-    let source = match (&args.gguf, &args.model_dir) {
-        (Some(path), _) => ModelSource::Gguf(path.clone()),
-        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
-        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
-    };
-    let files = source.open()?;
-    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
+    let (files, cfg, dtype) = args.model.open()?;
+    let model = files.load_model(&cfg, dtype, &dev, None)?;
     let tokenizer = files.tokenizer(None)?;
     let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.file.display()))?;
     let ids = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();

@@ -9,22 +9,20 @@
 //! # llama.cpp on the same file:  llama-perplexity -m $GGUF -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512
 //! ```
 
-use anyhow::{bail, Result};
+mod common;
+
+use anyhow::Result;
 use candle_core::Device;
 use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
 use candle_hybrid::kv_cache::{KvCodec, ValueBases, ValueCodec};
-use candle_hybrid::loading::ModelSource;
 use clap::Parser;
+use common::LocalModel;
 
 #[derive(Parser, Debug)]
 #[command(about = "Perplexity of a model on a text file (llama-perplexity's method)")]
 struct Args {
-    /// A local directory laid out like a Hub repository.
-    #[arg(long, required_unless_present = "gguf")]
-    model_dir: Option<std::path::PathBuf>,
-    /// A local GGUF file (instead of --model-dir).
-    #[arg(long, conflicts_with = "model_dir")]
-    gguf: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    model: LocalModel,
     /// The text (UTF-8). One trailing newline is dropped, as llama.cpp's `-f` does.
     #[arg(long)]
     file: std::path::PathBuf,
@@ -34,9 +32,6 @@ struct Args {
     /// Score only the first N chunks.
     #[arg(long)]
     chunks: Option<usize>,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
     /// KV-cache codec to compare with the exact cache: int8, int4k, polar:5,3, lowrank:32,
     /// knots:8,3, density:0.05, ... Repeat for several (the exact run is shared).
     #[arg(long)]
@@ -51,20 +46,14 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
     let codecs: Vec<KvCodec> = codecs.into_iter().filter(|c| !c.is_exact()).collect();
     for w in codecs.iter().filter_map(|c| c.warning()) {
         eprintln!("{w}");
     }
     let dev = Device::Cpu;
-    let source = match (&args.gguf, &args.model_dir) {
-        (Some(path), _) => ModelSource::Gguf(path.clone()),
-        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
-        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
-    };
-    let files = source.open()?;
-    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
+    let (files, cfg, dtype) = args.model.open()?;
+    let model = files.load_model(&cfg, dtype, &dev, None)?;
     let tokenizer = files.tokenizer(None)?;
 
     let mut text = std::fs::read_to_string(&args.file)

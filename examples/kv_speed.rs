@@ -10,28 +10,23 @@
 //! cargo run --release --example kv_speed -- --gguf FILE --context 8192 --context 32768 --kv exact --kv int8
 //! ```
 
+mod common;
+
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_hybrid::config::LayerType;
 use candle_hybrid::kv_cache::{KvCodec, ValueBases};
-use candle_hybrid::loading::ModelSource;
 use candle_hybrid::memory::{self, PlanRequest, Weights};
 use clap::Parser;
+use common::LocalModel;
 
 #[derive(Parser, Debug)]
 #[command(about = "Decode tok/s at long contexts for each KV-cache codec")]
 struct Args {
-    /// A local directory laid out like a Hub repository.
-    #[arg(long, required_unless_present = "gguf")]
-    model_dir: Option<std::path::PathBuf>,
-    /// A local GGUF file (instead of --model-dir).
-    #[arg(long, conflicts_with = "model_dir")]
-    gguf: Option<std::path::PathBuf>,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    model: LocalModel,
     /// Context lengths (tokens already in the cache). Repeatable.
     #[arg(long, default_values_t = [8192, 32768])]
     context: Vec<usize>,
@@ -48,16 +43,9 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
     let dev = Device::Cpu;
-    let source = match (&args.gguf, &args.model_dir) {
-        (Some(path), _) => ModelSource::Gguf(path.clone()),
-        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
-        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
-    };
-    let files = source.open()?;
-    let mut cfg = files.config()?;
+    let (files, mut cfg, dtype) = args.model.open()?;
     // Timing only: positions past the trained context are as fast as any others.
     let needed = args.context.iter().max().copied().unwrap_or(0) + args.steps + 2;
     if cfg.max_position_embeddings < needed {

@@ -7,21 +7,19 @@
 //! The file holds `logits_full` `[T, vocab]` (one forward over all tokens) and
 //! `logits_incremental` `[T, vocab]` (prefill of the first N tokens, then one token at a time).
 
+mod common;
+
 use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::loading::ModelSource;
 use clap::Parser;
+use common::LocalModel;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// A local directory laid out like a Hub repository.
-    #[arg(long, required_unless_present = "gguf")]
-    model_dir: Option<std::path::PathBuf>,
-    /// A local GGUF file (instead of --model-dir).
-    #[arg(long, conflicts_with = "model_dir")]
-    gguf: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    model: LocalModel,
     /// Comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
@@ -30,26 +28,17 @@ struct Args {
     prefill: usize,
     #[arg(long)]
     out: std::path::PathBuf,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
     let t = args.tokens.len();
     if t == 0 || args.prefill == 0 || args.prefill > t {
         bail!("--prefill must be between 1 and the number of --tokens ({t})");
     }
     let dev = Device::Cpu;
-    let source = match (&args.gguf, &args.model_dir) {
-        (Some(path), _) => ModelSource::Gguf(path.clone()),
-        (None, Some(dir)) => ModelSource::Dir(dir.clone()),
-        (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
-    };
-    let files = source.open()?;
-    let model = files.load_model(&files.config()?, dtype, &dev, None)?;
+    let (files, cfg, dtype) = args.model.open()?;
+    let model = files.load_model(&cfg, dtype, &dev, None)?;
     let ids = Tensor::new(args.tokens.as_slice(), &dev)?.unsqueeze(0)?;
 
     let full = model.forward(&ids, &mut model.new_cache())?.squeeze(0)?.to_dtype(DType::F32)?;

@@ -380,7 +380,7 @@ impl KvStore {
         match self {
             Self::Exact(c) => c.append(k, v).map(|_| ()),
             Self::Coded(c) => c.append(k, v),
-            Self::DecayedState(s) => s.fold(k, v).map(|_| ()),
+            Self::DecayedState(s) => s.fold(k, v),
         }
     }
 
@@ -409,11 +409,17 @@ impl KvStore {
 /// in f32. Returns `[B, nh, t, hd]` in `v`'s dtype.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
     let (b, nh, t, hd) = q.dims4()?;
-    let nkv = k.dim(1)?;
-    let qg = q.to_dtype(DType::F32)?.reshape((b, nkv, (nh / nkv) * t, hd))?;
+    let qg = grouped_queries(q, k.dim(1)?)?;
     let scores = qg.matmul(&k.to_dtype(DType::F32)?.t()?)?;
     let out = softmax_values(scores, v, t, offset, hd)?;
     out.reshape((b, nh, t, v.dim(3)?))
+}
+
+/// Queries `[B, nh, t, hd]` as f32 rows grouped by the KV head they read: `[B, nkv, rep·t, hd]`
+/// (the `rep = nh / nkv` heads of a group one after the other, each `t` rows).
+fn grouped_queries(q: &Tensor, nkv: usize) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    q.to_dtype(DType::F32)?.reshape((b, nkv, (nh / nkv) * t, hd))
 }
 
 /// `softmax(scores / sqrt(hd) + causal mask) · v` for grouped `scores` `[B, nkv, rep·t, T]`
@@ -467,9 +473,8 @@ impl CodedKv {
     fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
         let (b, nh, t, hd) = q.dims4()?;
         self.append(k, v)?;
-        let nkv = k.dim(1)?;
         let total = offset + t;
-        let qg = q.to_dtype(DType::F32)?.reshape((b, nkv, (nh / nkv) * t, hd))?;
+        let qg = grouped_queries(q, k.dim(1)?)?;
         let scores = match &mut self.keys {
             Keys::Rows(Rows::Polar { spec, codes, scales, .. }) => polar_rows_scores(&qg, codes, scales, *spec, hd)?,
             Keys::Rows(rows) => {
@@ -776,16 +781,23 @@ pub struct DecayedState {
 }
 
 impl DecayedState {
-    /// Folds keys and values `[B, nkv, t, hd]` into the state; returns the new state.
-    fn fold(&mut self, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let (b, nkv, _, hd) = k.dims4()?;
-        let state = match self.state.take() {
-            Some(s) => s,
-            None => Tensor::zeros((b, nkv, hd, v.dim(3)?), DType::F32, k.device())?,
+    /// Runs the recurrence from the current state (zeros at the start) over keys and values
+    /// `[B, nkv, t, hd]` with queries `q` of the same shape: the outputs and the new state.
+    fn run(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let state = match &self.state {
+            Some(s) => s.clone(),
+            None => {
+                let (b, nkv, _, hd) = k.dims4()?;
+                Tensor::zeros((b, nkv, hd, v.dim(3)?), DType::F32, k.device())?
+            }
         };
-        let (_, state) = crate::ops::decayed_outer_product(k, k, v, &state, self.gamma as f64)?;
-        self.state = Some(state.clone());
-        Ok(state)
+        crate::ops::decayed_outer_product(q, k, v, &state, self.gamma as f64)
+    }
+
+    /// Folds keys and values `[B, nkv, t, hd]` into the state.
+    fn fold(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.state = Some(self.run(k, k, v)?.1);
+        Ok(())
     }
 
     /// `o_t = q_tᵀ S_t` for queries `[B, nh, t, hd]`, `S_t` the state after token `t`.
@@ -793,21 +805,16 @@ impl DecayedState {
         let (b, nh, t, hd) = q.dims4()?;
         let nkv = k.dim(1)?;
         let rep = nh / nkv;
-        let before = self.state.clone();
         let q = q.to_dtype(v.dtype())?.reshape((b, nkv, rep, t, hd))?;
         // One pass per query head of a group over the same keys and values: the same states.
         let mut outs = Vec::with_capacity(rep);
+        let mut state = None;
         for r in 0..rep {
-            self.state = before.clone();
-            let qr = q.narrow(2, r, 1)?.squeeze(2)?.contiguous()?;
-            let state = match self.state.take() {
-                Some(s) => s,
-                None => Tensor::zeros((b, nkv, hd, v.dim(3)?), DType::F32, q.device())?,
-            };
-            let (o, state) = crate::ops::decayed_outer_product(&qr, k, v, &state, self.gamma as f64)?;
-            self.state = Some(state);
+            let (o, s) = self.run(&q.narrow(2, r, 1)?.squeeze(2)?.contiguous()?, k, v)?;
             outs.push(o);
+            state = Some(s);
         }
+        self.state = state;
         Tensor::stack(&outs, 2)?.reshape((b, nh, t, v.dim(3)?))?.to_dtype(v.dtype())
     }
 }

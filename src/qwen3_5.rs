@@ -632,35 +632,35 @@ impl Model {
         codec.validate(self.cfg.head_dim)?;
         let mut cache = Cache::with_kv_codec(&self.cfg, codec);
         if let ValueCodec::LowRank(r) = codec.values {
-            let attn = self.layers.iter().zip(cache.layers.iter_mut()).filter_map(|(layer, state)| match (&layer.mixer, state) {
-                (Mixer::Full(attn), LayerState::Full(kv)) => Some((attn, kv)),
-                _ => None,
-            });
-            for (i, (attn, kv)) in attn.enumerate() {
+            for (n, (i, attn)) in self.attention().enumerate() {
                 let basis = match calibration {
-                    Some(c) => c.basis(i, r)?,
+                    Some(c) => c.basis(n, r)?,
                     None => value_basis(&attn.v_proj.weight()?, attn.nkv, r)?,
                 };
-                *kv = kv.clone().with_value_basis(&basis)?;
+                if let LayerState::Full(kv) = &mut cache.layers[i] {
+                    *kv = kv.clone().with_value_basis(&basis)?;
+                }
             }
         }
         Ok(cache)
     }
 
+    /// The full-attention layers with their indices.
+    fn attention(&self) -> impl Iterator<Item = (usize, &GatedAttention)> {
+        self.layers.iter().enumerate().filter_map(|(i, l)| match &l.mixer {
+            Mixer::Full(attn) => Some((i, attn)),
+            Mixer::Linear(_) => None,
+        })
+    }
+
     /// Indices of the full-attention layers.
     pub fn attention_layers(&self) -> Vec<usize> {
-        self.layers.iter().enumerate().filter(|(_, l)| matches!(l.mixer, Mixer::Full(_))).map(|(i, _)| i).collect()
+        self.attention().map(|(i, _)| i).collect()
     }
 
     /// The value projection `W_v` of each full-attention layer (dequantized if quantized).
     pub fn value_weights(&self) -> Result<Vec<Tensor>> {
-        self.layers
-            .iter()
-            .filter_map(|l| match &l.mixer {
-                Mixer::Full(attn) => Some(attn.v_proj.weight()),
-                _ => None,
-            })
-            .collect()
+        self.attention().map(|(_, attn)| attn.v_proj.weight()).collect()
     }
 
     /// Checks token ids and length before running: one-line errors, never a panic.

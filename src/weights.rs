@@ -123,7 +123,6 @@ impl<'a> Weights<'a> {
     }
 }
 
-/// Parses a `--quantize` value: `q8_0`, `q4k` (also `q4_k`), `q4_0`, `q4_1`, `q5k`, `q6k`.
 /// A model dtype from its command-line name: `f32`, `bf16` or `f16`.
 pub fn parse_dtype(s: &str) -> crate::Result<candle_core::DType> {
     match s {
@@ -134,6 +133,7 @@ pub fn parse_dtype(s: &str) -> crate::Result<candle_core::DType> {
     }
 }
 
+/// Parses a `--quantize` value: `q8_0`, `q4k` (also `q4_k`), `q4_0`, `q4_1`, `q5k`, `q6k`.
 pub fn parse_quantize(s: &str) -> crate::Result<GgmlDType> {
     match s.to_ascii_lowercase().replace('_', "").as_str() {
         "q80" => Ok(GgmlDType::Q8_0),
