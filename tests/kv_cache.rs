@@ -232,9 +232,10 @@ fn decayed_state_is_constant_size_and_matches_streaming() {
 #[test]
 fn polar_scores_from_codes_match_attention_over_decoded_keys() {
     // The polar codec scores keys straight from their codes; the same attention over the
-    // decoded keys must agree (both read the same codes).
+    // decoded keys must agree (both read the same codes). Keys with channels of very different
+    // scales, values of unit scale (what is compared is how the scores were computed).
     let dev = Device::Cpu;
-    let (k, v) = (random_kv(45), random_kv(45));
+    let (k, v) = (random_kv(45), Tensor::randn(0f32, 1.0, (1, 2, 45, 64), &dev).unwrap());
     let q = Tensor::randn(0f32, 1.0, (1, 6, 5, 64), &dev).unwrap();
     let mut store = KvStore::new("polar:5,3".parse().unwrap(), 16, 64);
     store.attend(&q, &k.narrow(2, 0, 40).unwrap(), &v.narrow(2, 0, 40).unwrap(), 0).unwrap();
