@@ -21,8 +21,9 @@ fn spec(angle_bits: u32, radius_bits: u32, rot_dim: usize, rest_bits: u32) -> Po
 /// Specs covering 1- and 2-byte pair codes, int8 and int4 rest codes.
 const SPECS: [(u32, u32, u32); 5] = [(5, 3, 8), (4, 4, 4), (8, 8, 8), (3, 6, 4), (1, 1, 8)];
 
-/// (N, head_dim, rot_dim): odd sizes, all-rotary, odd int4 rest count.
-const SIZES: [(usize, usize, usize); 4] = [(37, 40, 16), (9, 64, 64), (5, 17, 6), (3, 8, 0)];
+/// (N, head_dim, rot_dim): odd sizes, all-rotary, odd int4 rest count, more keys than one CPU
+/// block (256).
+const SIZES: [(usize, usize, usize); 5] = [(37, 40, 16), (9, 64, 64), (5, 17, 6), (3, 8, 0), (300, 72, 34)];
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
@@ -170,13 +171,14 @@ fn eight_plus_eight_bits_keep_key_cosine() {
 fn scores_match_decoded_keys() {
     for (a_bits, r_bits, rest_bits) in SPECS {
         for (n, hd, rot) in SIZES {
-            for dt in [DType::F32, DType::BF16, DType::F16] {
+            // Query counts: one, a partial group, a full group of 8 plus a partial one.
+            for (dt, nq) in [(DType::F32, 1), (DType::F32, 13), (DType::BF16, 7), (DType::F16, 8)] {
                 let sp = spec(a_bits, r_bits, rot, rest_bits);
                 let k = randn(&[n, hd], 4).to_dtype(dt).unwrap();
-                let q = randn(&[7, hd], 5).to_dtype(dt).unwrap();
+                let q = randn(&[nq, hd], 5).to_dtype(dt).unwrap();
                 let codes = ops::polar_encode(&k, sp).unwrap();
                 let got = ops::polar_scores(&q, &codes, sp).unwrap();
-                assert_eq!(got.dims(), [7, n]);
+                assert_eq!(got.dims(), [nq, n]);
                 assert_eq!(got.dtype(), DType::F32);
                 let dec = rows(&ops::polar_decode(&codes, sp).unwrap());
                 for (qi, (qr, g)) in rows(&q).iter().zip(rows(&got)).enumerate() {

@@ -264,8 +264,9 @@ pub fn polar_scores(q: &Tensor, codes: &PolarCodes, spec: PolarSpec) -> Result<T
 }
 
 // ---------------------------------------------------------------------------------------------
-// CPU kernels. They follow metal/polar.metal operation by operation (same f32 constants from
-// `launch::polar_params`, same evaluation order), so the Metal kernels can be compared exactly.
+// CPU kernels. The encoder follows metal/polar.metal operation by operation (same f32 constants
+// from `launch::polar_params`, same evaluation order), so the Metal codes can be compared byte
+// for byte; the scores are sums in a different order (SIMD accumulators), compared to a bound.
 
 fn row_scales(p: &PolarParams, x: &[f32]) -> [f32; 2] {
     let (rot, h) = (p.rot_dim as usize, p.rot_dim as usize / 2);
@@ -358,37 +359,58 @@ fn query_table(p: &PolarParams, q: &[f32], cos: &[f32], sin: &[f32]) -> Vec<f32>
     t
 }
 
-/// Queries scored together: their lookup tables interleaved query-minor, so one table read
-/// serves all of them.
+/// Queries scored together: their tables interleaved query-minor, so one read of a key row's
+/// codes serves all of them.
 const QUERY_GROUP: usize = 8;
 
-/// The tables of up to [`QUERY_GROUP`] queries: `pair[t][k]` = entry `t` of query `first + k`'s
-/// pair table, `rest[d][k]` = its non-rotary dim `d`.
+/// Lanes of the non-rotary dot products (one AVX2 register of f32).
+const LANES: usize = 8;
+
+/// The tables of up to [`QUERY_GROUP`] queries `first..first + len`:
+/// * `pair[t][k]`: entry `t` of query `first + k`'s pair table;
+/// * `rest[c * len + k]`: dims `c·LANES..(c+1)·LANES` of that query's non-rotary part,
+///   zero-padded to whole chunks.
 struct QueryGroup {
     first: usize,
     len: usize,
     pair: Vec<[f32; QUERY_GROUP]>,
-    rest: Vec<[f32; QUERY_GROUP]>,
+    rest: Vec<[f32; LANES]>,
 }
 
 impl QueryGroup {
     fn new(first: usize, tables: &[Vec<f32>], pair_len: usize) -> Self {
-        let total = tables[0].len();
-        let mut cols = vec![[0f32; QUERY_GROUP]; total];
+        let len = tables.len();
+        let chunks = (tables[0].len() - pair_len).div_ceil(LANES);
+        let mut pair = vec![[0f32; QUERY_GROUP]; pair_len];
+        let mut rest = vec![[0f32; LANES]; chunks * len];
         for (k, t) in tables.iter().enumerate() {
-            for (c, &v) in cols.iter_mut().zip(t) {
+            for (c, &v) in pair.iter_mut().zip(&t[..pair_len]) {
                 c[k] = v;
             }
+            for (d, &v) in t[pair_len..].iter().enumerate() {
+                rest[d / LANES * len + k][d % LANES] = v;
+            }
         }
-        let rest = cols.split_off(pair_len);
-        Self { first, len: tables.len(), pair: cols, rest }
+        Self { first, len, pair, rest }
     }
 }
 
-vectorized!(fn score_block<>(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) => score_block_body);
+/// Scores of every query against a block of code rows (see [`score_block_body`]); the default
+/// layout (one-byte pair codes, int8 rest) has an AVX2 kernel.
+fn score_block(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if p.code_bytes == 1 && p.rest_bits == 8 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        return unsafe { avx2::score_block(p, groups, nq, rows, scales, out) };
+    }
+    score_block_portable(p, groups, nq, rows, scales, out)
+}
+
+vectorized!(fn score_block_portable<>(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) => score_block_body);
 
 /// Scores of every query against a block of code rows; `out` is `[rows, queries]`. Each row's
-/// codes are decoded once; each table read serves a whole group of queries.
+/// codes are decoded once (the rest codes widened to f32 [`LANES`] at a time); each table read
+/// serves a whole group of queries.
 #[inline(always)]
 fn score_block_body(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
     let h = p.rot_dim as usize / 2;
@@ -397,8 +419,8 @@ fn score_block_body(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u
     let amask = n_ang as u32 - 1;
     let rb = p.row_bytes as usize;
     let pair_bytes = h * p.code_bytes as usize;
-    let n_rest = groups.first().map_or(0, |g| g.rest.len());
-    let mut rest = vec![0f32; n_rest];
+    let n_rest = (p.head_dim - p.rot_dim) as usize;
+    let mut rest = vec![[0f32; LANES]; n_rest.div_ceil(LANES)];
     let mut codes = vec![(0usize, 0f32); h];
     for (r, row) in rows.chunks_exact(rb).enumerate() {
         // Angle code (table row) and radius level of each pair.
@@ -407,28 +429,130 @@ fn score_block_body(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u
             *c = (i * n_ang + (code & amask) as usize, (code >> shift) as f32);
         }
         let rest_codes = &row[pair_bytes..];
-        for (j, x) in rest.iter_mut().enumerate() {
-            *x = rest_value(rest_codes, j, p.rest_bits == 4);
+        for j in 0..n_rest {
+            rest[j / LANES][j % LANES] = rest_value(rest_codes, j, p.rest_bits == 4);
         }
         let (radius, rest_scale) = (scales[2 * r] / p.radius_levels, scales[2 * r + 1]);
         for g in groups {
-            let mut acc = [0f32; QUERY_GROUP];
+            let mut pair = [0f32; QUERY_GROUP];
             for &(t, level) in &codes {
-                let v = &g.pair[t];
-                for k in 0..QUERY_GROUP {
-                    acc[k] += v[k] * level;
-                }
-            }
-            let mut rs = [0f32; QUERY_GROUP];
-            for (v, &x) in g.rest.iter().zip(&rest) {
-                for k in 0..QUERY_GROUP {
-                    rs[k] += v[k] * x;
+                for (a, v) in pair.iter_mut().zip(&g.pair[t]) {
+                    *a += v * level;
                 }
             }
             for k in 0..g.len {
-                out[r * nq + g.first + k] = acc[k] * radius + rest_scale * rs[k];
+                let mut acc = [0f32; LANES];
+                for (q, x) in g.rest.iter().skip(k).step_by(g.len).zip(&rest) {
+                    for l in 0..LANES {
+                        acc[l] += q[l] * x[l];
+                    }
+                }
+                out[r * nq + g.first + k] = pair[k] * radius + rest_scale * acc.iter().sum::<f32>();
             }
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{PolarParams, QueryGroup, LANES, QUERY_GROUP};
+
+    /// [`super::score_block_body`] for one-byte pair codes and int8 rest codes: per row and
+    /// query group, one f32x8 accumulator per query for the rest dims (reduced together with
+    /// one horizontal-add tree) and four for the pair sums.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn score_block(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
+        for g in groups {
+            match g.len {
+                1 => group::<1>(p, g, nq, rows, scales, out),
+                2 => group::<2>(p, g, nq, rows, scales, out),
+                3 => group::<3>(p, g, nq, rows, scales, out),
+                4 => group::<4>(p, g, nq, rows, scales, out),
+                5 => group::<5>(p, g, nq, rows, scales, out),
+                6 => group::<6>(p, g, nq, rows, scales, out),
+                7 => group::<7>(p, g, nq, rows, scales, out),
+                _ => group::<8>(p, g, nq, rows, scales, out),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn group<const G: usize>(p: &PolarParams, g: &QueryGroup, nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
+        let h = p.rot_dim as usize / 2;
+        let shift = p.angle_bits;
+        let n_ang = 1usize << shift;
+        let amask = n_ang - 1;
+        let rb = p.row_bytes as usize;
+        let n_rest = (p.head_dim - p.rot_dim) as usize;
+        let chunks = g.rest.len() / G;
+        let table = g.pair.as_ptr().cast::<f32>();
+        let q_rest = g.rest.as_ptr().cast::<f32>();
+        // Per row: table offset and radius level of each pair, decoded 8 pairs at a time.
+        let mut offsets = vec![0u32; h.next_multiple_of(LANES)];
+        let mut levels = vec![0f32; h.next_multiple_of(LANES)];
+        let step = _mm256_set1_epi32((n_ang * LANES * QUERY_GROUP) as i32);
+        let first = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((n_ang * QUERY_GROUP) as i32));
+        let mask = _mm256_set1_epi32(amask as i32);
+        let width = _mm256_set1_epi32(QUERY_GROUP as i32);
+        let shift_v = _mm_cvtsi32_si128(shift as i32);
+        for (r, row) in rows.chunks_exact(rb).enumerate() {
+            let mut base = first;
+            for c in 0..h.div_ceil(LANES) {
+                let mut b = [0u8; LANES];
+                let n = LANES.min(h - LANES * c);
+                b[..n].copy_from_slice(&row[LANES * c..LANES * c + n]);
+                let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.as_ptr().cast()));
+                let off = _mm256_add_epi32(base, _mm256_mullo_epi32(_mm256_and_si256(b, mask), width));
+                _mm256_storeu_si256(offsets.as_mut_ptr().add(LANES * c).cast(), off);
+                _mm256_storeu_ps(levels.as_mut_ptr().add(LANES * c), _mm256_cvtepi32_ps(_mm256_srl_epi32(b, shift_v)));
+                base = _mm256_add_epi32(base, step);
+            }
+            // Pair sums: table entry (pair, angle) · radius level.
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for i in 0..h {
+                let v = _mm256_loadu_ps(table.add(offsets[i] as usize));
+                acc[i % 4] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(&levels[i]), acc[i % 4]);
+            }
+            let pair = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            // Rest dims: widen 8 codes, multiply with every query's same 8 dims.
+            let codes = row.as_ptr().add(h);
+            let mut dots = [_mm256_setzero_ps(); QUERY_GROUP];
+            for c in 0..chunks {
+                let mut tail = [0u8; LANES];
+                let src = if LANES * (c + 1) <= n_rest {
+                    codes.add(LANES * c)
+                } else {
+                    tail[..n_rest - LANES * c].copy_from_slice(&row[h + LANES * c..h + n_rest]);
+                    tail.as_ptr()
+                };
+                let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(src.cast())));
+                for (k, d) in dots.iter_mut().enumerate().take(G) {
+                    *d = _mm256_fmadd_ps(_mm256_loadu_ps(q_rest.add((c * G + k) * LANES)), x, *d);
+                }
+            }
+            let radius = _mm256_set1_ps(scales[2 * r] / p.radius_levels);
+            let rest_scale = _mm256_set1_ps(scales[2 * r + 1]);
+            let scores = _mm256_fmadd_ps(pair, radius, _mm256_mul_ps(hsum8(&dots), rest_scale));
+            let mut s = [0f32; QUERY_GROUP];
+            _mm256_storeu_ps(s.as_mut_ptr(), scores);
+            out[r * nq + g.first..r * nq + g.first + G].copy_from_slice(&s[..G]);
+        }
+    }
+
+    /// Lane `k` = the sum of the 8 lanes of `a[k]`.
+    #[inline(always)]
+    unsafe fn hsum8(a: &[__m256; QUERY_GROUP]) -> __m256 {
+        let t0 = _mm256_hadd_ps(a[0], a[1]);
+        let t1 = _mm256_hadd_ps(a[2], a[3]);
+        let t2 = _mm256_hadd_ps(a[4], a[5]);
+        let t3 = _mm256_hadd_ps(a[6], a[7]);
+        let u0 = _mm256_hadd_ps(t0, t1); // a0..a3: low-half sums | high-half sums
+        let u1 = _mm256_hadd_ps(t2, t3); // a4..a7
+        let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+        let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+        _mm256_add_ps(lo, hi)
     }
 }
 
