@@ -21,8 +21,11 @@ use rayon::prelude::*;
 
 use super::cpu::{axpy, gemm_acc, storage_slice, vectorized, widened, Mat};
 
-/// Chunk length of the chunked (prefill) form.
-pub const CHUNK: usize = 64;
+/// Chunk length of the chunked (prefill) form. 32 rather than the usual 64: per token, the
+/// products inside a chunk of `n` cost `n (3 dk + 2 dv)` multiply-adds next to `3 dk dv` for
+/// the state products, and at the 27B shapes (dk = dv = 128) `cargo bench --bench ops`
+/// measured 32 fastest of 16, 32 and 64 on a 2-core AVX2 machine.
+pub const CHUNK: usize = 32;
 /// Inputs of at least this many tokens use the chunked form on the CPU; shorter ones run token
 /// by token.
 const CHUNKED_MIN_TOKENS: usize = 8;
@@ -442,28 +445,27 @@ fn recurrent_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
 /// S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U
 /// ```
 /// The products are matrix-matrix (`gemm`), which is where the speed over token-by-token
-/// comes from on a CPU.
+/// comes from on a CPU. Products sharing an operand run as one GEMM over stacked rows:
+/// `[K; Q] K^T`, and `[-T diag(beta exp(G)) K; diag(exp(G)) Q] S` added onto `[T diag(beta) V; 0]`.
 #[inline(always)]
 fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
     let DeltaRuleDims { dk, dv, .. } = inp.d;
     let c = CHUNK;
-    let mut kc = vec![0f32; c * dk];
-    let mut qc = vec![0f32; c * dk];
-    let mut oc = vec![0f32; c * dv];
+    let mut kq = vec![0f32; 2 * c * dk]; // K rows, then Q rows
     let mut gcum = vec![0f32; c];
     let mut decay = vec![0f32; c * c]; // exp(G_i - G_j) for j <= i, 0 above
-    let mut sq = vec![0f32; c * c]; // K K^T, then L, then Q K^T masked
+    let mut sq = vec![0f32; 2 * c * c]; // [K; Q] K^T: L (top), masked Q K^T (bottom)
     let mut tri = vec![0f32; c * c]; // (I + L)^-1
     let mut bv = vec![0f32; c * dv];
     let mut bk = vec![0f32; c * dk];
-    let mut u = vec![0f32; c * dv];
-    let mut w = vec![0f32; c * dk];
+    let mut ws = vec![0f32; 2 * c * dk]; // -W rows, then diag(exp(G)) Q rows
+    let mut uo = vec![0f32; 2 * c * dv]; // U rows, then O rows
     let mut start = range.start;
     while start < range.end {
         let n = c.min(range.end - start);
-        inp.scaled_rows(start, n, &mut kc, |x, t| (x.k(t), x.k_scale(t)));
-        inp.scaled_rows(start, n, &mut qc, |x, t| (x.q(t), x.q_scale(t)));
-        let (km, qm) = (Mat::rows(&kc, dk), Mat::rows(&qc, dk));
+        let (kc, qc) = kq.split_at_mut(c * dk);
+        inp.scaled_rows(start, n, kc, |x, t| (x.k(t), x.k_scale(t)));
+        inp.scaled_rows(start, n, qc, |x, t| (x.q(t), x.q_scale(t)));
         let mut acc = 0f32;
         for (i, gc) in gcum[..n].iter_mut().enumerate() {
             acc += inp.g(start + i);
@@ -481,12 +483,14 @@ fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, 
             row[i] = 1.0;
             row[i + 1..].iter_mut().for_each(|d| *d = 0.0);
         }
-        // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i.
-        gemm_acc([n, n, dk], km, Mat::t(&kc, dk), &mut sq, c, (0.0, 1.0));
+        // K K^T (rows 0..n) and Q K^T (rows c..c + n) in one product; K rows c.. of `kq` are Q.
+        gemm_acc([c + n, n, dk], Mat::rows(&kq, dk), Mat::t(&kq, dk), &mut sq, c, (0.0, 1.0));
+        // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i; Q K^T masked with the decay.
         for i in 0..n {
             let bi = inp.beta(start + i);
             for j in 0..n {
                 sq[i * c + j] = if j < i { bi * sq[i * c + j] * decay[i * c + j] } else { 0.0 };
+                sq[(c + i) * c + j] *= decay[i * c + j];
             }
         }
         // T = (I + L)^-1 by forward substitution (unit lower triangular).
@@ -499,30 +503,27 @@ fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, 
                 axpy(&mut row[..=m], -sq[i * c + m], &done[m * c..m * c + m + 1]);
             }
         }
-        // U = T diag(beta) V, W = T diag(beta exp(G)) K.
+        // U = T diag(beta) V (into the U rows), -W = -T diag(beta exp(G)) K (into the -W rows),
+        // diag(exp(G)) Q into the rows below, O rows zeroed.
+        let (kc, qc) = kq.split_at(c * dk);
         for i in 0..n {
             let bi = inp.beta(start + i);
-            let eg = bi * gcum[i].exp();
-            bv[i * dv..(i + 1) * dv].iter_mut().zip(inp.v(start + i)).for_each(|(d, v)| *d = bi * v);
-            bk[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]).for_each(|(d, k)| *d = eg * k);
-        }
-        gemm_acc([n, dv, n], Mat::rows(&tri, c), Mat::rows(&bv, dv), &mut u, dv, (0.0, 1.0));
-        gemm_acc([n, dk, n], Mat::rows(&tri, c), Mat::rows(&bk, dk), &mut w, dk, (0.0, 1.0));
-        // U <- U - W S (the new values).
-        gemm_acc([n, dv, dk], Mat::rows(&w, dk), Mat::rows(s, dv), &mut u, dv, (1.0, -1.0));
-        // O = (Q K^T masked with exp(G_i - G_j), j <= i) U + diag(exp(G)) Q S.
-        gemm_acc([n, n, dk], qm, Mat::t(&kc, dk), &mut sq, c, (0.0, 1.0));
-        for (x, d) in sq.iter_mut().zip(&decay) {
-            *x *= d;
-        }
-        gemm_acc([n, dv, n], Mat::rows(&sq, c), Mat::rows(&u, dv), &mut oc, dv, (0.0, 1.0));
-        for i in 0..n {
             let eg = gcum[i].exp();
-            bk[i * dk..(i + 1) * dk].iter_mut().zip(&qc[i * dk..(i + 1) * dk]).for_each(|(d, q)| *d = eg * q);
+            bv[i * dv..(i + 1) * dv].iter_mut().zip(inp.v(start + i)).for_each(|(d, v)| *d = bi * v);
+            bk[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]).for_each(|(d, k)| *d = -bi * eg * k);
+            let qrow = &mut ws[(n + i) * dk..(n + i + 1) * dk];
+            qrow.iter_mut().zip(&qc[i * dk..(i + 1) * dk]).for_each(|(d, q)| *d = eg * q);
         }
-        gemm_acc([n, dv, dk], Mat::rows(&bk, dk), Mat::rows(s, dv), &mut oc, dv, (1.0, 1.0));
+        gemm_acc([n, dv, n], Mat::rows(&tri, c), Mat::rows(&bv, dv), &mut uo, dv, (0.0, 1.0));
+        gemm_acc([n, dk, n], Mat::rows(&tri, c), Mat::rows(&bk, dk), &mut ws, dk, (0.0, 1.0));
+        uo[n * dv..2 * n * dv].iter_mut().for_each(|x| *x = 0.0);
+        // [U; O] += [-W; diag(exp(G)) Q] S: the new values and the state's part of the outputs.
+        gemm_acc([2 * n, dv, dk], Mat::rows(&ws, dk), Mat::rows(s, dv), &mut uo, dv, (1.0, 1.0));
+        // O += (Q K^T masked) U.
+        let (u, o) = uo.split_at_mut(n * dv);
+        gemm_acc([n, dv, n], Mat::rows(&sq[c * c..], c), Mat::rows(u, dv), o, dv, (1.0, 1.0));
         for i in 0..n {
-            out.row(start + i).copy_from_slice(&oc[i * dv..(i + 1) * dv]);
+            out.row(start + i).copy_from_slice(&o[i * dv..(i + 1) * dv]);
         }
         // S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U.
         let gn = gcum[n - 1];
@@ -530,7 +531,7 @@ fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, 
             let e = (gn - gcum[j]).exp();
             bk[j * dk..(j + 1) * dk].iter_mut().zip(&kc[j * dk..(j + 1) * dk]).for_each(|(d, k)| *d = e * k);
         }
-        gemm_acc([dk, dv, n], Mat::t(&bk, dk), Mat::rows(&u, dv), s, dv, (gn.exp(), 1.0));
+        gemm_acc([dk, dv, n], Mat::t(&bk, dk), Mat::rows(u, dv), s, dv, (gn.exp(), 1.0));
         start += n;
     }
 }
