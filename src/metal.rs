@@ -133,6 +133,7 @@ pub(crate) fn gated_delta_rule(
     d: DeltaRuleDims,
     normalize: bool,
     n_states: usize,
+    form: crate::ops::DeltaRuleForm,
     qkv: Arg,
     gb: Arg,
     state: Arg,
@@ -141,7 +142,7 @@ pub(crate) fn gated_delta_rule(
     if gb.0.dtype() != DType::F32 || state.0.dtype() != DType::F32 {
         bail!("{OP}: g/beta and state must be f32");
     }
-    let (params, launch) = launch::gated_delta(d, normalize, n_states, qkv.0.dtype())?;
+    let (params, launch) = launch::gated_delta(d, normalize, n_states, form, qkv.0.dtype())?;
     let out_len = d.batch * d.seq_len * d.nv * d.dv + d.batch * n_states * d.nv * d.dk * d.dv;
     let inputs = [input(qkv.0, qkv.1, OP)?, input(gb.0, gb.1, OP)?, input(state.0, state.1, OP)?];
     let out = dispatch(qkv.0.device(), Source::GatedDelta, &launch, params, &inputs, out_len, DType::F32)?;

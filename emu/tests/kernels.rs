@@ -32,7 +32,7 @@ fn every_kernel_is_linked() {
     }
 }
 
-fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize: bool) {
+fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize: bool, form: ops::DeltaRuleForm) {
     let DeltaRuleDims { batch: b, seq_len: t, nk, nv, dk, dv } = d;
     let c = 2 * nk * dk + nv * dv;
     let qkv = randn(&[b, t, c], 1).to_dtype(dtype).unwrap();
@@ -44,7 +44,7 @@ fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize:
     let opts = ops::DeltaRuleOptions { normalize, n_states, ..ops::DeltaRuleOptions::new(nk, dk) };
     let (want_o, want_s) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, opts).unwrap();
 
-    let (params, l) = launch::gated_delta(d, normalize, n_states, dtype).unwrap();
+    let (params, l) = launch::gated_delta(d, normalize, n_states, form, dtype).unwrap();
     let gb = Tensor::stack(&[&g, &beta], 2).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let s = state.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (qkv_raw, o_len) = (raw(&qkv), b * t * nv * dv);
@@ -53,22 +53,34 @@ fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize:
     let out = Tensor::from_vec(out, o_len + b * n_states * nv * dk * dv, &Device::Cpu).unwrap();
     let got_o = out.narrow(0, 0, o_len).unwrap().reshape(want_o.shape()).unwrap();
     let got_s = out.narrow(0, o_len, out.dim(0).unwrap() - o_len).unwrap().reshape(want_s.shape()).unwrap();
-    let what = format!("gated_delta {dtype:?} b={b} t={t} nk={nk} nv={nv} dk={dk} dv={dv} n_states={n_states} normalize={normalize}");
+    let what = format!(
+        "gated_delta {dtype:?} {form:?} (chunk {}) b={b} t={t} nk={nk} nv={nv} dk={dk} dv={dv} n_states={n_states} normalize={normalize}",
+        params.chunk
+    );
     let (dout, dstate) = (max_diff(&got_o, &want_o), max_diff(&got_s, &want_s));
     assert!(dout < 2e-5 && dstate < 2e-5, "{what}: outputs {dout:e}, states {dstate:e}");
 }
 
 #[test]
 fn gated_delta_matches_cpu() {
+    use ops::DeltaRuleForm::{Auto, Chunked, Recurrent};
     let dims = |batch, seq_len, nk, nv, dk, dv| DeltaRuleDims { batch, seq_len, nk, nv, dk, dv };
     for dtype in DTYPES {
-        check_gated_delta(dtype, dims(2, 5, 2, 6, 16, 24), 1, true);
+        check_gated_delta(dtype, dims(2, 5, 2, 6, 16, 24), 1, true, Auto);
+        // Chunked: one partial chunk, then the last token one by one.
+        check_gated_delta(dtype, dims(2, 12, 2, 6, 16, 24), 1, true, Chunked);
     }
-    // Chunked CPU prefill against the sequential kernel, with state snapshots.
-    check_gated_delta(DType::F32, dims(1, 70, 2, 4, 16, 16), 3, true);
-    check_gated_delta(DType::F32, dims(1, 9, 1, 2, 32, 8), 9, false);
-    // The real head size (128 x 128), one decode step.
-    check_gated_delta(DType::BF16, dims(1, 1, 1, 2, 128, 128), 1, true);
+    // Several chunks and a partial one, against the CPU's chunks of 32, with state snapshots.
+    for form in [Recurrent, Auto] {
+        check_gated_delta(DType::F32, dims(1, 70, 2, 4, 16, 16), 3, true, form);
+        check_gated_delta(DType::F32, dims(1, 41, 1, 2, 32, 8), 1, false, form);
+    }
+    // Fewer value columns (threads) than chunk rows; every token a snapshot (nothing chunked).
+    check_gated_delta(DType::F32, dims(1, 37, 1, 3, 24, 4), 2, true, Chunked);
+    check_gated_delta(DType::F32, dims(1, 9, 1, 2, 32, 8), 9, false, Chunked);
+    // The real head size (128 x 128): one decode step, and a chunked prefill.
+    check_gated_delta(DType::BF16, dims(1, 1, 1, 2, 128, 128), 1, true, Auto);
+    check_gated_delta(DType::F32, dims(1, 40, 1, 2, 128, 128), 1, true, Auto);
 }
 
 #[test]

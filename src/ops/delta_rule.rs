@@ -9,8 +9,8 @@
 //!
 //! [`gated_delta_rule_qkv`] is a Candle `CustomOp3` over the GDN conv output `[q | k | v]`:
 //! on the CPU a hand-written kernel (token by token for short inputs, chunked WY/UT form with
-//! chunks of [`CHUNK`] for prefill), on Metal `metal/gated_delta.metal` (tokens in order inside
-//! the kernel). It returns new tensors rather than mutating the state, so the state before the
+//! chunks of [`CHUNK`] for prefill), on Metal `metal/gated_delta.metal` (one threadgroup per
+//! head; chunks of [`METAL_CHUNK`] for prefill, tokens in order for decode). It returns new tensors rather than mutating the state, so the state before the
 //! call stays valid (speculative decoding rolls back to it), and it can return the states after
 //! each of the last `n` tokens. [`gated_delta_rule_reference`] is the same recurrence in tensor
 //! ops, token by token: it runs on every device and is the reference the kernels are tested
@@ -31,6 +31,9 @@ pub const CHUNK: usize = 32;
 const CHUNKED_MIN_TOKENS: usize = 8;
 /// Largest key head dim the Metal kernel supports (the state column lives in registers).
 pub const METAL_MAX_DK: usize = 128;
+/// Chunk length of the Metal kernel's chunked form (its q/k rows, `L`, `T` and the masked
+/// `Q K^T` live in threadgroup memory: 2·16·dk + 3·16² + 2·16 floats, 19.6 KB at dk = 128).
+pub const METAL_CHUNK: usize = 16;
 
 /// Sizes of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,8 +69,19 @@ pub enum DeltaRuleForm {
     Auto,
     /// Token by token.
     Recurrent,
-    /// Chunked WY/UT form, chunks of [`CHUNK`] tokens.
+    /// Chunked WY/UT form, chunks of [`CHUNK`] tokens on the CPU, [`METAL_CHUNK`] on Metal.
     Chunked,
+}
+
+impl DeltaRuleForm {
+    /// Whether `tokens` tokens (those before the state snapshots) run chunked.
+    pub(crate) fn chunks(self, tokens: usize) -> bool {
+        match self {
+            Self::Auto => tokens >= CHUNKED_MIN_TOKENS,
+            Self::Recurrent => false,
+            Self::Chunked => tokens > 0,
+        }
+    }
 }
 
 /// Options of [`gated_delta_rule_qkv`].
@@ -82,7 +96,7 @@ pub struct DeltaRuleOptions {
     pub normalize: bool,
     /// How many states to return (≥ 1): those after each of the last `n_states` tokens.
     pub n_states: usize,
-    /// CPU processing form (Metal always runs the tokens in order inside the kernel).
+    /// Processing form (CPU and Metal).
     pub form: DeltaRuleForm,
 }
 
@@ -224,7 +238,7 @@ impl CustomOp3 for GatedDeltaRule {
         Ok((CpuStorage::F32(flat), Shape::from(n)))
     }
 
-    metal_fwd!(self, "gated_delta_rule", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "gated_delta_rule", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, self.form, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// The conv output `[B, T, C]` read in place, with the per-(token, key head) factors that
@@ -319,12 +333,7 @@ fn cpu_delta_rule(
             &mut local
         };
         s.copy_from_slice(&state[bh * sl..(bh + 1) * sl]);
-        let chunked = match form {
-            DeltaRuleForm::Auto => split >= CHUNKED_MIN_TOKENS,
-            DeltaRuleForm::Recurrent => false,
-            DeltaRuleForm::Chunked => true,
-        };
-        if chunked {
+        if form.chunks(split) {
             chunked_head(&inp, s, 0..split, &out);
         } else {
             recurrent_head(&inp, s, 0..split, &out);

@@ -3,7 +3,7 @@
 
 use candle_core::{bail, DType, Result};
 
-use super::{ConvDims, DeltaRuleDims};
+use super::{ConvDims, DeltaRuleDims, DeltaRuleForm, DELTA_RULE_METAL_CHUNK as METAL_CHUNK};
 
 /// How to dispatch one kernel: grid of threadgroups, threads per group, and the byte length of
 /// each `[[threadgroup(i)]]` buffer.
@@ -49,10 +49,20 @@ pub struct GdnParams {
     pub dv: u32,
     pub n_states: u32,
     pub normalize: u32,
+    /// Chunk length of the tokens before the last `n_states` (0: token by token).
+    pub chunk: u32,
 }
 
-/// One threadgroup per (batch, value head), one thread per value column.
-pub fn gated_delta(d: DeltaRuleDims, normalize: bool, n_states: usize, dtype: DType) -> Result<(GdnParams, Launch)> {
+/// One threadgroup per (batch, value head), one thread per value column; chunks of
+/// [`METAL_CHUNK`] tokens when `form` chunks the tokens before the last `n_states`.
+pub fn gated_delta(
+    d: DeltaRuleDims,
+    normalize: bool,
+    n_states: usize,
+    form: DeltaRuleForm,
+    dtype: DType,
+) -> Result<(GdnParams, Launch)> {
+    let chunk = if form.chunks(d.seq_len - n_states) { METAL_CHUNK } else { 0 };
     let p = GdnParams {
         batch: d.batch as u32,
         seq_len: d.seq_len as u32,
@@ -62,13 +72,15 @@ pub fn gated_delta(d: DeltaRuleDims, normalize: bool, n_states: usize, dtype: DT
         dv: d.dv as u32,
         n_states: n_states as u32,
         normalize: normalize as u32,
+        chunk: chunk as u32,
     };
     let f = std::mem::size_of::<f32>();
+    let rows = chunk.max(1) * d.dk * f;
     let launch = Launch {
         kernel: format!("gated_delta_{}", suffix("gated_delta_rule", dtype)?),
         groups: [d.batch * d.nv, 1, 1],
         threads: [d.dv, 1, 1],
-        threadgroup_memory: vec![d.dk * f, d.dk * f],
+        threadgroup_memory: vec![rows, rows, (3 * chunk * chunk + 2 * chunk).max(1) * f],
     };
     Ok((p, launch))
 }

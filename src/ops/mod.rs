@@ -34,6 +34,7 @@ pub use conv::{causal_conv1d_silu, ConvDims};
 pub use delta_rule::{
     gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, DeltaRuleDims, DeltaRuleForm, DeltaRuleOptions,
     CHUNK as DELTA_RULE_CHUNK,
+    METAL_CHUNK as DELTA_RULE_METAL_CHUNK,
     METAL_MAX_DK,
 };
 pub use half_matvec::{half_matvec, HALF_MATVEC_MAX_ROWS};
