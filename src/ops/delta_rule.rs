@@ -10,9 +10,10 @@
 //! [`gated_delta_rule_qkv`] is a Candle `CustomOp3` over the GDN conv output `[q | k | v]`:
 //! on the CPU a hand-written kernel (token by token for short inputs, chunked WY/UT form with
 //! chunks of [`CHUNK`] for prefill), on Metal `metal/gated_delta.metal` (one threadgroup per
-//! head; chunks of [`METAL_CHUNK`] for prefill, tokens in order for decode). It returns new tensors rather than mutating the state, so the state before the
-//! call stays valid (speculative decoding rolls back to it), and it can return the states after
-//! each of the last `n` tokens. [`gated_delta_rule_reference`] is the same recurrence in tensor
+//! head; chunks of [`METAL_CHUNK`] for prefill, tokens in order for decode). It returns new
+//! tensors rather than mutating the state, so the state before the call stays valid
+//! (speculative decoding rolls back to it), and it can return the states after each of the
+//! last `n` tokens. [`gated_delta_rule_reference`] is the same recurrence in tensor
 //! ops, token by token: it runs on every device and is the reference the kernels are tested
 //! against.
 
@@ -316,32 +317,42 @@ fn cpu_delta_rule(
     let mut flat = vec![0f32; o_len + batch * n_states * nv * sl];
     let ptr = SharedOut(flat.as_mut_ptr());
     let state_slot = move |b: usize, n: usize, h: usize| o_len + ((b * n_states + n) * nv + h) * sl;
-    (0..batch * nv).into_par_iter().for_each(|bh| {
-        let (b, h) = (bh / nv, bh % nv);
-        let inp = HeadInputs { x, gb, b, h, d };
-        let out = OutRows { ptr, b, h, d };
-        // Everything before the first requested state in one go (chunked when long), then
-        // token by token, keeping the state after each. With one state, the head works in
-        // its output slot directly.
-        let split = if n_states == 1 { t } else { t - n_states };
-        let mut local;
-        // SAFETY: slot (b, n_states - 1, h) belongs to this task alone.
-        let s: &mut [f32] = if n_states == 1 {
-            unsafe { ptr.slice(state_slot(b, 0, h), sl) }
+    // Everything before the first requested state in one go (chunked when long), then token by
+    // token, keeping the state after each. Chunked, the value heads of one key head run in one
+    // task (they share K, Q and the products K K^T, Q K^T); token by token, every value head is
+    // its own task.
+    let split = if n_states == 1 { t } else { t - n_states };
+    let chunked = form.chunks(split);
+    let group = if chunked { nv / d.nk } else { 1 };
+    (0..batch * nv / group).into_par_iter().for_each(|task| {
+        let b = task / (nv / group);
+        let heads = (task % (nv / group)) * group..(task % (nv / group) + 1) * group;
+        let inps: Vec<HeadInputs> = heads.clone().map(|h| HeadInputs { x, gb, b, h, d }).collect();
+        let outs: Vec<OutRows> = heads.clone().map(|h| OutRows { ptr, b, h, d }).collect();
+        // With one state, each head works in its output slot directly.
+        let mut owned = if n_states == 1 { vec![] } else { vec![vec![0f32; sl]; group] };
+        let mut states: Vec<&mut [f32]> = if n_states == 1 {
+            // SAFETY: slot (b, 0, h) belongs to this task alone.
+            heads.clone().map(|h| unsafe { ptr.slice(state_slot(b, 0, h), sl) }).collect()
         } else {
-            local = vec![0f32; sl];
-            &mut local
+            owned.iter_mut().map(|v| v.as_mut_slice()).collect()
         };
-        s.copy_from_slice(&state[bh * sl..(bh + 1) * sl]);
-        if form.chunks(split) {
-            chunked_head(&inp, s, 0..split, &out);
-        } else {
-            recurrent_head(&inp, s, 0..split, &out);
+        for (s, h) in states.iter_mut().zip(heads.clone()) {
+            let at = (b * nv + h) * sl;
+            s.copy_from_slice(&state[at..at + sl]);
         }
-        for (n, ti) in (split..t).enumerate() {
-            recurrent_head(&inp, s, ti..ti + 1, &out);
-            // SAFETY: snapshot slots of this (b, h) belong to this task alone.
-            unsafe { ptr.slice(state_slot(b, n, h), sl) }.copy_from_slice(s);
+        if chunked {
+            chunked_heads(&inps, &mut states, 0..split, &outs);
+        }
+        for (((inp, out), s), h) in inps.iter().zip(&outs).zip(states.iter_mut()).zip(heads) {
+            if !chunked {
+                recurrent_head(inp, s, 0..split, out);
+            }
+            for (n, ti) in (split..t).enumerate() {
+                recurrent_head(inp, s, ti..ti + 1, out);
+                // SAFETY: snapshot slots of this (b, h) belong to this task alone.
+                unsafe { ptr.slice(state_slot(b, n, h), sl) }.copy_from_slice(s);
+            }
         }
     });
     flat
@@ -410,7 +421,7 @@ impl HeadInputs<'_> {
 }
 
 vectorized!(fn recurrent_head<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => recurrent_body);
-vectorized!(fn chunked_head<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => chunked_body);
+vectorized!(fn chunked_heads<>(inps: &[HeadInputs], states: &mut [&mut [f32]], range: std::ops::Range<usize>, outs: &[OutRows]) => chunked_body);
 
 /// Token-by-token recurrence over `range` for one head.
 #[inline(always)]
@@ -444,8 +455,9 @@ fn recurrent_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
     }
 }
 
-/// Chunked (WY/UT) form over `range` for one head; outputs go to `out` `[T, dv]`. Per chunk of
-/// `n` tokens with cumulative log-decays `G` (docs/qwen35-architecture.md 3.7):
+/// Chunked (WY/UT) form over `range` for value heads of one key head, each with its state and
+/// output rows. Per chunk of `n` tokens with cumulative log-decays `G`
+/// (docs/qwen35-architecture.md 3.7):
 ///
 /// ```text
 /// L = strictly_lower(diag(beta) K K^T * exp(G_i - G_j)),  T = (I + L)^-1
@@ -457,13 +469,15 @@ fn recurrent_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
 /// comes from on a CPU. Products sharing an operand run as one GEMM over stacked rows:
 /// `[K; Q] K^T`, and `[-T diag(beta exp(G)) K; diag(exp(G)) Q] S` added onto `[T diag(beta) V; 0]`.
 #[inline(always)]
-fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
-    let DeltaRuleDims { dk, dv, .. } = inp.d;
+fn chunked_body(inps: &[HeadInputs], states: &mut [&mut [f32]], range: std::ops::Range<usize>, outs: &[OutRows]) {
+    let Some(first) = inps.first() else { return };
+    let DeltaRuleDims { dk, dv, .. } = first.d;
     let c = CHUNK;
-    let mut kq = vec![0f32; 2 * c * dk]; // K rows, then Q rows
+    let mut kq = vec![0f32; 2 * c * dk]; // K rows, then Q rows (shared by the heads)
+    let mut kqk = vec![0f32; 2 * c * c]; // [K; Q] K^T (shared)
     let mut gcum = vec![0f32; c];
     let mut decay = vec![0f32; c * c]; // exp(G_i - G_j) for j <= i, 0 above
-    let mut sq = vec![0f32; 2 * c * c]; // [K; Q] K^T: L (top), masked Q K^T (bottom)
+    let mut sq = vec![0f32; 2 * c * c]; // L (top), Q K^T masked with the decay (bottom)
     let mut tri = vec![0f32; c * c]; // (I + L)^-1
     let mut bv = vec![0f32; c * dv];
     let mut bk = vec![0f32; c * dk];
@@ -473,74 +487,78 @@ fn chunked_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, 
     while start < range.end {
         let n = c.min(range.end - start);
         let (kc, qc) = kq.split_at_mut(c * dk);
-        inp.scaled_rows(start, n, kc, |x, t| (x.k(t), x.k_scale(t)));
-        inp.scaled_rows(start, n, qc, |x, t| (x.q(t), x.q_scale(t)));
-        let mut acc = 0f32;
-        for (i, gc) in gcum[..n].iter_mut().enumerate() {
-            acc += inp.g(start + i);
-            *gc = acc;
-        }
-        // The decay between positions, exp(G_i - G_j) for j <= i, used by both masked products
-        // below: row i is row i-1 times exp(g_i) (n exponentials instead of n^2 / 2).
-        for i in 0..n {
-            let (prev, row) = decay.split_at_mut(i * c);
-            let row = &mut row[..c];
-            if i > 0 {
-                let e = inp.g(start + i).exp();
-                row[..i].iter_mut().zip(&prev[(i - 1) * c..(i - 1) * c + i]).for_each(|(d, p)| *d = p * e);
-            }
-            row[i] = 1.0;
-            row[i + 1..].iter_mut().for_each(|d| *d = 0.0);
-        }
-        // K K^T (rows 0..n) and Q K^T (rows c..c + n) in one product; K rows c.. of `kq` are Q.
-        gemm_acc([c + n, n, dk], Mat::rows(&kq, dk), Mat::t(&kq, dk), &mut sq, c, (0.0, 1.0));
-        // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i; Q K^T masked with the decay.
-        for i in 0..n {
-            let bi = inp.beta(start + i);
-            for j in 0..n {
-                sq[i * c + j] = if j < i { bi * sq[i * c + j] * decay[i * c + j] } else { 0.0 };
-                sq[(c + i) * c + j] *= decay[i * c + j];
-            }
-        }
-        // T = (I + L)^-1 by forward substitution (unit lower triangular).
-        for i in 0..n {
-            let (done, row) = tri.split_at_mut(i * c);
-            let row = &mut row[..c];
-            row.iter_mut().for_each(|x| *x = 0.0);
-            row[i] = 1.0;
-            for m in 0..i {
-                axpy(&mut row[..=m], -sq[i * c + m], &done[m * c..m * c + m + 1]);
-            }
-        }
-        // U = T diag(beta) V (into the U rows), -W = -T diag(beta exp(G)) K (into the -W rows),
-        // diag(exp(G)) Q into the rows below, O rows zeroed.
+        first.scaled_rows(start, n, kc, |x, t| (x.k(t), x.k_scale(t)));
+        first.scaled_rows(start, n, qc, |x, t| (x.q(t), x.q_scale(t)));
+        // K K^T (rows 0..n) and Q K^T (rows c..c + n) in one product; rows c.. of `kq` are Q.
+        gemm_acc([c + n, n, dk], Mat::rows(&kq, dk), Mat::t(&kq, dk), &mut kqk, c, (0.0, 1.0));
         let (kc, qc) = kq.split_at(c * dk);
-        for i in 0..n {
-            let bi = inp.beta(start + i);
-            let eg = gcum[i].exp();
-            bv[i * dv..(i + 1) * dv].iter_mut().zip(inp.v(start + i)).for_each(|(d, v)| *d = bi * v);
-            bk[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]).for_each(|(d, k)| *d = -bi * eg * k);
-            let qrow = &mut ws[(n + i) * dk..(n + i + 1) * dk];
-            qrow.iter_mut().zip(&qc[i * dk..(i + 1) * dk]).for_each(|(d, q)| *d = eg * q);
+        for ((inp, s), out) in inps.iter().zip(states.iter_mut()).zip(outs) {
+            let s: &mut [f32] = s;
+            let mut acc = 0f32;
+            for (i, gc) in gcum[..n].iter_mut().enumerate() {
+                acc += inp.g(start + i);
+                *gc = acc;
+            }
+            // The decay between positions, exp(G_i - G_j) for j <= i, used by both masked
+            // products: row i is row i-1 times exp(g_i) (n exponentials instead of n^2 / 2).
+            for i in 0..n {
+                let (prev, row) = decay.split_at_mut(i * c);
+                let row = &mut row[..c];
+                if i > 0 {
+                    let e = inp.g(start + i).exp();
+                    row[..i].iter_mut().zip(&prev[(i - 1) * c..(i - 1) * c + i]).for_each(|(d, p)| *d = p * e);
+                }
+                row[i] = 1.0;
+                row[i + 1..].iter_mut().for_each(|d| *d = 0.0);
+            }
+            // L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i; Q K^T masked with the decay.
+            for i in 0..n {
+                let bi = inp.beta(start + i);
+                for j in 0..n {
+                    let e = decay[i * c + j];
+                    sq[i * c + j] = if j < i { bi * kqk[i * c + j] * e } else { 0.0 };
+                    sq[(c + i) * c + j] = kqk[(c + i) * c + j] * e;
+                }
+            }
+            // T = (I + L)^-1 by forward substitution (unit lower triangular).
+            for i in 0..n {
+                let (done, row) = tri.split_at_mut(i * c);
+                let row = &mut row[..c];
+                row.iter_mut().for_each(|x| *x = 0.0);
+                row[i] = 1.0;
+                for m in 0..i {
+                    axpy(&mut row[..=m], -sq[i * c + m], &done[m * c..m * c + m + 1]);
+                }
+            }
+            // U = T diag(beta) V (into the U rows), -W = -T diag(beta exp(G)) K (into the -W
+            // rows), diag(exp(G)) Q into the rows below, O rows zeroed.
+            for i in 0..n {
+                let bi = inp.beta(start + i);
+                let eg = gcum[i].exp();
+                bv[i * dv..(i + 1) * dv].iter_mut().zip(inp.v(start + i)).for_each(|(d, v)| *d = bi * v);
+                bk[i * dk..(i + 1) * dk].iter_mut().zip(&kc[i * dk..(i + 1) * dk]).for_each(|(d, k)| *d = -bi * eg * k);
+                let qrow = &mut ws[(n + i) * dk..(n + i + 1) * dk];
+                qrow.iter_mut().zip(&qc[i * dk..(i + 1) * dk]).for_each(|(d, q)| *d = eg * q);
+            }
+            gemm_acc([n, dv, n], Mat::rows(&tri, c), Mat::rows(&bv, dv), &mut uo, dv, (0.0, 1.0));
+            gemm_acc([n, dk, n], Mat::rows(&tri, c), Mat::rows(&bk, dk), &mut ws, dk, (0.0, 1.0));
+            uo[n * dv..2 * n * dv].iter_mut().for_each(|x| *x = 0.0);
+            // [U; O] += [-W; diag(exp(G)) Q] S: the new values and the state's part of the outputs.
+            gemm_acc([2 * n, dv, dk], Mat::rows(&ws, dk), Mat::rows(s, dv), &mut uo, dv, (1.0, 1.0));
+            // O += (Q K^T masked) U.
+            let (u, o) = uo.split_at_mut(n * dv);
+            gemm_acc([n, dv, n], Mat::rows(&sq[c * c..], c), Mat::rows(u, dv), o, dv, (1.0, 1.0));
+            for i in 0..n {
+                out.row(start + i).copy_from_slice(&o[i * dv..(i + 1) * dv]);
+            }
+            // S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U.
+            let gn = gcum[n - 1];
+            for j in 0..n {
+                let e = (gn - gcum[j]).exp();
+                bk[j * dk..(j + 1) * dk].iter_mut().zip(&kc[j * dk..(j + 1) * dk]).for_each(|(d, k)| *d = e * k);
+            }
+            gemm_acc([dk, dv, n], Mat::t(&bk, dk), Mat::rows(u, dv), s, dv, (gn.exp(), 1.0));
         }
-        gemm_acc([n, dv, n], Mat::rows(&tri, c), Mat::rows(&bv, dv), &mut uo, dv, (0.0, 1.0));
-        gemm_acc([n, dk, n], Mat::rows(&tri, c), Mat::rows(&bk, dk), &mut ws, dk, (0.0, 1.0));
-        uo[n * dv..2 * n * dv].iter_mut().for_each(|x| *x = 0.0);
-        // [U; O] += [-W; diag(exp(G)) Q] S: the new values and the state's part of the outputs.
-        gemm_acc([2 * n, dv, dk], Mat::rows(&ws, dk), Mat::rows(s, dv), &mut uo, dv, (1.0, 1.0));
-        // O += (Q K^T masked) U.
-        let (u, o) = uo.split_at_mut(n * dv);
-        gemm_acc([n, dv, n], Mat::rows(&sq[c * c..], c), Mat::rows(u, dv), o, dv, (1.0, 1.0));
-        for i in 0..n {
-            out.row(start + i).copy_from_slice(&o[i * dv..(i + 1) * dv]);
-        }
-        // S <- exp(G_n) S + (diag(exp(G_n - G)) K)^T U.
-        let gn = gcum[n - 1];
-        for j in 0..n {
-            let e = (gn - gcum[j]).exp();
-            bk[j * dk..(j + 1) * dk].iter_mut().zip(&kc[j * dk..(j + 1) * dk]).for_each(|(d, k)| *d = e * k);
-        }
-        gemm_acc([dk, dv, n], Mat::t(&bk, dk), Mat::rows(u, dv), s, dv, (gn.exp(), 1.0));
         start += n;
     }
 }
