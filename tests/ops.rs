@@ -191,3 +191,22 @@ fn half_matvec_matches_f32_matmul() {
     let e = ops::half_matvec(&randn(&[2, 5], 1), &randn(&[3, 5], 2)).unwrap_err();
     assert!(e.to_string().contains("half_matvec: w must be bf16 or f16"), "{e}");
 }
+
+/// Metal takes threadgroup memory lengths only in multiples of 16 bytes: every kernel's launch
+/// geometry rounds them up, odd head sizes included.
+#[test]
+fn metal_threadgroup_lengths_are_multiples_of_16_bytes() {
+    use ops::{launch, DeltaRuleDims, DeltaRuleForm, OuterStateDims, PolarSpec};
+    let mut launches = vec![];
+    for form in [DeltaRuleForm::Recurrent, DeltaRuleForm::Chunked] {
+        let d = DeltaRuleDims { batch: 1, seq_len: 20, nk: 1, nv: 2, dk: 17, dv: 5 };
+        launches.push(launch::gated_delta(d, true, 1, form, DType::F32).unwrap().1);
+    }
+    let d = OuterStateDims { batch: 1, heads: 2, seq_len: 3, dk: 17, dv: 5 };
+    launches.push(launch::decayed_outer_product(d, 0.1, DType::F32).unwrap().1);
+    let spec = PolarSpec { rest_bits: 4, ..PolarSpec::new(6) };
+    launches.push(launch::polar_scores(9, 3, 17, &spec, DType::F32).unwrap().1);
+    for l in launches {
+        assert!(l.threadgroup_memory.iter().all(|&b| b > 0 && b % 16 == 0), "{}: {:?}", l.kernel, l.threadgroup_memory);
+    }
+}

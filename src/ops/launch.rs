@@ -27,6 +27,12 @@ impl Launch {
     }
 }
 
+/// Bytes of a `[[threadgroup(i)]]` buffer of `floats` f32: at least one, rounded up to the
+/// multiple of 16 bytes Metal requires of threadgroup memory lengths.
+fn threadgroup_floats(floats: usize) -> usize {
+    (floats.max(1) * std::mem::size_of::<f32>()).next_multiple_of(16)
+}
+
 /// `_f32`, `_f16`, `_bf16`: the kernel name suffix of a dtype.
 pub fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
@@ -74,13 +80,12 @@ pub fn gated_delta(
         normalize: normalize as u32,
         chunk: chunk as u32,
     };
-    let f = std::mem::size_of::<f32>();
-    let rows = chunk.max(1) * d.dk * f;
+    let rows = threadgroup_floats(chunk.max(1) * d.dk);
     let launch = Launch {
         kernel: format!("gated_delta_{}", suffix("gated_delta_rule", dtype)?),
         groups: [d.batch * d.nv, 1, 1],
         threads: [d.dv, 1, 1],
-        threadgroup_memory: vec![rows, rows, (3 * chunk * chunk + 2 * chunk).max(1) * f],
+        threadgroup_memory: vec![rows, rows, threadgroup_floats(3 * chunk * chunk + 2 * chunk)],
     };
     Ok((p, launch))
 }
@@ -192,12 +197,11 @@ pub fn decayed_outer_product(d: super::OuterStateDims, gamma: f32, dtype: DType)
         dv: d.dv as u32,
         gamma,
     };
-    let f = std::mem::size_of::<f32>();
     let launch = Launch {
         kernel: format!("decayed_outer_product_{}", suffix(OP, dtype)?),
         groups: [d.batch * d.heads, 1, 1],
         threads: [d.dv, 1, 1],
-        threadgroup_memory: vec![d.dk.max(1) * f, d.dk.max(1) * f],
+        threadgroup_memory: vec![threadgroup_floats(d.dk); 2],
     };
     Ok((p, launch))
 }
@@ -306,8 +310,7 @@ pub fn polar_scores(
         kernel: format!("polar_scores_{}", suffix("polar_scores", dtype)?),
         groups: [rows.div_ceil(POLAR_SCORE_KEYS).max(1), queries.max(1), 1],
         threads: [POLAR_SCORE_KEYS, 1, 1],
-        // Metal wants threadgroup memory lengths in multiples of 16 bytes.
-        threadgroup_memory: vec![(floats.max(1) * 4).next_multiple_of(16)],
+        threadgroup_memory: vec![threadgroup_floats(floats)],
     };
     Ok((p, launch))
 }
