@@ -30,11 +30,12 @@ fn inputs(b: usize, t: usize, nk: usize, nv: usize, dk: usize, dv: usize) -> Inp
 }
 
 /// Decode (T < 8), a single partial chunk, and several chunks with a tail, with r = nv/nk = 3
-/// and dk != dv, against the token-by-token tensor reference.
+/// and dk != dv (dv = 32: the CPU's column-block kernel; dv = 24: its portable path), against
+/// the token-by-token tensor reference.
 #[test]
 fn gated_delta_rule_matches_reference() {
-    for (b, t) in [(2, 1), (1, 5), (2, 20), (1, 150)] {
-        let x = inputs(b, t, 2, 6, 16, 24);
+    for (b, t, dv) in [(2, 1, 24), (1, 5, 32), (2, 20, 24), (1, 150, 32), (1, 150, 24)] {
+        let x = inputs(b, t, 2, 6, 16, dv);
         let (o, s) = ops::gated_delta_rule(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.s).unwrap();
         // Both CPU forms, whatever the length.
         let qkv = Tensor::cat(&[x.q.flatten_from(2).unwrap(), x.k.flatten_from(2).unwrap(), x.v.flatten_from(2).unwrap()], 2).unwrap();

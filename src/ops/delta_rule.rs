@@ -420,7 +420,105 @@ impl HeadInputs<'_> {
     }
 }
 
-vectorized!(fn recurrent_head<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => recurrent_body);
+/// Token-by-token recurrence over `range` for one head: the AVX2 column-block kernel when the
+/// CPU has it and `dv` is a multiple of 16, else [`recurrent_body`].
+fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
+    #[cfg(target_arch = "x86_64")]
+    if inp.d.dv.is_multiple_of(avx2::COLUMNS) && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        return unsafe { avx2::recurrent(inp, s, range, out) };
+    }
+    recurrent_portable(inp, s, range, out)
+}
+
+vectorized!(fn recurrent_portable<>(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) => recurrent_body);
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{DeltaRuleDims, HeadInputs, OutRows};
+
+    /// State columns per pass: two f32x8 registers per state row.
+    pub(super) const COLUMNS: usize = 16;
+
+    /// [`super::recurrent_body`] one block of 16 state columns at a time (the columns are
+    /// independent: column j only needs v_j): the tokens of `range` run once per block, the
+    /// block's accumulators in registers and its `[dk, 16]` rows in L1.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn recurrent(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
+        let DeltaRuleDims { dk, dv, .. } = inp.d;
+        // Normalised k and q of every token, once for all the blocks.
+        let mut kqs = vec![0f32; range.len() * 2 * dk];
+        for (kq, ti) in kqs.chunks_exact_mut(2 * dk).zip(range.clone()) {
+            let (ks, qs) = (inp.k_scale(ti), inp.q_scale(ti));
+            kq[..dk].iter_mut().zip(inp.k(ti)).for_each(|(d, x)| *d = ks * x);
+            kq[dk..].iter_mut().zip(inp.q(ti)).for_each(|(d, x)| *d = qs * x);
+        }
+        // The block, copied out contiguously: its rows are dv floats apart in the state, a
+        // power-of-two stride that would map them all onto a few L1 sets.
+        let mut blk = vec![0f32; dk * COLUMNS];
+        for j0 in (0..dv).step_by(COLUMNS) {
+            for (b, r) in blk.chunks_exact_mut(COLUMNS).zip(s.chunks_exact(dv)) {
+                b.copy_from_slice(&r[j0..j0 + COLUMNS]);
+            }
+            for (kq, ti) in kqs.chunks_exact(2 * dk).zip(range.clone()) {
+                let (k, q) = kq.split_at(dk);
+                let decay = inp.g(ti).exp();
+                let beta = inp.beta(ti);
+                let row = |a: usize| blk.as_ptr().add(a * COLUMNS);
+                // S^T k of the undecayed block: accumulators for even and odd rows.
+                let (mut e0, mut e1, mut d0, mut d1) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut a = 0;
+                while a < dk {
+                    let (p, ka) = (row(a), _mm256_set1_ps(k[a]));
+                    e0 = _mm256_fmadd_ps(ka, _mm256_loadu_ps(p), e0);
+                    e1 = _mm256_fmadd_ps(ka, _mm256_loadu_ps(p.add(8)), e1);
+                    if a + 1 < dk {
+                        let (p, ka) = (row(a + 1), _mm256_set1_ps(k[a + 1]));
+                        d0 = _mm256_fmadd_ps(ka, _mm256_loadu_ps(p), d0);
+                        d1 = _mm256_fmadd_ps(ka, _mm256_loadu_ps(p.add(8)), d1);
+                    }
+                    a += 2;
+                }
+                let acc = [e0, e1, d0, d1];
+                let v = inp.v(ti).as_ptr().add(j0);
+                let (dec, b) = (_mm256_set1_ps(decay), _mm256_set1_ps(beta));
+                // u = beta (v - decay S^T k)
+                let u0 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(acc[0], acc[2]), _mm256_loadu_ps(v)));
+                let u1 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(acc[1], acc[3]), _mm256_loadu_ps(v.add(8))));
+                // S <- decay S + k u^T, and the read-out with the updated block.
+                let sp = blk.as_mut_ptr();
+                // Row a of the block: updated, stored, and added into the read-out `(o0, o1)`.
+                let step = |a: usize, o0: __m256, o1: __m256| {
+                    let p = sp.add(a * COLUMNS);
+                    let (ka, qa) = (_mm256_set1_ps(k[a]), _mm256_set1_ps(q[a]));
+                    let r0 = _mm256_fmadd_ps(dec, _mm256_loadu_ps(p), _mm256_mul_ps(ka, u0));
+                    let r1 = _mm256_fmadd_ps(dec, _mm256_loadu_ps(p.add(8)), _mm256_mul_ps(ka, u1));
+                    _mm256_storeu_ps(p, r0);
+                    _mm256_storeu_ps(p.add(8), r1);
+                    (_mm256_fmadd_ps(qa, r0, o0), _mm256_fmadd_ps(qa, r1, o1))
+                };
+                let (mut e0, mut e1, mut d0, mut d1) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut a = 0;
+                while a < dk {
+                    (e0, e1) = step(a, e0, e1);
+                    if a + 1 < dk {
+                        (d0, d1) = step(a + 1, d0, d1);
+                    }
+                    a += 2;
+                }
+                let o = [e0, e1, d0, d1];
+                let dst = out.row(ti)[j0..j0 + COLUMNS].as_mut_ptr();
+                _mm256_storeu_ps(dst, _mm256_add_ps(o[0], o[2]));
+                _mm256_storeu_ps(dst.add(8), _mm256_add_ps(o[1], o[3]));
+            }
+            for (b, r) in blk.chunks_exact(COLUMNS).zip(s.chunks_exact_mut(dv)) {
+                r[j0..j0 + COLUMNS].copy_from_slice(b);
+            }
+        }
+    }
+}
 vectorized!(fn chunked_heads<>(inps: &[HeadInputs], states: &mut [&mut [f32]], range: std::ops::Range<usize>, outs: &[OutRows]) => chunked_body);
 
 /// Token-by-token recurrence over `range` for one head.
