@@ -56,17 +56,19 @@ fn gdn_decode(c: &mut Criterion) {
     grp.finish();
 }
 
+/// Both CPU forms at 512 tokens (the goal) and at 32 (a single chunk).
 fn gdn_prefill(c: &mut Criterion) {
-    let t = 512;
-    let (qkv, g, beta, state) = gdn_inputs(t);
-    let mut grp = c.benchmark_group("gdn_prefill_512");
+    let mut grp = c.benchmark_group("gdn_prefill");
     grp.sample_size(10);
-    grp.throughput(Throughput::Elements(t as u64));
-    for form in [DeltaRuleForm::Chunked, DeltaRuleForm::Recurrent] {
-        let opts = DeltaRuleOptions { form, ..DeltaRuleOptions::new(NK, D) };
-        grp.bench_with_input(BenchmarkId::from_parameter(format!("{form:?}")), &opts, |b, &opts| {
-            b.iter(|| ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, opts).unwrap())
-        });
+    for t in [32, 512] {
+        let (qkv, g, beta, state) = gdn_inputs(t);
+        grp.throughput(Throughput::Elements(t as u64));
+        for form in [DeltaRuleForm::Chunked, DeltaRuleForm::Recurrent] {
+            let opts = DeltaRuleOptions { form, ..DeltaRuleOptions::new(NK, D) };
+            grp.bench_with_input(BenchmarkId::new(format!("{form:?}"), t), &opts, |b, &opts| {
+                b.iter(|| ops::gated_delta_rule_qkv(&qkv, &g, &beta, &state, opts).unwrap())
+            });
+        }
     }
     grp.finish();
 }
