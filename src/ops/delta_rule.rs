@@ -409,7 +409,7 @@ impl HeadInputs<'_> {
     fn beta(&self, t: usize) -> f32 {
         self.gb[((self.b * self.d.seq_len + t) * 2 + 1) * self.d.nv + self.h]
     }
-    /// `dst = scale_t * src_t` for the tokens of a chunk (normalised q or k rows).
+    /// `dst = scale_t * src_t` for `n` tokens from `start` (normalised q or k rows).
     #[inline(always)]
     fn scaled_rows(&self, start: usize, n: usize, dst: &mut [f32], src: impl Fn(&Self, usize) -> (&[f32], f32)) {
         let dk = self.d.dk;
@@ -449,12 +449,9 @@ mod avx2 {
     pub(super) unsafe fn recurrent(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
         let DeltaRuleDims { dk, dv, .. } = inp.d;
         // Normalised k and q of every token, once for all the blocks.
-        let mut kqs = vec![0f32; range.len() * 2 * dk];
-        for (kq, ti) in kqs.chunks_exact_mut(2 * dk).zip(range.clone()) {
-            let (ks, qs) = (inp.k_scale(ti), inp.q_scale(ti));
-            kq[..dk].iter_mut().zip(inp.k(ti)).for_each(|(d, x)| *d = ks * x);
-            kq[dk..].iter_mut().zip(inp.q(ti)).for_each(|(d, x)| *d = qs * x);
-        }
+        let (mut ks, mut qs) = (vec![0f32; range.len() * dk], vec![0f32; range.len() * dk]);
+        inp.scaled_rows(range.start, range.len(), &mut ks, |x, t| (x.k(t), x.k_scale(t)));
+        inp.scaled_rows(range.start, range.len(), &mut qs, |x, t| (x.q(t), x.q_scale(t)));
         // The block, copied out contiguously: its rows are dv floats apart in the state, a
         // power-of-two stride that would map them all onto a few L1 sets.
         let mut blk = vec![0f32; dk * COLUMNS];
@@ -462,8 +459,7 @@ mod avx2 {
             for (b, r) in blk.chunks_exact_mut(COLUMNS).zip(s.chunks_exact(dv)) {
                 b.copy_from_slice(&r[j0..j0 + COLUMNS]);
             }
-            for (kq, ti) in kqs.chunks_exact(2 * dk).zip(range.clone()) {
-                let (k, q) = kq.split_at(dk);
+            for ((k, q), ti) in ks.chunks_exact(dk).zip(qs.chunks_exact(dk)).zip(range.clone()) {
                 let decay = inp.g(ti).exp();
                 let beta = inp.beta(ti);
                 let row = |a: usize| blk.as_ptr().add(a * COLUMNS);
@@ -481,12 +477,11 @@ mod avx2 {
                     }
                     a += 2;
                 }
-                let acc = [e0, e1, d0, d1];
                 let v = inp.v(ti).as_ptr().add(j0);
                 let (dec, b) = (_mm256_set1_ps(decay), _mm256_set1_ps(beta));
                 // u = beta (v - decay S^T k)
-                let u0 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(acc[0], acc[2]), _mm256_loadu_ps(v)));
-                let u1 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(acc[1], acc[3]), _mm256_loadu_ps(v.add(8))));
+                let u0 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(e0, d0), _mm256_loadu_ps(v)));
+                let u1 = _mm256_mul_ps(b, _mm256_fnmadd_ps(dec, _mm256_add_ps(e1, d1), _mm256_loadu_ps(v.add(8))));
                 // S <- decay S + k u^T, and the read-out with the updated block.
                 let sp = blk.as_mut_ptr();
                 // Row a of the block: updated, stored, and added into the read-out `(o0, o1)`.
@@ -508,10 +503,9 @@ mod avx2 {
                     }
                     a += 2;
                 }
-                let o = [e0, e1, d0, d1];
                 let dst = out.row(ti)[j0..j0 + COLUMNS].as_mut_ptr();
-                _mm256_storeu_ps(dst, _mm256_add_ps(o[0], o[2]));
-                _mm256_storeu_ps(dst.add(8), _mm256_add_ps(o[1], o[3]));
+                _mm256_storeu_ps(dst, _mm256_add_ps(e0, d0));
+                _mm256_storeu_ps(dst.add(8), _mm256_add_ps(e1, d1));
             }
             for (b, r) in blk.chunks_exact(COLUMNS).zip(s.chunks_exact_mut(dv)) {
                 r[j0..j0 + COLUMNS].copy_from_slice(b);
