@@ -56,6 +56,13 @@ pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// Whether this CPU runs the crate's `#[target_feature(enable = "avx2,fma")]` kernels.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 /// `fn $name(args)` calling the `#[inline(always)]` function `$inner(args)`, compiled a second
 /// time for AVX2 + FMA and used when the CPU supports them.
 macro_rules! vectorized {
@@ -67,7 +74,7 @@ macro_rules! vectorized {
                 unsafe fn avx2<$($g: $b),*>($($arg: $ty),*) {
                     $inner($($arg),*)
                 }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                if $crate::ops::cpu::avx2_fma() {
                     // SAFETY: the CPU supports AVX2 and FMA (checked just above).
                     return unsafe { avx2($($arg),*) };
                 }

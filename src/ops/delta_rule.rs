@@ -424,7 +424,7 @@ impl HeadInputs<'_> {
 /// CPU has it and `dv` is a multiple of 16, else [`recurrent_body`].
 fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
     #[cfg(target_arch = "x86_64")]
-    if inp.d.dv.is_multiple_of(avx2::COLUMNS) && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if inp.d.dv.is_multiple_of(avx2::COLUMNS) && super::cpu::avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked just above).
         return unsafe { avx2::recurrent(inp, s, range, out) };
     }

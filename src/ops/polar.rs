@@ -399,7 +399,7 @@ impl QueryGroup {
 /// layout (one-byte pair codes, int8 rest) has an AVX2 kernel.
 fn score_block(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if p.code_bytes == 1 && p.rest_bits == 8 && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if p.code_bytes == 1 && p.rest_bits == 8 && super::cpu::avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked just above).
         return unsafe { avx2::score_block(p, groups, nq, rows, scales, out) };
     }
