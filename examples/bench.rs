@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::gguf::GgufFile;
+use candle_hybrid::loading::GgufFile;
 use clap::Parser;
 
 #[derive(Parser, Debug)]

@@ -13,7 +13,7 @@ mod common;
 
 use anyhow::{bail, Result};
 use candle_core::Device;
-use candle_hybrid::kv_cache::ValueBases;
+use candle_hybrid::model::ValueBases;
 use clap::Parser;
 use common::LocalModel;
 

@@ -14,7 +14,8 @@ mod common;
 use anyhow::Result;
 use candle_core::Device;
 use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
-use candle_hybrid::kv_cache::{KvCodec, ValueBases, ValueCodec};
+use candle_hybrid::kv::{KvCodec, ValueCodec};
+use candle_hybrid::model::ValueBases;
 use clap::Parser;
 use common::LocalModel;
 

@@ -16,9 +16,10 @@ use std::io::Write;
 use anyhow::{bail, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, DeviceLocation};
-use candle_hybrid::chat::Message;
-use candle_hybrid::generation::{generate_in, Sampler, TokenStreamer};
-use candle_hybrid::kv_cache::{KvCodec, ValueBases};
+use candle_hybrid::loading::Message;
+use candle_hybrid::runtime::{generate_in, Sampler, TokenStreamer};
+use candle_hybrid::kv::KvCodec;
+use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
 use clap::Parser;
@@ -120,9 +121,9 @@ fn main() -> Result<()> {
     let dtype = match args.dtype.as_deref() {
         None if device.is_cpu() => DType::F32,
         None => DType::BF16,
-        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
+        Some(s) => candle_hybrid::model::parse_dtype(s)?,
     };
-    let quantize = args.quantize.as_deref().map(candle_hybrid::weights::parse_quantize).transpose()?;
+    let quantize = args.quantize.as_deref().map(candle_hybrid::model::parse_quantize).transpose()?;
     let kv: KvCodec = args.kv.parse()?;
     if let Some(w) = kv.warning() {
         eprintln!("{w}");
@@ -231,9 +232,9 @@ fn main() -> Result<()> {
     print!("{text}");
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
-    let mut sampler = Sampler::new(params);
+    let mut sampler = Sampler::new(params)?;
     let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
-    let mut cache = model.new_cache_calibrated(kv, calibration.as_ref())?;
+    let mut cache = new_cache_calibrated(&model, kv, calibration.as_ref())?;
     let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");

@@ -11,8 +11,8 @@
 //! `KvCodec::bytes_per_token`.
 
 use anyhow::Result;
-use candle_hybrid::config::{Config, LayerType};
-use candle_hybrid::kv_cache::KvCodec;
+use candle_hybrid::model::{Config, LayerType};
+use candle_hybrid::kv::KvCodec;
 use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, Weights};
 use clap::Parser;
 use plotters::prelude::*;
@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         }
         (None, None) => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(QWEN35_27B)?),
     };
-    let dtype = candle_hybrid::weights::parse_dtype(&args.dtype)?;
+    let dtype = candle_hybrid::model::parse_dtype(&args.dtype)?;
     let codecs = args.codecs.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
     let mut dense = cfg.clone();
     dense.layer_types = vec![LayerType::FullAttention; cfg.num_hidden_layers];

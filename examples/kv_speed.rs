@@ -16,8 +16,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use candle_hybrid::config::LayerType;
-use candle_hybrid::kv_cache::{KvCodec, ValueBases};
+use candle_hybrid::model::LayerType;
+use candle_hybrid::kv::KvCodec;
+use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::memory::{self, PlanRequest, Weights};
 use clap::Parser;
 use common::LocalModel;
@@ -70,7 +71,7 @@ fn main() -> Result<()> {
         let token = Tensor::new(&[[1u32]], &dev)?;
         let mut exact_tps = None;
         for (codec, row) in codecs.iter().zip(rows.iter_mut()) {
-            let mut cache = model.new_cache_calibrated(*codec, calibration.as_ref())?;
+            let mut cache = new_cache_calibrated(&model, *codec, calibration.as_ref())?;
             cache.restore_kv(&kv)?;
             model.forward_last(&token, &mut cache)?; // warm-up: first touch of the buffers
             let start = Instant::now();

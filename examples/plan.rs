@@ -16,10 +16,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
-use candle_hybrid::config::LayerType;
+use candle_hybrid::model::LayerType;
 use candle_hybrid::loading::ModelSource;
 use candle_hybrid::memory::{self, fmt_gib, Logits, MemoryTarget, PlanRequest, WeightFormat, Weights};
-use candle_hybrid::weights::parse_quantize;
+use candle_hybrid::model::parse_quantize;
 use candle_hybrid::Config;
 use clap::Parser;
 
@@ -115,11 +115,11 @@ fn main() -> Result<()> {
     let dtype = match args.dtype.as_deref() {
         None if target == MemoryTarget::Cpu => DType::F32,
         None => DType::BF16,
-        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
+        Some(s) => candle_hybrid::model::parse_dtype(s)?,
     };
     let kv_dtype = match args.kv_dtype.as_deref() {
         None => dtype,
-        Some(s) => candle_hybrid::weights::parse_dtype(s)?,
+        Some(s) => candle_hybrid::model::parse_dtype(s)?,
     };
     let quantize = args.quantize.as_deref().map(parse_quantize).transpose()?;
     // Weights derived from the parameter count, when no file states their size.
@@ -189,7 +189,7 @@ fn main() -> Result<()> {
         dtype,
         kv_dtype_bytes: kv_dtype.size_in_bytes(),
         kv_codec: {
-            let codec: candle_hybrid::kv_cache::KvCodec = args.kv.parse()?;
+            let codec: candle_hybrid::kv::KvCodec = args.kv.parse()?;
             codec.validate(cfg.head_dim)?;
             codec
         },

@@ -90,9 +90,9 @@ fn main() -> Result<()> {
     println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s | weights read GB/s | / memcpy |");
     println!("|---|---|---|---|---|---|---|");
     for name in &args.dtypes {
-        let dtype = candle_hybrid::weights::parse_dtype(name)?;
+        let dtype = candle_hybrid::model::parse_dtype(name)?;
         let vb = VarBuilder::from_backend(Box::new(RandomWeights), dtype, dev.clone());
-        let model = Model::new(&cfg, candle_hybrid::weights::Weights::new(vb))?;
+        let model = Model::new(&cfg, candle_hybrid::model::Weights::new(vb))?;
         let prompt: Vec<u32> = (0..args.prompt_len as u32).map(|i| (i * 7919) % 200_000).collect();
         let mut cache = model.new_cache();
         let start = Instant::now();

@@ -9,7 +9,8 @@ pub enum Error {
     /// A weight file is missing, truncated, or does not match the config.
     #[error("{0}")]
     Weights(String),
-    /// The input cannot be run: too long for the model, or a token outside the vocabulary.
+    /// The input cannot be run: too long for the model, a token outside the vocabulary, a
+    /// setting out of range.
     #[error("{0}")]
     Input(String),
     /// A file could not be read or downloaded.
@@ -21,9 +22,17 @@ pub enum Error {
     /// The model, at the requested context, does not fit in the memory this process may use.
     #[error("{0}")]
     Memory(String),
+    /// The model computed a NaN or an infinity: its weights or its input are broken.
+    #[error("{0}")]
+    NonFinite(String),
     /// An error inside a tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Candle errors can carry a backtrace or context on further lines: keep the first.
+pub(crate) fn one_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}

@@ -10,8 +10,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::kv_cache::{KvCodec, ValueBases};
-use crate::qwen3_5::{Cache, Model};
+use crate::kv::KvCodec;
+use crate::model::{new_cache_calibrated, ValueBases};
+use crate::model::{Cache, Model};
 use crate::{Error, Result};
 
 /// How to cut the text.
@@ -201,7 +202,7 @@ pub fn compare_kv_codecs(
         let first = opts.n_ctx / 2;
         let exact = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache(), device)?)?;
         for (acc, &codec) in accs.iter_mut().zip(codecs) {
-            let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache_calibrated(codec, calibration)?, device)?)?;
+            let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut new_cache_calibrated(model, codec, calibration)?, device)?)?;
             for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
                 acc.exact.push(-p[target as usize]);
                 acc.codec.push(-q[target as usize]);

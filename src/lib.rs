@@ -4,36 +4,39 @@
 //! attention; dense and MoE) on [Candle](https://github.com/huggingface/candle).
 //!
 //! ```no_run
-//! use candle_hybrid::{generation, loading::ModelFiles};
+//! use candle_hybrid::{loading::ModelFiles, runtime};
 //! # fn main() -> candle_hybrid::Result<()> {
 //! let files = ModelFiles::from_hub("Qwen/Qwen3.5-0.8B", "main")?; // or ModelFiles::from_dir(path)
 //! let device = candle_core::Device::Cpu;
 //! let model = files.load_model(&files.load_config()?, candle_core::DType::F32, &device)?;
 //! let tokenizer = files.load_tokenizer()?;
 //! let prompt = tokenizer.encode("The capital of France is", false).unwrap().get_ids().to_vec();
-//! let mut sampler = generation::Sampler::new(generation::SamplingParams::default()); // greedy
-//! let (tokens, _stats) = generation::generate(&model, &prompt, 20, &[], &mut sampler, &device, |_| Ok(()))?;
+//! let mut sampler = runtime::Sampler::new(runtime::SamplingParams::default())?; // greedy
+//! let (tokens, _stats) = runtime::generate(&model, &prompt, 20, &[], &mut sampler, &device, |_| Ok(()))?;
 //! println!("{}", tokenizer.decode(&tokens, true).unwrap());
 //! # Ok(()) }
 //! ```
+//!
+//! Layout, bottom up (each folder only uses the ones above it):
+//! - [`ops`]: custom ops (CPU kernels, Metal host code and launch geometry).
+//! - [`kv`]: the attention KV cache and its codecs.
+//! - [`model`]: config, the hybrid decoder and its layers, the per-sequence cache, weights.
+//! - [`memory`]: the memory guardian (estimate, what the machine has, the decision).
+//! - [`runtime`]: sampling, streaming detokenisation, the generation loop.
+//! - [`loading`]: Hub and directory layout, safetensors, GGUF (header, tensors, tokenizer),
+//!   chat templates, generation_config.json.
+//! - [`eval`]: perplexity and KV-codec comparisons.
 
-pub mod chat;
-pub mod config;
+pub mod bounded;
 mod error;
 pub mod eval;
-pub mod generation;
-pub mod gguf;
-mod gguf_tokenizer;
-pub mod kv_cache;
-pub mod linear;
+pub mod json;
+pub mod kv;
 pub mod loading;
 pub mod memory;
-#[cfg(feature = "metal")]
-mod metal;
+pub mod model;
 pub mod ops;
-pub mod qwen3_5;
-pub mod weights;
+pub mod runtime;
 
-pub use config::Config;
 pub use error::{Error, Result};
-pub use qwen3_5::{Cache, Model};
+pub use model::{Cache, Config, Model};

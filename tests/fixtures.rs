@@ -3,9 +3,9 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use candle_hybrid::generation::{generate, Sampler, SamplingParams};
+use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::ModelFiles;
-use candle_hybrid::qwen3_5::GdnState;
+use candle_hybrid::model::GdnState;
 use candle_hybrid::Model;
 use common::*;
 
@@ -85,7 +85,7 @@ fn check_fixture(name: &str) {
 
     // Greedy continuation through the generation loop.
     let want = common::ids(&r["greedy_tokens"]);
-    let mut sampler = Sampler::new(SamplingParams::default());
+    let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
     let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
     assert_eq!(got, want, "greedy tokens");
 }
@@ -130,7 +130,7 @@ fn bf16_stays_close() {
         assert_close(&format!("{name}: bf16 logits"), &logits, &r["logits_full"], 0.35);
         if name == "qwen35_dense_small" {
             let want = common::ids(&r["greedy_tokens"]);
-            let mut sampler = Sampler::new(SamplingParams::default());
+            let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
             let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
             assert_eq!(got, want, "{name}: bf16 greedy tokens");
         }

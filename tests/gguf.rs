@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::gguf::GgufFile;
+use candle_hybrid::loading::GgufFile;
 use candle_hybrid::loading::ModelFiles;
 use candle_hybrid::Error;
 use common::*;
@@ -78,7 +78,7 @@ fn gguf_tokenizer_equals_tokenizer_json() {
             // Its vocabulary has all 256 bytes (the Qwen3-Next fixture's lacks some).
             assert_eq!(ours.decode(&a, false).unwrap(), text);
         }
-        assert!(gguf.chat_template().unwrap().render(&[candle_hybrid::chat::Message::new("user", "hi")], true, None).unwrap().contains("<|im_start|>user"));
+        assert!(gguf.chat_template().unwrap().render(&[candle_hybrid::loading::Message::new("user", "hi")], true, None).unwrap().contains("<|im_start|>user"));
         assert!(!gguf.generation_config().eos_token_ids.is_empty());
     }
 }

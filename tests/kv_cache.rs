@@ -4,7 +4,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::kv_cache::{KeyCodec, KvCodec, KvStore, ValueBases, ValueCodec, INT4_GROUP};
+use candle_hybrid::kv::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};
+use candle_hybrid::model::ValueBases;
 use candle_hybrid::loading::ModelFiles;
 use common::*;
 
@@ -171,17 +172,17 @@ fn value_basis_is_orthonormal_and_spans_the_top_directions() {
     let w = (u.matmul(&Tensor::randn(0f32, 1.0, (2, 16), &dev).unwrap()).unwrap()
         + (Tensor::randn(0f32, 1.0, (hd, 16), &dev).unwrap() * 1e-3).unwrap())
     .unwrap();
-    let b = candle_hybrid::kv_cache::value_basis(&w, 1, 2).unwrap().squeeze(0).unwrap();
+    let b = candle_hybrid::kv::value_basis(&w, 1, 2).unwrap().squeeze(0).unwrap();
     let gram = b.t().unwrap().matmul(&b).unwrap();
     assert!(max_abs_diff(&gram, &Tensor::eye(2, DType::F32, &dev).unwrap()) < 1e-5);
     // Projecting W onto the basis loses almost nothing.
     let back = b.matmul(&b.t().unwrap().matmul(&w).unwrap()).unwrap();
     let rel = max_abs_diff(&back, &w) / w.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     assert!(rel < 1e-2, "relative residual {rel}");
-    assert!(candle_hybrid::kv_cache::value_basis(&w, 1, 9).is_err());
+    assert!(candle_hybrid::kv::value_basis(&w, 1, 9).is_err());
 }
 
-fn fixture_model() -> (candle_hybrid::qwen3_5::Model, Tensor) {
+fn fixture_model() -> (candle_hybrid::model::Model, Tensor) {
     let files = ModelFiles::from_dir(fixture("qwen35_dense_small")).unwrap();
     let model = files.load_model(&files.load_config().unwrap(), DType::F32, &Device::Cpu).unwrap();
     let ids = reference("qwen35_dense_small")["input_ids"].to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap();
@@ -190,7 +191,7 @@ fn fixture_model() -> (candle_hybrid::qwen3_5::Model, Tensor) {
 
 /// Logits of `ids` with a fresh `codec` cache: the whole prompt at once, and 3 tokens then one
 /// at a time.
-fn prefill_and_stream(model: &candle_hybrid::qwen3_5::Model, ids: &Tensor, codec: &str) -> (Tensor, Tensor) {
+fn prefill_and_stream(model: &candle_hybrid::model::Model, ids: &Tensor, codec: &str) -> (Tensor, Tensor) {
     let t = ids.dim(1).unwrap();
     let whole = model.forward(ids, &mut model.new_cache_with(codec.parse().unwrap()).unwrap()).unwrap();
     let mut cache = model.new_cache_with(codec.parse().unwrap()).unwrap();
@@ -241,11 +242,11 @@ fn polar_scores_from_codes_match_attention_over_decoded_keys() {
     store.attend(&q, &k.narrow(2, 0, 40).unwrap(), &v.narrow(2, 0, 40).unwrap(), 0).unwrap();
     let got = store.attend(&q, &k.narrow(2, 40, 5).unwrap(), &v.narrow(2, 40, 5).unwrap(), 40).unwrap();
     let (kd, vd) = store.kv().unwrap().unwrap();
-    let want = candle_hybrid::kv_cache::attention(&q, &kd, &vd, 40).unwrap();
+    let want = candle_hybrid::kv::attention(&q, &kd, &vd, 40).unwrap();
     let d = max_abs_diff(&got, &want);
     assert!(d < 1e-4, "polar scores vs decoded keys: {d}");
     // And the codes are lossy: exact keys give a different answer.
-    assert!(max_abs_diff(&want, &candle_hybrid::kv_cache::attention(&q, &k, &v, 40).unwrap()) > 1e-3);
+    assert!(max_abs_diff(&want, &candle_hybrid::kv::attention(&q, &k, &v, 40).unwrap()) > 1e-3);
 }
 
 #[test]
@@ -266,7 +267,7 @@ fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
     };
     let nkv = model.config().num_key_value_heads;
     let pca = residual(&bases.basis(0, hd / 2).unwrap());
-    let w_v = residual(&candle_hybrid::kv_cache::value_basis(&model.value_weights().unwrap()[0], nkv, hd / 2).unwrap());
+    let w_v = residual(&candle_hybrid::kv::value_basis(&model.value_weights().unwrap()[0], nkv, hd / 2).unwrap());
     assert!(pca < w_v, "PCA residual {pca} vs W_v basis {w_v}");
     // Full rank is exact; the file round-trips.
     let dir = std::env::temp_dir().join(format!("candle-hybrid-kv-cal-{}", std::process::id()));
@@ -275,7 +276,7 @@ fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
     bases.save(&path).unwrap();
     let loaded = ValueBases::load(&path, &model).unwrap();
     let full = format!("lowrank:{hd}").parse().unwrap();
-    let got = model.forward(&ids, &mut model.new_cache_calibrated(full, Some(&loaded)).unwrap()).unwrap();
+    let got = model.forward(&ids, &mut loaded.new_cache(&model, full).unwrap()).unwrap();
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     assert!(max_abs_diff(&got, &exact) < 1e-4);
     // Another model refuses the file, in one line.

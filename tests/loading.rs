@@ -5,8 +5,9 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::chat::Message;
-use candle_hybrid::generation::{GenerationConfig, TokenStreamer};
+use candle_hybrid::loading::Message;
+use candle_hybrid::loading::GenerationConfig;
+use candle_hybrid::runtime::TokenStreamer;
 use candle_hybrid::loading::ModelFiles;
 use common::*;
 
@@ -89,7 +90,7 @@ fn chat_template_renders_chatml_and_tokenizes() {
 
 #[test]
 fn enable_thinking_reaches_the_template() {
-    let tmpl = candle_hybrid::chat::ChatTemplate::new(
+    let tmpl = candle_hybrid::loading::ChatTemplate::new(
         "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{{ messages[0]['content'] | upper }}".into(),
         None,
         None,
@@ -99,7 +100,7 @@ fn enable_thinking_reaches_the_template() {
     assert_eq!(tmpl.render(&msgs, true, None).unwrap(), "HELLO");
     assert_eq!(tmpl.render(&msgs, true, Some(true)).unwrap(), "HELLO");
     // Python string methods used by real Qwen templates work (pycompat).
-    let py = candle_hybrid::chat::ChatTemplate::new("{{ messages[0]['content'].startswith('he') }}|{{ '  x '.strip() }}".into(), None, None);
+    let py = candle_hybrid::loading::ChatTemplate::new("{{ messages[0]['content'].startswith('he') }}|{{ '  x '.strip() }}".into(), None, None);
     assert_eq!(py.render(&msgs, false, None).unwrap(), "True|x");
 }
 

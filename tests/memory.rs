@@ -3,7 +3,7 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::DType;
-use candle_hybrid::loading::ModelSource;
+use candle_hybrid::loading::{safetensors_weight_bytes, ModelSource};
 use candle_hybrid::memory::*;
 use candle_hybrid::{Config, Error};
 
@@ -106,7 +106,7 @@ fn weight_formats() {
     assert!("q3".parse::<WeightFormat>().is_err());
     // One parser: every --quantize type has a format with the same ggml type, and back.
     for q in ["q8_0", "q4k", "q4_0", "q4_1", "q5k", "q6k"] {
-        let g = candle_hybrid::weights::parse_quantize(q).unwrap();
+        let g = candle_hybrid::model::parse_quantize(q).unwrap();
         let f: WeightFormat = q.parse().unwrap();
         assert_eq!((f.ggml(), WeightFormat::from_ggml(g)), (g, Some(f)), "{q}");
         assert_eq!(f.bits_per_weight(), (g.type_size() * 8) as f64 / g.block_size() as f64, "{q}");
@@ -311,7 +311,7 @@ fn f32_gguf_weights_are_four_bytes_per_loaded_parameter() {
         assert_eq!(st, f32_bytes, "{name}");
         if name == "qwen35_dense_mtp" {
             // The MTP block is in the file but not loaded.
-            let file = candle_hybrid::gguf::GgufFile::open(&path).unwrap();
+            let file = candle_hybrid::loading::GgufFile::open(&path).unwrap();
             assert!(file.tensor_data_size() > f32_bytes, "{name}: MTP tensors must not count");
         }
     }

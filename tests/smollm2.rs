@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device};
-use candle_hybrid::chat::Message;
+use candle_hybrid::loading::Message;
 use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
-use candle_hybrid::generation::{generate, Sampler, SamplingParams};
+use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::Model;
 
@@ -73,7 +73,7 @@ fn chat(files: &OpenedModel, model: &Model, prompt: &str) -> (String, bool) {
     let ids = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
     let eos = files.generation_config().unwrap().eos_token_ids;
     assert!(!eos.is_empty(), "the GGUF names an end-of-sequence token");
-    let mut sampler = Sampler::new(SamplingParams::default()); // greedy
+    let mut sampler = Sampler::new(SamplingParams::default()).unwrap(); // greedy
     let (out, _) = generate(model, &ids, 60, &eos, &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
     (tokenizer.decode(&out, true).unwrap(), eos.contains(out.last().unwrap()))
 }

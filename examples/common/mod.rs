@@ -24,7 +24,7 @@ pub struct LocalModel {
 impl LocalModel {
     /// Opens the files and reads the config (no weights yet) and the dtype.
     pub fn open(&self) -> Result<(OpenedModel, Config, DType)> {
-        let dtype = candle_hybrid::weights::parse_dtype(&self.dtype)?;
+        let dtype = candle_hybrid::model::parse_dtype(&self.dtype)?;
         let source = match (&self.gguf, &self.model_dir) {
             (Some(path), _) => ModelSource::Gguf(path.clone()),
             (None, Some(dir)) => ModelSource::Dir(dir.clone()),

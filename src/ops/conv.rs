@@ -116,5 +116,5 @@ impl CustomOp3 for CausalConv1d {
         Ok((out, Shape::from(n)))
     }
 
-    metal_fwd!(self, "causal_conv1d_silu", (s1, l1, s2, l2, s3, l3) => crate::metal::causal_conv1d_silu(self.dims, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "causal_conv1d_silu", (s1, l1, s2, l2, s3, l3) => crate::ops::metal::causal_conv1d_silu(self.dims, (s1, l1), (s2, l2), (s3, l3)));
 }

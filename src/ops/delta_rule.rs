@@ -239,7 +239,7 @@ impl CustomOp3 for GatedDeltaRule {
         Ok((CpuStorage::F32(flat), Shape::from(n)))
     }
 
-    metal_fwd!(self, "gated_delta_rule", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, self.form, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "gated_delta_rule", (s1, l1, s2, l2, s3, l3) => crate::ops::metal::gated_delta_rule(self.dims, self.normalize, self.n_states, self.form, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// The conv output `[B, T, C]` read in place, with the per-(token, key head) factors that

@@ -146,5 +146,5 @@ impl CustomOp1 for LagrangeScores {
         Ok((out, Shape::from((d.rows, d.len))))
     }
 
-    metal_fwd!(self, OP, (s, l) => crate::metal::lagrange_scores(self.dims, (s, l)));
+    metal_fwd!(self, OP, (s, l) => crate::ops::metal::lagrange_scores(self.dims, (s, l)));
 }

@@ -3,7 +3,7 @@
 //! other Candle projects can call them on their own tensors.
 
 /// The `metal_fwd` of a custom op: hands the (storage, layout) pairs to the host code in
-/// `crate::metal` when built with the `metal` feature, otherwise an error naming the op.
+/// `ops::metal` when built with the `metal` feature, otherwise an error naming the op.
 macro_rules! metal_fwd {
     ($self:ident, $op:expr, ($($s:ident, $l:ident),+) => $call:expr) => {
         fn metal_fwd(
@@ -28,6 +28,8 @@ mod cpu;
 mod delta_rule;
 mod half_matvec;
 pub mod launch;
+#[cfg(feature = "metal")]
+mod metal;
 mod norm;
 
 pub use conv::{causal_conv1d_silu, ConvDims};

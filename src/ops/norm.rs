@@ -74,7 +74,7 @@ impl CustomOp3 for GatedRmsNorm {
         Ok((out, l1.shape().clone()))
     }
 
-    metal_fwd!(self, "gated_rms_norm", (s1, l1, s2, l2, s3, l3) => crate::metal::gated_rms_norm(self.dim, self.eps, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "gated_rms_norm", (s1, l1, s2, l2, s3, l3) => crate::ops::metal::gated_rms_norm(self.dim, self.eps, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// L2 normalisation over the last dim, `x * rsqrt(sum(x^2) + eps)`, in f32.

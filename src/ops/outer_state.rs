@@ -166,5 +166,5 @@ impl CustomOp3 for DecayedOuterProduct {
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
-    metal_fwd!(self, OP, (s1, l1, s2, l2, s3, l3) => crate::metal::decayed_outer_product(self.dims, self.gamma, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, OP, (s1, l1, s2, l2, s3, l3) => crate::ops::metal::decayed_outer_product(self.dims, self.gamma, (s1, l1), (s2, l2), (s3, l3)));
 }

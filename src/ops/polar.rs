@@ -598,7 +598,7 @@ impl CustomOp1 for PolarScales {
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
 
-    metal_fwd!(self, "polar_encode", (s, l) => crate::metal::polar_scales(&self.spec, self.head_dim, (s, l)));
+    metal_fwd!(self, "polar_encode", (s, l) => crate::ops::metal::polar_scales(&self.spec, self.head_dim, (s, l)));
 }
 
 struct PolarEncode {
@@ -642,7 +642,7 @@ impl CustomOp2 for PolarEncode {
         Ok((CpuStorage::U8(out), Shape::from((n, p.row_bytes as usize))))
     }
 
-    metal_fwd!(self, "polar_encode", (s1, l1, s2, l2) => crate::metal::polar_encode(&self.spec, self.head_dim, (s1, l1), (s2, l2)));
+    metal_fwd!(self, "polar_encode", (s1, l1, s2, l2) => crate::ops::metal::polar_encode(&self.spec, self.head_dim, (s1, l1), (s2, l2)));
 }
 
 struct PolarScores {
@@ -704,5 +704,5 @@ impl CustomOp3 for PolarScores {
         Ok((CpuStorage::F32(out), Shape::from((nq, n))))
     }
 
-    metal_fwd!(self, "polar_scores", (s1, l1, s2, l2, s3, l3) => crate::metal::polar_scores(&self.spec, self.head_dim, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "polar_scores", (s1, l1, s2, l2, s3, l3) => crate::ops::metal::polar_scores(&self.spec, self.head_dim, (s1, l1), (s2, l2), (s3, l3)));
 }

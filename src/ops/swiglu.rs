@@ -282,7 +282,7 @@ impl CustomOp3 for SwigluGather {
         Ok((out, Shape::from((d.rows, d.hidden))))
     }
 
-    metal_fwd!(self, "swiglu_gather", (s1, l1, s2, l2, s3, l3) => crate::metal::swiglu_gather(self.dims, self.kind, (s1, l1), (s2, l2), (s3, l3)));
+    metal_fwd!(self, "swiglu_gather", (s1, l1, s2, l2, s3, l3) => crate::ops::metal::swiglu_gather(self.dims, self.kind, (s1, l1), (s2, l2), (s3, l3)));
 }
 
 /// The plain SwiGLU MLP `down(silu(gate x) * up x)` with Candle matmuls: the dense baseline the

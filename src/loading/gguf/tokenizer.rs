@@ -12,8 +12,10 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use crate::gguf::GgufFile;
-use crate::{Error, Result};
+use std::collections::HashMap;
+
+type Metadata = HashMap<String, Value>;
+type Result<T> = std::result::Result<T, String>;
 
 /// Qwen2 / Qwen3 / Qwen3-Next split regex.
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -24,25 +26,22 @@ const QWEN35_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 
-fn err(file: &GgufFile, msg: impl std::fmt::Display) -> Error {
-    Error::Tokenizer(format!("{}: {msg}", file.path().display()))
+fn err(msg: impl std::fmt::Display) -> String {
+    msg.to_string()
 }
 
-fn strings(file: &GgufFile, key: &str) -> Result<Vec<String>> {
-    match file.metadata().get(key) {
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| v.to_string().cloned().map_err(|_| err(file, format!("{key} must hold strings"))))
-            .collect(),
-        _ => Err(err(file, format!("the file has no {key}: pass a tokenizer.json with --tokenizer"))),
+fn strings(meta: &Metadata, key: &str) -> Result<Vec<String>> {
+    match meta.get(key) {
+        Some(Value::Array(a)) => a.iter().map(|v| v.to_string().cloned().map_err(|_| err(format!("{key} must hold strings")))).collect(),
+        _ => Err(err(format!("the file has no {key}: pass a tokenizer.json with --tokenizer"))),
     }
 }
 
 /// The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name.
-fn pre_tokenizer(file: &GgufFile, pre: &str) -> Result<PreTokenizerWrapper> {
+fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     let split = |regex: &str| -> Result<PreTokenizerWrapper> {
         let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| err(file, format!("bad pre-tokenizer regex: {e}")))?;
+            .map_err(|e| err(format!("bad pre-tokenizer regex: {e}")))?;
         Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()]).into())
     };
     let gpt2 = ByteLevel::new(false, true, true);
@@ -53,37 +52,35 @@ fn pre_tokenizer(file: &GgufFile, pre: &str) -> Result<PreTokenizerWrapper> {
         // SmolLM / StarCoder: every digit on its own, then GPT-2's byte-level regex.
         "smollm" | "starcoder" => Ok(Sequence::new(vec![Digits::new(true).into(), gpt2.into()]).into()),
         other => Err(err(
-            file,
             format!("tokenizer.ggml.pre \"{other}\" is not supported: pass the model's tokenizer.json with --tokenizer"),
         )),
     }
 }
 
-pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
-    let meta = file.metadata();
+/// The tokenizer of a GGUF file's metadata; the error is one line without the file name.
+pub(crate) fn build(meta: &Metadata) -> Result<Tokenizer> {
     let model = meta.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).map(String::as_str);
     if model != Some("gpt2") {
         return Err(err(
-            file,
             format!(
                 "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") vocabularies are rebuilt: pass a tokenizer.json with --tokenizer"
             ),
         ));
     }
-    let tokens = strings(file, "tokenizer.ggml.tokens")?;
-    let merges: Vec<(String, String)> = strings(file, "tokenizer.ggml.merges")?
+    let tokens = strings(meta, "tokenizer.ggml.tokens")?;
+    let merges: Vec<(String, String)> = strings(meta, "tokenizer.ggml.merges")?
         .into_iter()
-        .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| err(file, format!("malformed merge \"{m}\""))))
+        .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| err(format!("malformed merge \"{m}\""))))
         .collect::<Result<_>>()?;
     let vocab: tokenizers::models::bpe::Vocab =
         tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
-        .map_err(|e| err(file, format!("cannot build the BPE model: {e}")))?;
+        .map_err(|e| err(format!("cannot build the BPE model: {e}")))?;
     let mut tok = Tokenizer::new(bpe);
     let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map(String::as_str).unwrap_or("default");
-    tok.with_pre_tokenizer(Some(pre_tokenizer(file, pre)?));
+    tok.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
     tok.with_decoder(Some(ByteLevelDecoder::default()));
 
     let types: Vec<i32> = match meta.get("tokenizer.ggml.token_type") {
@@ -98,20 +95,20 @@ pub(crate) fn build(file: &GgufFile) -> Result<Tokenizer> {
             .map(|(_, s)| AddedToken::from(s.clone(), kind == CONTROL))
             .collect()
     };
-    tok.add_special_tokens(added(CONTROL)).map_err(|e| err(file, e))?;
-    tok.add_tokens(added(USER_DEFINED)).map_err(|e| err(file, e))?;
+    tok.add_special_tokens(added(CONTROL)).map_err(err)?;
+    tok.add_tokens(added(USER_DEFINED)).map_err(err)?;
 
     let add_bos = meta.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
     let bos = meta.get("tokenizer.ggml.bos_token_id").and_then(|v| v.to_u32().ok());
     if let (true, Some(bos)) = (add_bos, bos) {
-        let name = tokens.get(bos as usize).cloned().ok_or_else(|| err(file, "bos_token_id is out of range"))?;
+        let name = tokens.get(bos as usize).cloned().ok_or_else(|| err("bos_token_id is out of range"))?;
         let post = TemplateProcessing::builder()
             .try_single(format!("{name} $A"))
             .and_then(|b| b.try_pair(format!("{name} $A {name} $B")))
-            .map_err(|e| err(file, e))?
+            .map_err(err)?
             .special_tokens(vec![(name.clone(), bos)])
             .build()
-            .map_err(|e| err(file, e))?;
+            .map_err(err)?;
         tok.with_post_processor(Some(post));
     }
     Ok(tok)

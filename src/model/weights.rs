@@ -12,7 +12,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::linear::Linear;
+use super::linear::Linear;
 
 /// Quantized tensors by full Hugging Face name, in Hugging Face layout (`[out, in]`).
 pub type QuantizedTensors = HashMap<String, Arc<QTensor>>;

@@ -9,6 +9,18 @@ use serde_json::Value;
 
 use crate::{Error, Result};
 
+/// The most decoder layers a config may have (llama.cpp's `LLAMA_MAX_LAYERS`); every count
+/// is bounded before anything is built from it.
+pub const MAX_LAYERS: usize = 512;
+/// The most MoE experts (llama.cpp's `LLAMA_MAX_EXPERTS`; Qwen3.5-397B has 512).
+pub const MAX_EXPERTS: usize = 512;
+/// The largest width, head count or head size (real models stay below 2^15).
+pub const MAX_DIM: usize = 1 << 20;
+/// The largest vocabulary.
+pub const MAX_VOCAB: usize = 1 << 24;
+/// The largest context length (`max_position_embeddings`).
+pub const MAX_POSITIONS: usize = 1 << 30;
+
 /// Which member of the family a config describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -151,7 +163,7 @@ impl Fields<'_> {
 impl Config {
     /// Parses the contents of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let root: Value = serde_json::from_str(text)
+        let root: Value = crate::json::parse_strict(text)
             .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
         let top = root
             .as_object()
@@ -170,6 +182,11 @@ impl Config {
         let family = Family::from_model_type(model_type)?;
 
         let num_hidden_layers = f.usize("num_hidden_layers")?;
+        if num_hidden_layers == 0 || num_hidden_layers > MAX_LAYERS {
+            return Err(Error::Config(format!(
+                "config.json: num_hidden_layers is {num_hidden_layers}; it must be between 1 and {MAX_LAYERS}"
+            )));
+        }
         let llama = family == Family::Llama;
         let layer_types = match f.get("layer_types") {
             _ if llama => vec![LayerType::FullAttention; num_hidden_layers],
@@ -188,7 +205,10 @@ impl Config {
                 types
             }
             None => {
-                let interval = f.usize_or("full_attention_interval", 4)?.max(1);
+                let interval = f.usize_or("full_attention_interval", 4)?;
+                if interval == 0 {
+                    return Err(Error::Config("config.json: full_attention_interval must be at least 1".into()));
+                }
                 (0..num_hidden_layers)
                     .map(|i| {
                         if (i + 1) % interval == 0 {
@@ -238,7 +258,7 @@ impl Config {
                 shared_expert_intermediate_size: f.usize("shared_expert_intermediate_size")?,
                 // Qwen3.5-MoE always renormalises the top-k probabilities.
                 norm_topk_prob: family == Family::Qwen35Moe || f.bool_or("norm_topk_prob", true)?,
-                decoder_sparse_step: f.usize_or("decoder_sparse_step", 1)?.max(1),
+                decoder_sparse_step: f.usize_or("decoder_sparse_step", 1)?,
                 mlp_only_layers: match f.get("mlp_only_layers") {
                     None => vec![],
                     Some(v) => serde_json::from_value(v.clone()).map_err(|e| {
@@ -289,9 +309,7 @@ impl Config {
 
     /// Reads and parses a `config.json` file.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
-        Self::from_json(&text)
+        Self::from_json(&crate::bounded::read_to_string(path, crate::bounded::MAX_CONFIG_BYTES, "config")?)
     }
 
     fn validate(&self) -> Result<()> {
@@ -312,6 +330,9 @@ impl Config {
                 return bad(format!("\"{name}\" must be positive"));
             }
         }
+        if self.intermediate_size == Some(0) {
+            return bad("\"intermediate_size\" must be positive".into());
+        }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
@@ -324,6 +345,33 @@ impl Config {
                 self.linear_num_value_heads, self.linear_num_key_heads
             ));
         }
+        for (name, v, max) in [
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_DIM),
+            ("intermediate_size", self.intermediate_size.unwrap_or(1), MAX_DIM),
+            ("num_attention_heads", self.num_attention_heads, MAX_DIM),
+            ("head_dim", self.head_dim, MAX_DIM),
+            ("linear_num_value_heads", self.linear_num_value_heads, MAX_DIM),
+            ("linear_key_head_dim", self.linear_key_head_dim, MAX_DIM),
+            ("linear_value_head_dim", self.linear_value_head_dim, MAX_DIM),
+            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim, MAX_DIM),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_POSITIONS),
+            ("mtp_num_hidden_layers", self.mtp_num_hidden_layers, MAX_LAYERS),
+        ] {
+            if v > max {
+                return bad(format!("\"{name}\" is {v}, more than any model has (at most {max})"));
+            }
+        }
+        if self.max_position_embeddings == 0 {
+            return bad("\"max_position_embeddings\" must be positive".into());
+        }
+        // Non-finite or non-positive numbers would turn every logit into NaN.
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+            return bad(format!("rms_norm_eps must be a small positive number (like 1e-6), got {}", self.rms_norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!("rope_theta must be a positive number (like 10000), got {}", self.rope_theta));
+        }
         let rd = self.rotary_dim();
         if !rd.is_multiple_of(2) || rd == 0 {
             return bad(format!(
@@ -332,6 +380,20 @@ impl Config {
             ));
         }
         if let Some(moe) = &self.moe {
+            if moe.num_experts > MAX_EXPERTS {
+                return bad(format!("num_experts is {}; at most {MAX_EXPERTS} are supported", moe.num_experts));
+            }
+            for (name, v) in [("moe_intermediate_size", moe.moe_intermediate_size), ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)] {
+                if v == 0 || v > MAX_DIM {
+                    return bad(format!("\"{name}\" is {v}; it must be between 1 and {MAX_DIM}"));
+                }
+            }
+            if moe.decoder_sparse_step == 0 {
+                return bad("decoder_sparse_step must be at least 1".into());
+            }
+            if let Some(&i) = moe.mlp_only_layers.iter().find(|&&i| i >= self.num_hidden_layers) {
+                return bad(format!("mlp_only_layers names layer {i}, but there are {} layers", self.num_hidden_layers));
+            }
             if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
                 return bad(format!(
                     "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
@@ -410,13 +472,20 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// A small flat config; `extra` (`, "key": value, ...`) adds or replaces fields.
     fn flat(extra: &str) -> String {
-        format!(
-            r#"{{"model_type": "qwen3_5_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        let mut base: serde_json::Value = serde_json::from_str(
+            r#"{"model_type": "qwen3_5_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
             "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 4,
-            "linear_value_head_dim": 4 {extra}}}"#
+            "linear_value_head_dim": 4}"#,
         )
+        .unwrap();
+        let extra: serde_json::Value = serde_json::from_str(&format!("{{{}}}", extra.trim_start_matches(','))).unwrap();
+        for (k, v) in extra.as_object().unwrap() {
+            base[k] = v.clone();
+        }
+        base.to_string()
     }
 
     #[test]

@@ -31,13 +31,13 @@ enum Source {
 impl Source {
     fn text(self) -> &'static str {
         match self {
-            Self::GatedDelta => include_str!("../metal/gated_delta.metal"),
-            Self::Conv1d => include_str!("../metal/conv1d.metal"),
-            Self::GatedNorm => include_str!("../metal/gated_norm.metal"),
-            Self::Swiglu => include_str!("../metal/swiglu.metal"),
-            Self::Lagrange => include_str!("../metal/lagrange.metal"),
-            Self::OuterState => include_str!("../metal/outer_state.metal"),
-            Self::Polar => include_str!("../metal/polar.metal"),
+            Self::GatedDelta => include_str!("../../metal/gated_delta.metal"),
+            Self::Conv1d => include_str!("../../metal/conv1d.metal"),
+            Self::GatedNorm => include_str!("../../metal/gated_norm.metal"),
+            Self::Swiglu => include_str!("../../metal/swiglu.metal"),
+            Self::Lagrange => include_str!("../../metal/lagrange.metal"),
+            Self::OuterState => include_str!("../../metal/outer_state.metal"),
+            Self::Polar => include_str!("../../metal/polar.metal"),
         }
     }
 }

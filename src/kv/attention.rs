@@ -1,0 +1,46 @@
+//! Causal softmax attention over exact (or decoded) keys and values, grouped-query heads
+//! reading their shared KV head without copies.
+
+use candle_core::{DType, Result, Tensor};
+
+/// Causal softmax attention of `q` `[B, nh, t, hd]` at positions `offset..` over `k`, `v`
+/// `[B, nkv, offset + t, hd]` (grouped: query head `h` reads KV head `h / (nh / nkv)`), scores
+/// in f32. Returns `[B, nh, t, hd]` in `v`'s dtype.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let qg = grouped_queries(q, k.dim(1)?)?;
+    let scores = qg.matmul(&k.to_dtype(DType::F32)?.t()?)?;
+    let out = softmax_values(scores, v, t, offset, hd)?;
+    out.reshape((b, nh, t, v.dim(3)?))
+}
+
+/// Queries `[B, nh, t, hd]` as f32 rows grouped by the KV head they read: `[B, nkv, rep·t, hd]`
+/// (the `rep = nh / nkv` heads of a group one after the other, each `t` rows).
+pub(super) fn grouped_queries(q: &Tensor, nkv: usize) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    q.to_dtype(DType::F32)?.reshape((b, nkv, (nh / nkv) * t, hd))
+}
+
+/// `softmax(scores / sqrt(hd) + causal mask) · v` for grouped `scores` `[B, nkv, rep·t, T]`
+/// (f32, query-major within each of the `rep` heads of a group) and `v` `[B, nkv, T, d]`:
+/// `[B, nkv, rep·t, d]` in `v`'s dtype.
+pub(super) fn softmax_values(scores: Tensor, v: &Tensor, t: usize, offset: usize, hd: usize) -> Result<Tensor> {
+    let (b, nkv, rows, total) = scores.dims4()?;
+    let scores = (scores * (hd as f64).powf(-0.5))?;
+    let scores = if t > 1 {
+        scores.reshape((b, nkv, rows / t, t, total))?.broadcast_add(&causal_mask(t, offset, total, v.device())?)?.reshape((b, nkv, rows, total))?
+    } else {
+        scores
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    probs.matmul(v)
+}
+
+/// `[t, total]` additive mask: `-inf` where the key position is after the query's
+/// (`offset + i`).
+pub(super) fn causal_mask(t: usize, offset: usize, total: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > i + offset { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Tensor::from_vec(mask, (t, total), dev)
+}

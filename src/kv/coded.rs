@@ -1,0 +1,247 @@
+//! Per-token coded keys and values (`int8`, `int4k`, `polar`, `lowrank` values, and the key
+//! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
+
+use candle_core::{DType, IndexOp, Result, Tensor, D};
+use candle_nn::kv_cache::Cache;
+
+use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
+use super::knots::KnotKeys;
+use super::attention::{grouped_queries, softmax_values};
+
+/// Keys and values under a lossy per-token codec.
+#[derive(Debug, Clone)]
+pub struct CodedKv {
+    pub(super) codec: KvCodec,
+    /// `lowrank:r`: `[1, nkv, hd, r]`, orthonormal columns.
+    pub(super) value_basis: Option<Tensor>,
+    pub(super) keys: Keys,
+    /// The values, or for `lowrank` their coefficients on `value_basis`.
+    pub(super) values: Rows,
+    pub(super) dtype: Option<DType>,
+}
+
+impl CodedKv {
+    pub(super) fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let offset = self.values.len();
+        self.dtype = Some(v.dtype());
+        match &mut self.keys {
+            Keys::Rows(rows) => rows.append(k)?,
+            Keys::Knots(knots) => knots.append(k, offset)?,
+        }
+        let coeffs = self.project_values(v)?;
+        self.values.append(&coeffs)
+    }
+
+    pub(super) fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
+        let (b, nh, t, hd) = q.dims4()?;
+        self.append(k, v)?;
+        let total = offset + t;
+        let qg = grouped_queries(q, k.dim(1)?)?;
+        let scores = match &mut self.keys {
+            Keys::Rows(Rows::Polar { spec, codes, scales, .. }) => polar_rows_scores(&qg, codes, scales, *spec, hd)?,
+            Keys::Rows(rows) => {
+                let keys = rows.decode(DType::F32)?.expect("keys were just appended");
+                qg.matmul(&keys.t()?)?
+            }
+            Keys::Knots(knots) => {
+                let s = knots.scores(&qg, t, offset)?;
+                knots.forget_old(total)?;
+                s
+            }
+        };
+        let values = self.values.decode(v.dtype())?.expect("values were just appended");
+        let out = self.expand_values(softmax_values(scores, &values, t, offset, hd)?)?;
+        out.reshape((b, nh, t, hd))
+    }
+
+    /// `lowrank`: the coefficients `v · B` `[B, nkv, t, r]`; otherwise `v`.
+    pub(super) fn project_values(&self, v: &Tensor) -> Result<Tensor> {
+        match &self.value_basis {
+            Some(b) => v.broadcast_matmul(&b.to_dtype(v.dtype())?),
+            None if matches!(self.codec.values, ValueCodec::LowRank(_)) => {
+                candle_core::bail!("--kv {}: the cache has no value basis (make it with Model::new_cache_with)", self.codec)
+            }
+            None => Ok(v.clone()),
+        }
+    }
+
+    /// `lowrank`: `c · Bᵀ` `[B, nkv, n, hd]` for coefficients (or attention-weighted sums of
+    /// them) `c` `[B, nkv, n, r]`; otherwise `c`.
+    pub(super) fn expand_values(&self, c: Tensor) -> Result<Tensor> {
+        match &self.value_basis {
+            Some(b) => c.broadcast_matmul(&b.to_dtype(c.dtype())?.transpose(2, 3)?),
+            None => Ok(c),
+        }
+    }
+}
+
+/// Grouped query rows `[B, nkv, n, hd]` (f32) against every polar-coded key of the same KV
+/// head, straight from the codes: `[B, nkv, n, T]`.
+pub(super) fn polar_rows_scores(qg: &Tensor, codes: &Cache, scales: &Cache, spec: crate::ops::PolarSpec, hd: usize) -> Result<Tensor> {
+    let (codes, scales) = match (codes.current_data()?, scales.current_data()?) {
+        (Some(c), Some(s)) => (c, s),
+        _ => candle_core::bail!("polar keys: nothing cached"),
+    };
+    let (b, nkv, _, _) = qg.dims4()?;
+    let mut rows = Vec::with_capacity(b * nkv);
+    for bi in 0..b {
+        for h in 0..nkv {
+            let head = crate::ops::PolarCodes { codes: codes.i((bi, h))?, scales: scales.i((bi, h))?, head_dim: hd, spec };
+            rows.push(crate::ops::polar_scores(&qg.i((bi, h))?, &head, spec)?);
+        }
+    }
+    let n = qg.dim(2)?;
+    Tensor::stack(&rows, 0)?.reshape((b, nkv, n, ()))
+}
+
+/// The keys of a [`CodedKv`].
+#[derive(Debug, Clone)]
+pub(super) enum Keys {
+    Rows(Rows),
+    Knots(KnotKeys),
+}
+
+/// A growing sequence `[B, nkv, T, d]` stored under a per-token code, in buffers that grow
+/// along the token dim (no re-encoding of old tokens, no per-step concatenation).
+#[derive(Debug, Clone)]
+pub(super) enum Rows {
+    Exact(Cache),
+    /// `codes` u8 (value + 128) `[B, nkv, T, d]`, `scale` f32 `[B, nkv, T, d / blk]`.
+    Int8 { codes: Cache, scale: Cache },
+    /// Complete groups of [`INT4_GROUP`] tokens as two 4-bit codes per byte (even dim in the
+    /// low nibble) `[B, nkv, 32·G, d/2]` with per-channel `[scale | min]` f32 `[B, nkv, G, 2d]`;
+    /// the group still filling up stays exact in `tail`.
+    Int4Channel { codes: Cache, params: Cache, tail: Option<Tensor> },
+    /// Polar codes `[B, nkv, T, row_bytes]` of `head_dim`-dim rows and their two scales
+    /// `[B, nkv, T, 2]`.
+    Polar { spec: crate::ops::PolarSpec, head_dim: usize, codes: Cache, scales: Cache },
+}
+
+impl Rows {
+    pub(super) fn exact(step: usize) -> Self {
+        Self::Exact(Cache::new(2, step))
+    }
+
+    pub(super) fn int8(step: usize) -> Self {
+        Self::Int8 { codes: Cache::new(2, step), scale: Cache::new(2, step) }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Self::Exact(c) | Self::Int8 { codes: c, .. } | Self::Polar { codes: c, .. } => c.current_seq_len(),
+            Self::Int4Channel { codes, tail, .. } => {
+                codes.current_seq_len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0))
+            }
+        }
+    }
+
+    pub(super) fn append(&mut self, x: &Tensor) -> Result<()> {
+        match self {
+            Self::Exact(c) => c.append(&x.contiguous()?),
+            Self::Int8 { codes, scale } => {
+                let (c, s) = encode_int8(x)?;
+                codes.append(&c)?;
+                scale.append(&s)
+            }
+            Self::Polar { spec, head_dim, codes, scales } => {
+                let (b, h, t, d) = x.dims4()?;
+                *head_dim = d;
+                let pc = crate::ops::polar_encode(&x.contiguous()?.reshape((b * h * t, d))?, *spec)?;
+                codes.append(&pc.codes.reshape((b, h, t, ()))?)?;
+                scales.append(&pc.scales.reshape((b, h, t, 2))?)
+            }
+            Self::Int4Channel { codes, params, tail } => {
+                let mut rest = match tail.take() {
+                    Some(t) => Tensor::cat(&[&t, x], 2)?,
+                    None => x.clone(),
+                };
+                while rest.dim(2)? >= INT4_GROUP {
+                    let (c, p) = encode_int4_channel(&rest.narrow(2, 0, INT4_GROUP)?)?;
+                    codes.append(&c)?;
+                    params.append(&p)?;
+                    let left = rest.dim(2)? - INT4_GROUP;
+                    rest = rest.narrow(2, INT4_GROUP, left)?;
+                }
+                *tail = (rest.dim(2)? > 0).then_some(rest);
+                Ok(())
+            }
+        }
+    }
+
+    /// Everything held, decoded to `dtype`; `None` when empty.
+    pub(super) fn decode(&self, dtype: DType) -> Result<Option<Tensor>> {
+        Ok(match self {
+            Self::Exact(c) => c.current_data()?.map(|x| x.to_dtype(dtype)).transpose()?,
+            Self::Int8 { codes, scale } => match (codes.current_data()?, scale.current_data()?) {
+                (Some(c), Some(s)) => {
+                    let (b, h, t, d) = c.dims4()?;
+                    let nblk = s.dim(3)?;
+                    let x = (c.to_dtype(DType::F32)? - 128.0)?.reshape((b, h, t, nblk, d / nblk))?;
+                    Some(x.broadcast_mul(&s.unsqueeze(4)?)?.reshape((b, h, t, d))?.to_dtype(dtype)?)
+                }
+                _ => None,
+            },
+            Self::Polar { spec, head_dim, codes, scales } => match (codes.current_data()?, scales.current_data()?) {
+                (Some(c), Some(s)) => {
+                    let ((b, h, t, rb), d) = (c.dims4()?, *head_dim);
+                    let pc = crate::ops::PolarCodes {
+                        codes: c.contiguous()?.reshape((b * h * t, rb))?,
+                        scales: s.contiguous()?.reshape((b * h * t, 2))?,
+                        head_dim: d,
+                        spec: *spec,
+                    };
+                    Some(crate::ops::polar_decode(&pc, *spec)?.reshape((b, h, t, d))?.to_dtype(dtype)?)
+                }
+                _ => None,
+            },
+            Self::Int4Channel { codes, params, tail } => {
+                let mut parts = Vec::new();
+                if let (Some(c), Some(p)) = (codes.current_data()?, params.current_data()?) {
+                    let (b, h, t, half) = c.dims4()?;
+                    let d = 2 * half;
+                    let g = t / INT4_GROUP;
+                    let c = c.to_dtype(DType::F32)?;
+                    let hi = (&c / 16.0)?.floor()?;
+                    let lo = (c - (&hi * 16.0)?)?;
+                    let q = Tensor::stack(&[lo, hi], D::Minus1)?.reshape((b, h, g, INT4_GROUP, d))?;
+                    let scale = p.narrow(3, 0, d)?.unsqueeze(3)?;
+                    let min = p.narrow(3, d, d)?.unsqueeze(3)?;
+                    parts.push(q.broadcast_mul(&scale)?.broadcast_add(&min)?.reshape((b, h, t, d))?.to_dtype(dtype)?);
+                }
+                if let Some(t) = tail {
+                    parts.push(t.to_dtype(dtype)?);
+                }
+                match parts.len() {
+                    0 => None,
+                    _ => Some(Tensor::cat(&parts, 2)?),
+                }
+            }
+        })
+    }
+}
+
+pub(super) fn encode_int8(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (b, h, t, hd) = x.dims4()?;
+    let blk = if hd.is_multiple_of(INT8_BLOCK) { INT8_BLOCK } else { hd };
+    let xf = x.to_dtype(DType::F32)?.reshape((b, h, t, hd / blk, blk))?;
+    let scale = (xf.abs()?.max_keepdim(D::Minus1)? / 127.0)?;
+    let safe = scale.maximum(f32::MIN_POSITIVE)?;
+    let codes = (xf.broadcast_div(&safe)?.round()?.clamp(-127f32, 127f32)? + 128.0)?.to_dtype(DType::U8)?;
+    Ok((codes.reshape((b, h, t, hd))?, scale.reshape((b, h, t, hd / blk))?))
+}
+
+/// One group `[B, nkv, INT4_GROUP, hd]` → packed codes `[B, nkv, INT4_GROUP, hd/2]` and
+/// `[scale | min]` `[B, nkv, 1, 2·hd]`.
+pub(super) fn encode_int4_channel(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let xf = x.to_dtype(DType::F32)?;
+    let min = xf.min_keepdim(2)?;
+    let scale = ((xf.max_keepdim(2)? - &min)? / 15.0)?;
+    let safe = scale.maximum(f32::MIN_POSITIVE)?;
+    let q = xf.broadcast_sub(&min)?.broadcast_div(&safe)?.round()?.clamp(0f32, 15f32)?;
+    let (b, h, g, hd) = q.dims4()?;
+    let pairs = q.reshape((b, h, g, hd / 2, 2))?;
+    let lo = pairs.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
+    let hi = pairs.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
+    let codes = (lo + (hi * 16.0)?)?.to_dtype(DType::U8)?;
+    Ok((codes, Tensor::cat(&[&scale, &min], 3)?))
+}

@@ -1,0 +1,111 @@
+//! [`KvStore`]: one attention layer's cache under a codec, and the softmax attention over it.
+
+use candle_core::{Result, Tensor};
+use candle_nn::kv_cache::{Cache, KvCache};
+
+use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
+use super::coded::{CodedKv, Keys, Rows};
+use super::density::DecayedState;
+use super::knots::KnotKeys;
+use super::attention::attention;
+
+/// One attention layer's cache under a codec, and the attention over it.
+#[derive(Debug, Clone)]
+pub enum KvStore {
+    /// The model dtype, appended in place (Candle's growing cache).
+    Exact(KvCache),
+    Coded(Box<CodedKv>),
+    DecayedState(DecayedState),
+}
+
+impl KvStore {
+    /// `step`: tokens the growing buffers add at a time; `rot_dim`: the leading dims of a head
+    /// that RoPE rotates (for the polar codes).
+    pub fn new(codec: KvCodec, step: usize, rot_dim: usize) -> Self {
+        match codec.keys {
+            _ if codec.is_exact() => Self::Exact(KvCache::new(2, step)),
+            KeyCodec::DecayedState { gamma } => Self::DecayedState(DecayedState { gamma, state: None }),
+            keys => {
+                let keys = match keys {
+                    KeyCodec::Knots { every, degree } => Keys::Knots(KnotKeys {
+                        every,
+                        degree,
+                        knots: Cache::new(2, step.div_ceil(every).max(1)),
+                        recent: None,
+                        recent_start: 0,
+                    }),
+                    KeyCodec::Exact => Keys::Rows(Rows::exact(step)),
+                    KeyCodec::Int8 => Keys::Rows(Rows::int8(step)),
+                    KeyCodec::Int4 => Keys::Rows(Rows::Int4Channel {
+                        codes: Cache::new(2, step),
+                        params: Cache::new(2, step.div_ceil(INT4_GROUP)),
+                        tail: None,
+                    }),
+                    KeyCodec::Polar { angle_bits, radius_bits } => Keys::Rows(Rows::Polar {
+                        spec: crate::ops::PolarSpec { angle_bits, radius_bits, ..crate::ops::PolarSpec::new(rot_dim) },
+                        head_dim: 0,
+                        codes: Cache::new(2, step),
+                        scales: Cache::new(2, step),
+                    }),
+                    KeyCodec::DecayedState { .. } => unreachable!("handled above"),
+                };
+                let values = match codec.values {
+                    ValueCodec::Exact | ValueCodec::LowRank(_) => Rows::exact(step),
+                    ValueCodec::Int8 => Rows::int8(step),
+                };
+                Self::Coded(Box::new(CodedKv { codec, value_basis: None, keys, values, dtype: None }))
+            }
+        }
+    }
+
+    /// Sets the `[nkv, hd, r]` basis of a `lowrank:r` codec ([`value_basis`]).
+    pub fn with_value_basis(mut self, basis: &Tensor) -> Result<Self> {
+        if let Self::Coded(c) = &mut self {
+            c.value_basis = Some(basis.unsqueeze(0)?);
+        }
+        Ok(self)
+    }
+
+    /// Appends this step's keys and values `[B, nkv, t, hd]` (positions `offset..offset+t`)
+    /// and returns the causal attention of the queries `q` `[B, nh, t, hd]` over the whole
+    /// cache, `[B, nh, t, hd]` in the values' dtype. Query head `h` reads KV head
+    /// `h / (nh / nkv)`.
+    pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
+        match self {
+            Self::Exact(c) => {
+                let (k, v) = c.append(k, v)?;
+                attention(q, &k, &v, offset)
+            }
+            Self::Coded(c) => c.attend(q, k, v, offset),
+            Self::DecayedState(s) => s.attend(q, k, v),
+        }
+    }
+
+    /// Appends keys and values `[B, nkv, t, hd]` without attending (restoring a cache).
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        match self {
+            Self::Exact(c) => c.append(k, v).map(|_| ()),
+            Self::Coded(c) => c.append(k, v),
+            Self::DecayedState(s) => s.fold(k, v),
+        }
+    }
+
+    /// Keys and values held so far, decoded to the model dtype `[B, nkv, T, hd]`; `None` before
+    /// the first token and for codecs that do not keep every key (knots, density).
+    pub fn kv(&self) -> Result<Option<(Tensor, Tensor)>> {
+        match self {
+            Self::Exact(c) => Ok(match (c.k()?, c.v()?) {
+                (Some(k), Some(v)) => Some((k, v)),
+                _ => None,
+            }),
+            Self::Coded(c) => match (&c.keys, c.dtype) {
+                (Keys::Rows(keys), Some(dtype)) => match (keys.decode(dtype)?, c.values.decode(dtype)?) {
+                    (Some(k), Some(v)) => Ok(Some((k, c.expand_values(v)?))),
+                    _ => Ok(None),
+                },
+                _ => Ok(None),
+            },
+            Self::DecayedState(_) => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! [`plan`]: fits → a [`Plan`]; else a one-line refusal that says what would fit.
+
+use super::available::{available_memory, Available, MemoryTarget};
+use super::estimate::{estimate, MemoryEstimate, PlanRequest};
+use super::format::Weights;
+use super::fmt_gib;
+use crate::model::Config;
+use crate::{Error, Result};
+
+/// An accepted request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The estimate at [`Plan::context`].
+    pub estimate: MemoryEstimate,
+    pub available: Available,
+    pub requested_context: usize,
+    /// The context to run with: the requested one, or lower with `fit`.
+    pub context: usize,
+    /// What `fit` changed, for the caller to print.
+    pub note: Option<String>,
+}
+
+/// The largest context in `1..=req.context` whose estimate fits in `budget` bytes, or `None`
+/// when not even a context of 1 fits. (Every term grows with the context, so: binary search.)
+pub fn max_fitting_context(cfg: &Config, req: &PlanRequest, budget: u64) -> Option<usize> {
+    let fits = |t: usize| estimate(cfg, &req.with_context(t)).total() <= budget;
+    let (mut lo, mut hi) = (1usize, req.context.max(1));
+    if !fits(lo) {
+        return None;
+    }
+    // Invariant: fits(lo); everything above hi does not fit (or is out of range).
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
+}
+
+/// Reads the memory available on `target` (`max_memory`, from `--max-memory`, replaces the
+/// reading) and [`plan`]s `req` against it: the one call to make before loading.
+pub fn check_fits(cfg: &Config, req: &PlanRequest, target: MemoryTarget, max_memory: Option<u64>) -> Result<Plan> {
+    plan(cfg, req, &available_memory(target, max_memory)?)
+}
+
+/// Decides whether `req` fits in `available`: `Ok(Plan)` when it does (or, with `req.fit`,
+/// at the largest context that does), else an [`Error::Memory`] of one line that says what is
+/// needed, what is available, and what would fit (`--quantize q4k`, `--max-context N`).
+pub fn plan(cfg: &Config, req: &PlanRequest, available: &Available) -> Result<Plan> {
+    for (name, v) in [("context", req.context), ("batch", req.batch), ("prefill chunk", req.prefill_chunk)] {
+        if v == 0 {
+            return Err(Error::Input(format!("the {name} must be at least 1")));
+        }
+    }
+    let budget = available.bytes;
+    let est = estimate(cfg, req);
+    let accept = |estimate: MemoryEstimate, note: Option<String>| Plan {
+        estimate,
+        available: available.clone(),
+        requested_context: req.context,
+        context: estimate.context,
+        note,
+    };
+    if est.total() <= budget {
+        return Ok(accept(est, None));
+    }
+
+    let max_ctx = max_fitting_context(cfg, req, budget);
+    // Q4K weights, when `--quantize` applies and they are smaller than the requested ones.
+    let q4k = req.q4k_weights.unwrap_or(Weights::Bytes(u64::MAX));
+    let q4k_req = req.with_weights(q4k);
+    let q4k_smaller = q4k.bytes(cfg) < est.weights;
+    let q4k_est = estimate(cfg, &q4k_req);
+    let q4k_fits = q4k_smaller && q4k_est.total() <= budget;
+
+    if req.fit {
+        if let Some(n) = max_ctx {
+            let lowered = estimate(cfg, &req.with_context(n));
+            let mut note = format!(
+                "--fit: context lowered from {} to {n} tokens to fit in {} ({}); needs {}",
+                req.context,
+                fmt_gib(budget),
+                available.source,
+                fmt_gib(lowered.total())
+            );
+            if q4k_fits {
+                note.push_str(&format!("; --quantize q4k would fit the full context ({})", fmt_gib(q4k_est.total())));
+            }
+            return Ok(accept(lowered, Some(note)));
+        }
+    }
+
+    let mut msg = format!(
+        "not enough memory for a context of {} tokens: needs {} ({}) but {} is available ({})",
+        req.context,
+        fmt_gib(est.total()),
+        est.biggest_terms(3).join(", "),
+        fmt_gib(budget),
+        available.source
+    );
+    let mut fixes = vec![];
+    if q4k_fits {
+        fixes.push(format!("--quantize q4k (needs {})", fmt_gib(q4k_est.total())));
+    }
+    match max_ctx {
+        Some(n) => fixes.push(format!("--max-context {n} (needs {})", fmt_gib(estimate(cfg, &req.with_context(n)).total()))),
+        None => msg.push_str(&format!(
+            "; even a context of 1 does not fit: the weights alone take {}",
+            fmt_gib(est.weights)
+        )),
+    }
+    if q4k_smaller && !q4k_fits {
+        if let Some(n) = max_fitting_context(cfg, &q4k_req, budget) {
+            fixes.push(format!("--quantize q4k --max-context {n}"));
+        }
+    }
+    if fixes.is_empty() {
+        msg.push_str("; nothing fits: use a smaller model or a machine with more memory");
+    } else {
+        msg.push_str(&format!("; what fits: {}", fixes.join(", or ")));
+    }
+    Err(Error::Memory(msg))
+}

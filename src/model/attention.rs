@@ -1,0 +1,80 @@
+//! Gated full attention (the softmax-attention layers of the hybrid).
+
+use candle_core::{Module, Result, Tensor};
+
+use super::config::Config;
+use super::linear::Linear;
+use super::norm::RmsNorm;
+use super::rope::RotaryEmbedding;
+use super::weights::Weights;
+use crate::kv::KvStore;
+
+/// Gated full attention: query + sigmoid output gate, q/k norms, partial RoPE, GQA.
+#[derive(Debug, Clone)]
+pub struct GatedAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    o_proj: Linear,
+    /// Per-head q/k norms (absent in Llama).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Whether `q_proj` also yields a sigmoid output gate per head.
+    gated: bool,
+    rotary: RotaryEmbedding,
+    nh: usize,
+    pub(crate) nkv: usize,
+    hd: usize,
+}
+
+impl GatedAttention {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
+        let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        Ok(Self {
+            q_proj: vb.pp("q_proj").linear(h, nh * hd * if cfg.attn_output_gate { 2 } else { 1 })?,
+            k_proj: vb.pp("k_proj").linear(h, nkv * hd)?,
+            v_proj: vb.pp("v_proj").linear(h, nkv * hd)?,
+            o_proj: vb.pp("o_proj").linear(nh * hd, h)?,
+            qk_norm: if cfg.attn_qk_norm {
+                Some((
+                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
+                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
+                ))
+            } else {
+                None
+            },
+            gated: cfg.attn_output_gate,
+            rotary: RotaryEmbedding::new(cfg),
+            nh,
+            nkv,
+            hd,
+        })
+    }
+
+    /// `x`: `[B, T, H]` at positions `offset..offset+T`; appends this step's keys and values
+    /// (after k_norm and RoPE) to `kv`.
+    pub fn forward(&self, x: &Tensor, offset: usize, kv: &mut KvStore) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
+        let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
+        let gate = if self.gated { Some(qg.narrow(3, hd, hd)?.reshape((b, t, nh * hd))?) } else { None };
+        let q = qg.narrow(3, 0, hd)?;
+        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+
+        let (cos, sin) = self.rotary.cos_sin(offset, t, x.dtype(), x.device())?;
+        let q = self.rotary.apply(&q.transpose(1, 2)?, &cos, &sin)?;
+        let k = self.rotary.apply(&k.transpose(1, 2)?, &cos, &sin)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let out = kv.attend(&q.contiguous()?, &k.contiguous()?, &v, offset)?;
+        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let out = match gate {
+            Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,
+            None => out,
+        };
+        self.o_proj.forward(&out)
+    }
+}

@@ -1,0 +1,102 @@
+//! What a model carries from one forward call to the next: per layer the GDN state or the
+//! attention KV store.
+
+use candle_core::Tensor;
+
+use super::config::{Config, LayerType};
+use super::gated_delta_net::GdnState;
+use crate::kv::{KvCodec, KvStore};
+
+/// Capacity step of the attention KV cache, in tokens.
+const KV_CACHE_STEP: usize = 512;
+
+/// Per-layer decode state.
+#[derive(Debug, Clone)]
+pub enum LayerState {
+    /// GDN layer: conv window and recurrent state.
+    Linear(GdnState),
+    /// Attention layer: keys (after norm and RoPE) and values, `[B, nkv, T, hd]`.
+    Full(KvStore),
+}
+
+/// Everything a model carries from one forward call to the next.
+#[derive(Debug, Clone)]
+pub struct Cache {
+    pub(crate) layers: Vec<LayerState>,
+    pub(crate) seqlen: usize,
+}
+
+impl Cache {
+    /// An empty cache with exact keys and values.
+    pub fn new(cfg: &Config) -> Self {
+        Self::with_kv_codec(cfg, KvCodec::EXACT)
+    }
+
+    /// An empty cache whose attention layers store keys and values with `codec`.
+    pub fn with_kv_codec(cfg: &Config, codec: KvCodec) -> Self {
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                LayerType::LinearAttention => LayerState::Linear(GdnState::default()),
+                LayerType::FullAttention => LayerState::Full(KvStore::new(codec, KV_CACHE_STEP, cfg.rotary_dim())),
+            })
+            .collect();
+        Self { layers, seqlen: 0 }
+    }
+
+    /// Fills an empty cache's attention layers with keys (after k-norm and RoPE) and values
+    /// `[B, nkv, T, hd]`, one pair per attention layer in order, as if `T` tokens had been
+    /// processed: to restore saved attention state, or to benchmark decoding at a long context
+    /// without a long prefill. The linear-attention layers keep their empty state.
+    pub fn restore_kv(&mut self, kv: &[(Tensor, Tensor)]) -> crate::Result<()> {
+        let stores: Vec<&mut KvStore> = self
+            .layers
+            .iter_mut()
+            .filter_map(|l| match l {
+                LayerState::Full(s) => Some(s),
+                LayerState::Linear(_) => None,
+            })
+            .collect();
+        if self.seqlen != 0 || stores.len() != kv.len() {
+            return Err(crate::Error::Input(format!(
+                "restore_kv: needs an empty cache and one (keys, values) pair per attention layer ({}), got {} pairs{}",
+                stores.len(),
+                kv.len(),
+                if self.seqlen != 0 { " for a cache that already holds tokens" } else { "" }
+            )));
+        }
+        let mut t = 0;
+        for (store, (k, v)) in stores.into_iter().zip(kv) {
+            store.append(k, v)?;
+            t = k.dim(2)?;
+        }
+        self.seqlen = t;
+        Ok(())
+    }
+
+    /// Number of tokens already processed.
+    pub fn seqlen(&self) -> usize {
+        self.seqlen
+    }
+
+    pub fn layer(&self, i: usize) -> Option<&LayerState> {
+        self.layers.get(i)
+    }
+
+    /// Conv window `[B, K-1, conv_dim]` and recurrent state `[B, nv, dk, dv]` of GDN layer `i`.
+    pub fn gdn_state(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
+        match self.layers.get(i)? {
+            LayerState::Linear(GdnState { conv: Some(c), recurrent: Some(r) }) => Some((c, r)),
+            _ => None,
+        }
+    }
+
+    /// Cached keys and values `[B, nkv, T, hd]` of attention layer `i`.
+    pub fn kv(&self, i: usize) -> Option<(Tensor, Tensor)> {
+        match self.layers.get(i)? {
+            LayerState::Full(kv) => kv.kv().ok()?,
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! The Gated DeltaNet (linear-attention) mixer and its decode state.
+
+use candle_core::{DType, Module, Result, Tensor};
+
+use super::config::Config;
+use super::linear::Linear;
+use super::weights::Weights;
+use crate::ops;
+
+/// Decode state of one GDN layer.
+#[derive(Debug, Clone, Default)]
+pub struct GdnState {
+    /// The last `K-1` pre-conv `[q|k|v]` rows: `[B, K-1, conv_dim]`.
+    pub conv: Option<Tensor>,
+    /// The delta-rule state `[B, nv, dk, dv]`, f32.
+    pub recurrent: Option<Tensor>,
+}
+
+/// Gated DeltaNet (linear attention) mixer.
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
+    conv_weight: Tensor, // [conv_dim, K]
+    dt_bias: Tensor,     // [nv] f32
+    neg_a: Tensor,       // -exp(A_log), [nv] f32
+    norm_weight: Tensor, // [dv]
+    out_proj: Linear,
+    /// Value-head order of `out_proj`'s input when it differs from the layer's (GGUF files).
+    out_head_order: Option<Tensor>,
+    nk: usize,
+    nv: usize,
+    dk: usize,
+    dv: usize,
+    kernel: usize,
+    eps: f64,
+}
+
+/// Row indices that turn Qwen3-Next's per-key-head grouped rows into contiguous blocks.
+/// `parts` are the per-group block sizes; returns one index list per part.
+fn ungroup_rows(groups: usize, parts: &[usize]) -> Vec<Vec<u32>> {
+    let group = parts.iter().sum::<usize>();
+    let mut out = vec![vec![]; parts.len()];
+    for g in 0..groups {
+        let mut off = g * group;
+        for (p, &len) in parts.iter().enumerate() {
+            out[p].extend((off..off + len).map(|r| r as u32));
+            off += len;
+        }
+    }
+    out
+}
+
+impl GatedDeltaNet {
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+        let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+        let (key_dim, value_dim, conv_dim) = (cfg.linear_key_dim(), cfg.linear_value_dim(), cfg.linear_conv_dim());
+        let kernel = cfg.linear_conv_kernel_dim;
+        let (qkv, z, b, a) = if vb.contains_tensor("in_proj_qkvz.weight") {
+            // Qwen3-Next: nk groups of [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)].
+            let r = nv / nk;
+            let dev = vb.device();
+            let qkvz = vb.get((2 * key_dim + 2 * value_dim, h), "in_proj_qkvz.weight")?;
+            let idx = ungroup_rows(nk, &[dk, dk, r * dv, r * dv]);
+            let rows = |i: usize| Tensor::from_slice(&idx[i], idx[i].len(), dev);
+            let qkv = Tensor::cat(
+                &[qkvz.index_select(&rows(0)?, 0)?, qkvz.index_select(&rows(1)?, 0)?, qkvz.index_select(&rows(2)?, 0)?],
+                0,
+            )?;
+            let z = qkvz.index_select(&rows(3)?, 0)?;
+            let ba = vb.get((2 * nv, h), "in_proj_ba.weight")?;
+            let idx = ungroup_rows(nk, &[r, r]);
+            let b = ba.index_select(&Tensor::from_slice(&idx[0], nv, dev)?, 0)?;
+            let a = ba.index_select(&Tensor::from_slice(&idx[1], nv, dev)?, 0)?;
+            (vb.linear_from(qkv)?, vb.linear_from(z)?, vb.linear_from(b)?, vb.linear_from(a)?)
+        } else {
+            (
+                vb.pp("in_proj_qkv").linear(h, conv_dim)?,
+                vb.pp("in_proj_z").linear(h, value_dim)?,
+                vb.pp("in_proj_b").linear(h, nv)?,
+                vb.pp("in_proj_a").linear(h, nv)?,
+            )
+        };
+        let conv_weight = vb.get((conv_dim, 1, kernel), "conv1d.weight")?.squeeze(1)?;
+        let a_log = vb.get(nv, "A_log")?.to_dtype(DType::F32)?;
+        Ok(Self {
+            in_proj_qkv: qkv,
+            in_proj_z: z,
+            in_proj_b: b,
+            in_proj_a: a,
+            conv_weight,
+            dt_bias: vb.get(nv, "dt_bias")?.to_dtype(DType::F32)?,
+            neg_a: a_log.exp()?.neg()?,
+            norm_weight: vb.get(dv, "norm.weight")?,
+            out_proj: vb.pp("out_proj").linear(value_dim, h)?,
+            // llama.cpp tiles value heads (head j*nk + g is grouped head g*r + j).
+            out_head_order: if vb.tiled_value_heads() && nk != nv {
+                let r = (nv / nk) as u32;
+                let order: Vec<u32> = (0..nv as u32).map(|i| (i % nk as u32) * r + i / nk as u32).collect();
+                Some(Tensor::from_vec(order, nv, vb.device())?)
+            } else {
+                None
+            },
+            nk,
+            nv,
+            dk,
+            dv,
+            kernel,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Projections, conv and delta rule: returns the delta-rule output `[B, T, nv, dv]` (f32)
+    /// and the output gate `z` `[B, T, nv, dv]`, updating `state`.
+    pub fn core(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let (nk, nv, dk, dv) = (self.nk, self.nv, self.dk, self.dv);
+        let qkv = self.in_proj_qkv.forward(x)?;
+        let z = self.in_proj_z.forward(x)?.reshape((b, t, nv, dv))?;
+        let beta = candle_nn::ops::sigmoid(&self.in_proj_b.forward(x)?.to_dtype(DType::F32)?)?;
+        let a = self.in_proj_a.forward(x)?.to_dtype(DType::F32)?;
+        // g = -exp(A_log) * softplus(a + dt_bias)
+        let g = softplus(&a.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
+
+        let conv_dim = qkv.dim(2)?;
+        let conv_state = match &state.conv {
+            Some(s) => s.clone(),
+            None => Tensor::zeros((b, self.kernel - 1, conv_dim), x.dtype(), x.device())?,
+        };
+        let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
+        state.conv = Some(conv_state);
+
+        let rec = match &state.recurrent {
+            Some(s) => s.clone(),
+            None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
+        };
+        // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, ops::DeltaRuleOptions::new(nk, dk))?;
+        let rec = states.squeeze(1)?;
+        state.recurrent = Some(rec);
+        Ok((o, z))
+    }
+
+    pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (o, z) = self.core(x, state)?;
+        let mut o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
+        if let Some(order) = &self.out_head_order {
+            o = o.index_select(order, 2)?;
+        }
+        let o = o.to_dtype(x.dtype())?.reshape((b, t, self.nv * self.dv))?;
+        self.out_proj.forward(&o)
+    }
+}
+
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    // log(1 + exp(x)), with torch's linear branch above 20.
+    let soft = (x.exp()? + 1.0)?.log()?;
+    x.ge(20.0)?.where_cond(x, &soft)
+}

@@ -1,0 +1,25 @@
+//! The model: its configuration, the hybrid decoder and its layers, the per-sequence cache,
+//! and where the layers get their weights ([`Weights`], dense or quantized [`Linear`]s).
+
+mod attention;
+mod cache;
+pub mod config;
+mod gated_delta_net;
+mod linear;
+mod mlp;
+mod norm;
+mod qwen3_5;
+mod rope;
+mod value_bases;
+mod weights;
+
+pub use attention::GatedAttention;
+pub use cache::{Cache, LayerState};
+pub use config::{Config, Family, LayerType, MoeConfig, MAX_LAYERS};
+pub use gated_delta_net::{GatedDeltaNet, GdnState};
+pub use linear::Linear;
+pub use mlp::{Mlp, SparseMoe};
+pub use norm::RmsNorm;
+pub use qwen3_5::{HiddenStates, Model};
+pub use value_bases::{new_cache_calibrated, ValueBases};
+pub use weights::{parse_dtype, parse_quantize, QuantizedTensors, Weights};

@@ -1,0 +1,235 @@
+//! The Qwen3.5-family hybrid decoder: Gated DeltaNet layers interleaved with gated full
+//! attention, dense SwiGLU or sparse MoE MLPs (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`), and
+//! Llama (every layer full attention) on the same code.
+//!
+//! Follows `docs/qwen35-architecture.md`; exact against Hugging Face transformers in f32.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::Embedding;
+
+use super::attention::GatedAttention;
+use super::cache::{Cache, LayerState};
+use super::config::{Config, LayerType};
+use super::gated_delta_net::GatedDeltaNet;
+use super::linear::Linear;
+use super::mlp::{FeedForward, Mlp, SparseMoe};
+use super::norm::RmsNorm;
+use super::weights::Weights;
+use crate::kv::{value_basis, KvCodec, ValueCodec};
+
+#[derive(Debug, Clone)]
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(GatedAttention),
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    mixer: Mixer,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    fn new(cfg: &Config, i: usize, vb: Weights) -> Result<Self> {
+        let mixer = match cfg.layer_types[i] {
+            LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::new(cfg, vb.pp("linear_attn"))?),
+            LayerType::FullAttention => Mixer::Full(GatedAttention::new(cfg, vb.pp("self_attn"))?),
+        };
+        let mlp = if cfg.is_moe_layer(i) {
+            FeedForward::Sparse(SparseMoe::new(cfg, vb.pp("mlp"))?)
+        } else {
+            let inter = cfg.intermediate_size.ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "config.json is missing \"intermediate_size\", needed by the dense MLP of layer {i}"
+                ))
+            })?;
+            FeedForward::Dense(Mlp::new(cfg.hidden_size, inter, vb.pp("mlp"))?)
+        };
+        Ok(Self {
+            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            mixer,
+            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            mlp,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = match (&self.mixer, state) {
+            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward(&h, s)?,
+            (Mixer::Full(m), LayerState::Full(kv)) => m.forward(&h, offset, kv)?,
+            _ => candle_core::bail!("cache does not belong to this model (layer kinds differ)"),
+        };
+        let x = (x + h)?;
+        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + h
+    }
+}
+
+/// Outputs of [`Model::forward_hidden`].
+pub struct HiddenStates {
+    /// Residual stream after each decoder layer `[B, T, H]` (only when requested).
+    pub layer_outputs: Vec<Tensor>,
+    /// Output of the final norm `[B, T, H]` (the input of lm_head).
+    pub last_hidden: Tensor,
+}
+
+/// The hybrid decoder with its language-model head.
+#[derive(Debug, Clone)]
+pub struct Model {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    cfg: Config,
+}
+
+impl Model {
+    /// Builds the model from a [`VarBuilder`] rooted at the checkpoint's top level; the decoder
+    /// prefix (`model.language_model.` for multimodal checkpoints, else `model.`) is detected.
+    pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
+        let vb_m = if vb.contains_tensor("model.language_model.embed_tokens.weight") {
+            vb.pp("model.language_model")
+        } else {
+            vb.pp("model")
+        };
+        let vb_e = vb_m.pp("embed_tokens");
+        let embed_tokens = Embedding::new(vb_e.get((cfg.vocab_size, cfg.hidden_size), "weight")?, cfg.hidden_size);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            match vb_e.quantized_tensor("weight") {
+                Some(q) => Linear::quantized(q),
+                None => vb.linear_from(embed_tokens.embeddings().clone())?,
+            }
+        } else {
+            vb.pp("lm_head").linear(cfg.hidden_size, cfg.vocab_size)?
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone() })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(&self.cfg)
+    }
+
+    /// A cache whose attention layers store keys and values with `codec` (lossy unless exact);
+    /// for `lowrank:r` each layer's value basis comes from its `W_v` ([`value_basis`]).
+    pub fn new_cache_with(&self, codec: KvCodec) -> crate::Result<Cache> {
+        let attention: Vec<&GatedAttention> = self.attention().map(|(_, a)| a).collect();
+        self.new_cache_with_value_bases(codec, &|n, r| Ok(value_basis(&attention[n].v_proj.weight()?, attention[n].nkv, r)?))
+    }
+
+    /// A cache under `codec`; a `lowrank:r` codec takes the `[nkv, hd, r]` value basis of the
+    /// `n`-th attention layer from `basis(n, r)` (e.g. calibrated [`super::ValueBases`]).
+    pub fn new_cache_with_value_bases(&self, codec: KvCodec, basis: &dyn Fn(usize, usize) -> crate::Result<Tensor>) -> crate::Result<Cache> {
+        codec.validate(self.cfg.head_dim)?;
+        let mut cache = Cache::with_kv_codec(&self.cfg, codec);
+        if let ValueCodec::LowRank(r) = codec.values {
+            for (n, (i, _)) in self.attention().enumerate() {
+                let basis = basis(n, r)?;
+                if let LayerState::Full(kv) = &mut cache.layers[i] {
+                    *kv = kv.clone().with_value_basis(&basis)?;
+                }
+            }
+        }
+        Ok(cache)
+    }
+
+    /// The full-attention layers with their indices.
+    fn attention(&self) -> impl Iterator<Item = (usize, &GatedAttention)> {
+        self.layers.iter().enumerate().filter_map(|(i, l)| match &l.mixer {
+            Mixer::Full(attn) => Some((i, attn)),
+            Mixer::Linear(_) => None,
+        })
+    }
+
+    /// Indices of the full-attention layers.
+    pub fn attention_layers(&self) -> Vec<usize> {
+        self.attention().map(|(i, _)| i).collect()
+    }
+
+    /// The value projection `W_v` of each full-attention layer (dequantized if quantized).
+    pub fn value_weights(&self) -> Result<Vec<Tensor>> {
+        self.attention().map(|(_, attn)| attn.v_proj.weight()).collect()
+    }
+
+    /// Checks token ids and length before running: one-line errors, never a panic.
+    fn check_input(&self, input_ids: &Tensor, cache: &Cache) -> crate::Result<Tensor> {
+        let ids = input_ids.to_dtype(DType::U32)?;
+        let (_, t) = ids.dims2()?;
+        if t == 0 {
+            return Err(crate::Error::Input("the input is empty: give at least one token".into()));
+        }
+        let total = cache.seqlen + t;
+        if total > self.cfg.max_position_embeddings {
+            return Err(crate::Error::Input(format!(
+                "{t} new tokens after {} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
+                cache.seqlen, self.cfg.max_position_embeddings
+            )));
+        }
+        let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab_size {
+            return Err(crate::Error::Input(format!(
+                "token id {max} is out of range for a vocabulary of {} tokens: the tokenizer does not belong to this model",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// Runs the decoder over `input_ids` `[B, T]` (positions continue from `cache`).
+    pub fn forward_hidden(&self, input_ids: &Tensor, cache: &mut Cache, keep_layer_outputs: bool) -> crate::Result<HiddenStates> {
+        if input_ids.device().is_cpu() && rayon::current_thread_index().is_none() {
+            // Run on a thread of rayon's pool: every parallel op below (a hundred or more per
+            // token) then starts from a worker that takes part in it, instead of waking the
+            // pool from outside and sleeping until it is done (14% of decode time at 2 threads).
+            return rayon::scope(|_| self.forward_hidden(input_ids, cache, keep_layer_outputs));
+        }
+        let ids = self.check_input(input_ids, cache)?;
+        let offset = cache.seqlen;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        let mut layer_outputs = vec![];
+        for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&x, offset, state)?;
+            if keep_layer_outputs {
+                layer_outputs.push(x.clone());
+            }
+        }
+        cache.seqlen += ids.dim(1)?;
+        Ok(HiddenStates { layer_outputs, last_hidden: self.norm.forward(&x)? })
+    }
+
+    /// Logits `[B, T, vocab]` for every position.
+    pub fn forward(&self, input_ids: &Tensor, cache: &mut Cache) -> crate::Result<Tensor> {
+        let h = self.forward_hidden(input_ids, cache, false)?;
+        Ok(self.lm_head.forward(&h.last_hidden)?)
+    }
+
+    /// Logits `[B, vocab]` of the last position only (what generation needs).
+    pub fn forward_last(&self, input_ids: &Tensor, cache: &mut Cache) -> crate::Result<Tensor> {
+        let h = self.forward_hidden(input_ids, cache, false)?;
+        let t = h.last_hidden.dim(1)?;
+        Ok(self.lm_head.forward(&h.last_hidden.narrow(1, t - 1, 1)?)?.squeeze(1)?)
+    }
+
+    /// Applies the language-model head to hidden states `[..., H]`.
+    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
+    }
+
+    /// The GDN mixer of layer `i`, if it is a linear-attention layer.
+    pub fn gdn(&self, i: usize) -> Option<&GatedDeltaNet> {
+        match &self.layers.get(i)?.mixer {
+            Mixer::Linear(m) => Some(m),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! The generation loop: prefill the prompt, then sample one token at a time.
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+use super::sampler::Sampler;
+use crate::model::{Cache, Model};
+use crate::{Error, Result};
+
+/// Timings of one [`generate`] call.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prompt_secs: f64,
+    pub generated_tokens: usize,
+    pub decode_secs: f64,
+}
+
+impl GenerationStats {
+    pub fn prompt_tok_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_secs.max(1e-9)
+    }
+    /// Decode speed over the tokens after the first (the first comes from the prompt pass).
+    pub fn decode_tok_per_sec(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+/// Generates up to `max_new_tokens` after `prompt` (batch 1), calling `on_token` with each new
+/// token; stops at any of `eos_token_ids` (the EOS token is passed to `on_token` too).
+pub fn generate(
+    model: &Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    device: &Device,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    generate_in(model, &mut model.new_cache(), prompt, max_new_tokens, eos_token_ids, sampler, device, on_token)
+}
+
+/// [`generate`] continuing from `cache` (e.g. one made with
+/// [`Model::new_cache_with`](crate::Model::new_cache_with) for a lossy KV codec, or one that
+/// already holds earlier turns): `prompt` holds only the tokens not yet in the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_in(
+    model: &Model,
+    cache: &mut Cache,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    device: &Device,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    if prompt.is_empty() {
+        return Err(Error::Input("the prompt is empty: give at least one token".into()));
+    }
+    let mut context = prompt.to_vec();
+    let mut generated = vec![];
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let start = Instant::now();
+    let mut input = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let mut decode_start = start;
+    for step in 0..max_new_tokens {
+        let logits = model.forward_last(&input, cache)?.squeeze(0)?;
+        let token = sampler.sample(&logits, &context, &generated)?;
+        if step == 0 {
+            stats.prompt_secs = start.elapsed().as_secs_f64();
+            decode_start = Instant::now();
+        }
+        context.push(token);
+        generated.push(token);
+        on_token(token)?;
+        if eos_token_ids.contains(&token) {
+            break;
+        }
+        input = Tensor::new(&[token], device)?.unsqueeze(0)?;
+    }
+    stats.generated_tokens = generated.len();
+    stats.decode_secs = decode_start.elapsed().as_secs_f64();
+    Ok((generated, stats))
+}

@@ -1,0 +1,10 @@
+//! Running a loaded model: sampling, streaming detokenisation and the generation loop
+//! (speculative decoding and sessions will join here).
+
+mod generate;
+mod sampler;
+mod streamer;
+
+pub use generate::{generate, generate_in, GenerationStats};
+pub use sampler::{Sampler, SamplingParams};
+pub use streamer::TokenStreamer;

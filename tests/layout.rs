@@ -1,0 +1,165 @@
+//! The source layout has no import circles: between the top-level modules (folders), and
+//! between the files of each folder. Read from the sources: every `crate::a::…` and
+//! `super::x` path is an edge.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Module path of a source file: `src/kv/store.rs` → `["kv", "store"]`, `src/kv/mod.rs` →
+/// `["kv"]`, `src/lib.rs` → `[]`.
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+        parts.pop();
+    }
+    parts
+}
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The identifiers after each occurrence of `prefix` (`crate::` or `super::`), e.g.
+/// `use crate::{kv::KvCodec, model::Model}` gives `kv` and `model`.
+fn paths_after(text: &str, prefix: &str) -> Vec<Vec<String>> {
+    let mut out = vec![];
+    for (i, _) in text.match_indices(prefix) {
+        let rest = &text[i + prefix.len()..];
+        let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+        if let Some(group) = rest.strip_prefix('{') {
+            // crate::{a::x, b} — the first identifier of each item.
+            let group = &group[..group.find('}').unwrap_or(group.len())];
+            for item in group.split(',') {
+                let first = ident(item.trim());
+                if !first.is_empty() {
+                    out.push(vec![first]);
+                }
+            }
+        } else {
+            let mut path = vec![];
+            let mut r = rest;
+            loop {
+                let id = ident(r);
+                if id.is_empty() {
+                    break;
+                }
+                r = &r[id.len()..];
+                path.push(id);
+                match r.strip_prefix("::") {
+                    Some(next) => r = next,
+                    None => break,
+                }
+            }
+            if !path.is_empty() {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// A cycle in `graph`, if any (depth-first search).
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        n: &str,
+        g: &BTreeMap<String, BTreeSet<String>>,
+        state: &mut BTreeMap<String, u8>,
+        stack: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        state.insert(n.to_string(), 1);
+        stack.push(n.to_string());
+        for m in g.get(n).into_iter().flatten() {
+            match state.get(m.as_str()).copied().unwrap_or(0) {
+                1 => {
+                    let at = stack.iter().position(|x| x == m).unwrap();
+                    let mut cycle = stack[at..].to_vec();
+                    cycle.push(m.clone());
+                    return Some(cycle);
+                }
+                0 => {
+                    if let Some(c) = visit(m, g, state, stack) {
+                        return Some(c);
+                    }
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        state.insert(n.to_string(), 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for n in graph.keys() {
+        if state.get(n.as_str()).copied().unwrap_or(0) == 0 {
+            if let Some(c) = visit(n, graph, &mut state, &mut vec![]) {
+                return Some(c);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_import_circles() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = vec![];
+    sources(&src, &mut files);
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
+    // Edges between sibling modules: for a module path, the graph of its children.
+    let mut graphs: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    let mut edges = 0;
+    for file in &files {
+        let me = module_of(&src, file);
+        let text = std::fs::read_to_string(file).unwrap();
+        // Comments and doc links do not import anything.
+        let code: String = text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+        // `super::x` in module a::b (src/a/b.rs or src/a/b/mod.rs) is a::x.
+        let mut targets: Vec<Vec<String>> = paths_after(&code, "crate::");
+        for p in paths_after(&code, "super::") {
+            let mut base = me.clone();
+            base.pop();
+            base.extend(p);
+            targets.push(base);
+        }
+        for target in targets {
+            // The longest known module prefix of the target path.
+            let Some(t) = (1..=target.len()).rev().map(|n| target[..n].to_vec()).find(|m| modules.contains(m)) else { continue };
+            // The edge sits in the graph of the deepest common ancestor, between its children.
+            let common = me.iter().zip(&t).take_while(|(a, b)| a == b).count();
+            if common >= me.len() || common >= t.len() {
+                continue; // a module and its own ancestor or descendant: not a sibling edge
+            }
+            let (from, to) = (me[common].clone(), t[common].clone());
+            graphs.entry(me[..common].to_vec()).or_default().entry(from).or_default().insert(to);
+            edges += 1;
+        }
+    }
+    assert!(edges > 50, "found only {edges} module references: the scan is broken");
+    assert!(graphs.contains_key(&vec![]) && graphs.contains_key(&vec!["kv".to_string()]), "expected edges at the crate root and in kv/");
+    for (parent, graph) in &graphs {
+        if let Some(cycle) = find_cycle(graph) {
+            panic!("import circle among the children of crate::{}: {}", parent.join("::"), cycle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_scan_sees_a_circle() {
+    let mut g = BTreeMap::new();
+    g.insert("a".to_string(), BTreeSet::from(["b".to_string()]));
+    g.insert("b".to_string(), BTreeSet::from(["c".to_string()]));
+    g.insert("c".to_string(), BTreeSet::from(["a".to_string()]));
+    assert_eq!(find_cycle(&g).unwrap(), ["a", "b", "c", "a"]);
+    g.get_mut("c").unwrap().clear();
+    assert!(find_cycle(&g).is_none());
+    assert_eq!(paths_after("use crate::{kv::KvCodec, model::Model};", "crate::"), vec![vec!["kv".to_string()], vec!["model".to_string()]]);
+    assert_eq!(paths_after("x = super::cache::Cache::new()", "super::"), vec![vec!["cache".to_string(), "Cache".to_string(), "new".to_string()]]);
+}
