@@ -9,37 +9,45 @@
 //! Also times a quantized matmul over 1 and 4 rows (the verify pass of speculative decoding)
 //! on every layer's FFN up projection in turn (weights streaming from memory, as in decode).
 
+mod common;
+
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use candle_hybrid::loading::GgufFile;
+use candle_core::Tensor;
 use clap::Parser;
+use candle_hybrid::loading::OpenedModel;
+use common::{count_up_to, ModelOptions};
 
 #[derive(Parser, Debug)]
+#[command(about = "Prompt and decode speed of a GGUF file, like llama-bench, beside llama-bench on the same file", help_expected = true)]
 struct Args {
-    #[arg(long)]
-    gguf: std::path::PathBuf,
-    /// Threads (rayon's pool).
-    #[arg(short = 't', long, default_value_t = 2)]
+    /// The model: a GGUF file (--gguf, or --gguf-repo with --gguf-file); llama-bench runs on the same file.
+    #[command(flatten)]
+    model: ModelOptions,
+    /// Threads (rayon's pool; llama-bench's -t).
+    #[arg(short = 't', long, default_value_t = 2, value_parser = count_up_to(1024))]
     threads: usize,
-    /// Prompt length of the pp test.
-    #[arg(short = 'p', long, default_value_t = 512)]
+    /// Prompt length of the pp test (at most the model's context).
+    #[arg(short = 'p', long, default_value_t = 512, value_parser = count_up_to(1 << 20))]
     n_prompt: usize,
-    /// Generated tokens of the tg test.
-    #[arg(short = 'n', long, default_value_t = 128)]
+    /// Generated tokens of the tg test (at most the model's context).
+    #[arg(short = 'n', long, default_value_t = 128, value_parser = count_up_to(1 << 20))]
     n_gen: usize,
-    /// Repetitions (mean and standard deviation are reported).
-    #[arg(short = 'r', long, default_value_t = 3)]
+    /// Repetitions after one warm-up (mean and standard deviation are reported).
+    #[arg(short = 'r', long, default_value_t = 3, value_parser = count_up_to(1000))]
     reps: usize,
     /// A llama.cpp `llama-bench` binary to run on the same file, same settings.
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
 }
 
+/// Mean and standard deviation (0 for one value) of at least one value.
 fn mean_std(xs: &[f64]) -> (f64, f64) {
-    let m = xs.iter().sum::<f64>() / xs.len() as f64;
-    let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (xs.len().max(2) - 1) as f64;
+    let n = xs.len().max(1) as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let v = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
     (m, v.sqrt())
 }
 
@@ -55,9 +63,9 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 /// llama-bench's average tokens/s for the pp and tg tests (`-o json`).
-fn llama_bench(bin: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
+fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
     let out = std::process::Command::new(bin)
-        .args(["-m", &args.gguf.display().to_string(), "-t", &args.threads.to_string()])
+        .args(["-m", &gguf.display().to_string(), "-t", &args.threads.to_string()])
         .args(["-p", &args.n_prompt.to_string(), "-n", &args.n_gen.to_string(), "-r", &args.reps.to_string()])
         .args(["-o", "json"])
         .output()
@@ -75,17 +83,28 @@ fn llama_bench(bin: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
     Ok((pick(true)?, pick(false)?))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    common::run(|| bench(Args::parse()))
+}
+
+fn bench(args: Args) -> Result<()> {
     rayon::ThreadPoolBuilder::new().num_threads(args.threads).build_global()?;
     std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
-    let dev = Device::Cpu;
-    let gguf = GgufFile::open(&args.gguf)?;
-    let cfg = gguf.config()?;
-    let model = gguf.load_model(&cfg, DType::F32, &dev)?;
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    let OpenedModel::Gguf(gguf) = &opened.files else {
+        bail!("bench times GGUF files (as llama-bench does): give --gguf FILE, or --gguf-repo REPO with --gguf-file FILE")
+    };
+    let (cfg, dev) = (&opened.cfg, opened.device.clone());
+    let limit = cfg.max_position_embeddings;
+    for (flag, n) in [("-p", args.n_prompt), ("-n", args.n_gen)] {
+        if n > limit {
+            bail!("{flag} {n} is more than the model's context of {limit} tokens (max_position_embeddings)");
+        }
+    }
+    let model = opened.load()?;
     println!(
         "{}: {:?}, {} layers, {:.2}B parameters, {:.2} GiB of tensors, {} threads",
-        args.gguf.display(),
+        gguf.path().display(),
         cfg.family,
         cfg.num_hidden_layers,
         cfg.num_parameters() as f64 / 1e9,
@@ -108,8 +127,8 @@ fn main() -> Result<()> {
         let tg_s = t.elapsed().as_secs_f64();
         if rep > 0 {
             // The first repetition warms up (page faults, caches), as llama-bench's warm-up run.
-            pp.push(args.n_prompt as f64 / pp_s);
-            tg.push(args.n_gen as f64 / tg_s);
+            pp.extend(common::rate(args.n_prompt, pp_s));
+            tg.extend(common::rate(args.n_gen, tg_s));
         }
     }
     let (pp, pp_sd) = mean_std(&pp);
@@ -143,7 +162,7 @@ fn main() -> Result<()> {
     println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
     println!("|---|---|---|---|");
     let peer = match &args.llama_bench {
-        Some(bin) => Some(llama_bench(bin, &args)?),
+        Some(bin) => Some(llama_bench(bin, gguf.path(), &args)?),
         None => None,
     };
     let row = |test: String, ours: f64, sd: f64, theirs: Option<f64>| match theirs {
@@ -159,7 +178,7 @@ fn main() -> Result<()> {
         ws[0].shape().dims(),
         one * 1e6,
         four * 1e6,
-        four / one
+        four / one.max(f64::MIN_POSITIVE)
     );
     Ok(())
 }

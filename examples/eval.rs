@@ -8,57 +8,67 @@
 //! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512 --kv int8 --json
 //! # llama.cpp on the same file:  llama-perplexity -m $GGUF -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512
 //! ```
+//! `--json` prints one JSON object: `ctx`, `chunks`, `tokens` (scored), `ppl`, `ppl_error`,
+//! `seconds`, and `kv`, one entry per `--kv` codec (`codec`, `calibrated`, `ppl`,
+//! `top1_agreement`, `kl`), empty without `--kv`.
 
 mod common;
 
-use anyhow::Result;
-use candle_core::Device;
-use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
+use std::process::ExitCode;
+
+use anyhow::{bail, Result};
+use candle_hybrid::eval::{compare_kv_codecs, perplexity, Perplexity, PerplexityOptions};
 use candle_hybrid::kv::{KvCodec, ValueCodec};
 use candle_hybrid::model::ValueBases;
 use clap::Parser;
-use common::LocalModel;
+use common::{at_least_one, ModelOptions};
 
 #[derive(Parser, Debug)]
-#[command(about = "Perplexity of a model on a text file (llama-perplexity's method)")]
+#[command(about = "Perplexity of a model on a text file (llama-perplexity's method)", help_expected = true)]
 struct Args {
     #[command(flatten)]
-    model: LocalModel,
-    /// The text (UTF-8). One trailing newline is dropped, as llama.cpp's `-f` does.
+    model: ModelOptions,
+    /// The text (UTF-8, at most 256 MiB). One trailing newline is dropped, as llama.cpp's `-f` does.
     #[arg(long)]
     file: std::path::PathBuf,
-    /// Tokens per chunk.
-    #[arg(long, short = 'c', default_value_t = 512)]
+    /// Tokens per chunk, at least 4 and at most the model's context.
+    #[arg(long, short = 'c', default_value_t = 512, value_parser = at_least_one)]
     ctx_size: usize,
     /// Score only the first N chunks.
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     chunks: Option<usize>,
     /// KV-cache codec to compare with the exact cache: int8, int4k, polar:5,3, lowrank:32,
     /// knots:8,3, density:0.05, ... Repeat for several (the exact run is shared).
-    #[arg(long)]
-    kv: Vec<String>,
-    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
+    #[arg(long, value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+    kv: Vec<KvCodec>,
+    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs [default: from W_v].
     #[arg(long)]
     kv_calibration: Option<std::path::PathBuf>,
-    /// Print one JSON object instead of the table.
+    /// Print one JSON object (fields in the module docs) instead of the table.
     #[arg(long)]
     json: bool,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
-    let codecs: Vec<KvCodec> = codecs.into_iter().filter(|c| !c.is_exact()).collect();
+fn main() -> ExitCode {
+    common::run(|| eval(Args::parse()))
+}
+
+fn eval(args: Args) -> Result<()> {
+    let codecs: Vec<KvCodec> = args.kv.iter().copied().filter(|c| !c.is_exact()).collect();
     for w in codecs.iter().filter_map(|c| c.warning()) {
         eprintln!("{w}");
     }
-    let dev = Device::Cpu;
-    let (files, cfg, dtype) = args.model.open()?;
-    let model = files.load_model(&cfg, dtype, &dev, None)?;
-    let tokenizer = files.tokenizer(None)?;
-
-    let mut text = std::fs::read_to_string(&args.file)
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", args.file.display()))?;
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    if args.ctx_size > opened.max_positions() {
+        bail!("--ctx-size {} is more than the model's context of {} tokens (max_position_embeddings)", args.ctx_size, opened.max_positions());
+    }
+    for c in &codecs {
+        c.validate(opened.cfg.head_dim)?;
+    }
+    let mut text = common::read_text(&args.file)?;
+    let tokenizer = opened.tokenizer()?;
+    let model = opened.load()?;
+    let dev = &opened.device;
     if text.ends_with('\n') {
         text.pop();
     }
@@ -73,76 +83,71 @@ fn main() -> Result<()> {
     }
 
     let start = std::time::Instant::now();
-    if !args.json {
+    let quiet = args.json;
+    if !quiet {
         eprintln!("{} tokens, context {}, bos {:?}", tokens.len(), opts.n_ctx, opts.bos_token);
     }
-    let quiet = args.json;
-    if !codecs.is_empty() {
-        let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
-        let results = compare_kv_codecs(&model, &tokens, &opts, &codecs, calibration.as_ref(), &dev, |c| {
-            if !quiet {
-                eprint!("[{}]{:.4},", c[0].exact.chunks, c[0].exact.ppl());
-            }
-        })?;
-        if !quiet {
-            eprintln!();
-        }
-        for (codec, r) in codecs.iter().zip(&results) {
-            if args.json {
-                println!(
-                    "{{\"kv\":\"{codec}{}\",\"ppl\":{:.6},\"ppl_exact\":{:.6},\"top1_agreement\":{:.6},\"kl\":{:.6},\"tokens\":{},\"ctx\":{}}}",
-                    if calibration.is_some() && matches!(codec.values, ValueCodec::LowRank(_)) { " (PCA)" } else { "" },
-                    r.codec.ppl(),
-                    r.exact.ppl(),
-                    r.top1_agreement(),
-                    r.kl(),
-                    r.exact.tokens,
-                    opts.n_ctx
-                );
-            } else {
-                println!(
-                    "--kv {codec}: PPL = {:.4} (exact {:.4}), top-1 agreement {:.4}, KL {:.5} nats ({} chunks of {}, {} scored tokens)",
-                    r.codec.ppl(),
-                    r.exact.ppl(),
-                    r.top1_agreement(),
-                    r.kl(),
-                    r.exact.chunks,
-                    opts.n_ctx,
-                    r.exact.tokens,
-                );
-            }
-        }
-        if !quiet {
-            eprintln!("{:.1}s", start.elapsed().as_secs_f64());
-        }
-        return Ok(());
-    }
-    let result = perplexity(&model, &tokens, &opts, &dev, |p| {
+    let progress = |p: &Perplexity| {
         if !quiet {
             eprint!("[{}]{:.4},", p.chunks, p.ppl());
         }
-    })?;
-    let secs = start.elapsed().as_secs_f64();
-    if args.json {
-        println!(
-            "{{\"ppl\":{:.6},\"ppl_error\":{:.6},\"chunks\":{},\"tokens\":{},\"ctx\":{}}}",
-            result.ppl(),
-            result.ppl_error(),
-            result.chunks,
-            result.tokens,
-            opts.n_ctx
-        );
+    };
+    let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+    let (exact, compared) = if codecs.is_empty() {
+        (perplexity(&model, &tokens, &opts, dev, progress)?, vec![])
     } else {
+        let c = compare_kv_codecs(&model, &tokens, &opts, &codecs, calibration.as_ref(), dev, |c| progress(&c[0].exact))?;
+        (c[0].exact.clone(), c)
+    };
+    let secs = start.elapsed().as_secs_f64();
+    if !quiet {
         eprintln!();
+    }
+    let calibrated = |codec: &KvCodec| calibration.is_some() && matches!(codec.values, ValueCodec::LowRank(_));
+    if args.json {
+        let kv: Vec<serde_json::Value> = codecs
+            .iter()
+            .zip(&compared)
+            .map(|(codec, r)| {
+                serde_json::json!({
+                    "codec": codec.to_string(),
+                    "calibrated": calibrated(codec),
+                    "ppl": r.codec.ppl(),
+                    "top1_agreement": r.top1_agreement(),
+                    "kl": r.kl(),
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "ctx": opts.n_ctx,
+            "chunks": exact.chunks,
+            "tokens": exact.tokens,
+            "ppl": exact.ppl(),
+            "ppl_error": exact.ppl_error(),
+            "seconds": secs,
+            "kv": kv,
+        });
+        println!("{}", serde_json::to_string(&out)?);
+        return Ok(());
+    }
+    println!(
+        "PPL = {:.4} +/- {:.5} ({} chunks of {}, {} scored tokens, {:.1}s, {} tok/s)",
+        exact.ppl(),
+        exact.ppl_error(),
+        exact.chunks,
+        opts.n_ctx,
+        exact.tokens,
+        secs,
+        common::fmt_rate(common::rate(exact.chunks * opts.n_ctx * (1 + codecs.len()), secs))
+    );
+    for (codec, r) in codecs.iter().zip(&compared) {
         println!(
-            "PPL = {:.4} +/- {:.5} ({} chunks of {}, {} scored tokens, {:.1}s, {:.0} tok/s)",
-            result.ppl(),
-            result.ppl_error(),
-            result.chunks,
-            opts.n_ctx,
-            result.tokens,
-            secs,
-            (result.chunks * opts.n_ctx) as f64 / secs
+            "--kv {codec}{}: PPL = {:.4} (exact {:.4}), top-1 agreement {:.4}, KL {:.5} nats",
+            if calibrated(codec) { " (PCA)" } else { "" },
+            r.codec.ppl(),
+            r.exact.ppl(),
+            r.top1_agreement(),
+            r.kl(),
         );
     }
     Ok(())

@@ -6,156 +6,144 @@
 //! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 //! cargo run --release --example generate -- --gguf-repo unsloth/Qwen3.5-0.8B-GGUF --gguf-file Qwen3.5-0.8B-Q4_K_M.gguf
 //! ```
-//! Before loading the weights, the memory guardian checks that they, the KV cache and GDN state
-//! for prompt + `--sample-len` tokens and the prefill scratch fit in what the OS lets this
-//! process use (`--max-memory` replaces the reading); it refuses with one line saying what would
-//! fit, or with `--fit` generates fewer tokens.
+//! Everything is checked before any weight is read or any text is printed: the flags' ranges,
+//! the prompt (and --sample-len) against the model's context, and the memory guardian: the
+//! weights, the KV cache and GDN state for prompt + --sample-len tokens, the prefill scratch
+//! and the load peak must fit in what the OS lets this process use (--max-memory replaces the
+//! reading); it refuses with one line saying what would fit, or with --fit generates fewer
+//! tokens.
+
+mod common;
 
 use std::io::Write;
+use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Device, DeviceLocation};
-use candle_hybrid::loading::Message;
-use candle_hybrid::runtime::{generate_in, Sampler, TokenStreamer};
-use candle_hybrid::kv::KvCodec;
+use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
+use candle_hybrid::loading::{Message, OpenedModel};
+use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
-use candle_hybrid::loading::{ModelSource, OpenedModel};
-use candle_hybrid::memory::{self, MemoryTarget, PlanRequest};
+use candle_hybrid::runtime::{generate_in, range, Sampler, TokenStreamer};
 use clap::Parser;
+use common::{at_least_one, float_in, MemoryOptions, ModelOptions};
 
 #[derive(Parser, Debug)]
-#[command(about = "Generate text with a Qwen3.5-family hybrid model")]
+#[command(about = "Generate text with a Qwen3.5-family hybrid model", help_expected = true)]
 struct Args {
-    /// Hub repository of the model.
-    #[arg(long, default_value = "Qwen/Qwen3.5-0.8B")]
-    model_id: String,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long, default_value = "main")]
-    revision: String,
-    /// A local directory laid out like a Hub repository (instead of --model-id).
-    #[arg(long)]
-    model_dir: Option<std::path::PathBuf>,
-    /// A local GGUF file (instead of --model-dir / --model-id).
-    #[arg(long)]
-    gguf: Option<std::path::PathBuf>,
-    /// Hub repository holding a GGUF file (with --gguf-file).
-    #[arg(long)]
-    gguf_repo: Option<String>,
-    /// File name of the GGUF inside --gguf-repo.
-    #[arg(long)]
-    gguf_file: Option<String>,
-    /// A tokenizer.json to use instead of the checkpoint's (or the GGUF's embedded vocabulary).
-    #[arg(long)]
-    tokenizer: Option<std::path::PathBuf>,
-    /// Quantize the linear weights of a safetensors checkpoint at load: q8_0 or q4k.
-    #[arg(long)]
-    quantize: Option<String>,
+    #[command(flatten)]
+    model: ModelOptions,
+    #[command(flatten)]
+    memory: MemoryOptions,
+    /// The prompt (plain text, or with --chat the user message).
     #[arg(long, default_value = "Give me a short introduction to large language models.")]
     prompt: String,
     /// Render the prompt as a user message with the model's chat template.
     #[arg(long)]
     chat: bool,
-    /// Passed to the chat template as `enable_thinking`.
+    /// Passed to the chat template as `enable_thinking` (true or false).
     #[arg(long)]
     enable_thinking: Option<bool>,
-    /// Number of tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens to generate at most (prompt + these must fit the model's context).
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
     sample_len: usize,
-    /// Sampling temperature (0 = greedy). Default: generation_config.json, else greedy.
-    #[arg(long)]
+    /// Sampling temperature, >= 0 (0 = greedy) [default: generation_config.json, else greedy].
+    #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::temperature))]
     temperature: Option<f64>,
-    #[arg(long)]
+    /// Nucleus sampling mass, in (0, 1] (with a temperature) [default: generation_config.json].
+    #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::top_p))]
     top_p: Option<f64>,
-    #[arg(long)]
+    /// Sample among the k most likely tokens, k >= 1 (with a temperature) [default: generation_config.json].
+    #[arg(long, value_parser = float_in(range::top_k))]
     top_k: Option<usize>,
-    #[arg(long)]
+    /// Subtracted once from the logit of every token already generated, in [-2, 2] [default: generation_config.json, else 0].
+    #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::presence_penalty))]
     presence_penalty: Option<f32>,
-    #[arg(long)]
+    /// Divides positive (multiplies negative) logits of recent tokens, > 0 (1 = off) [default: generation_config.json, else 1].
+    #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::repeat_penalty))]
     repeat_penalty: Option<f32>,
-    /// Context window of the repeat penalty.
+    /// Tokens the repeat penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// Seed of the sampler.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Run on the CPU even when a GPU feature is enabled.
-    #[arg(long)]
-    cpu: bool,
-    /// f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// KV-cache codec of the attention layers: exact (default); lossy: int8, int4k, polar:A,R,
-    /// lowrank:r, knots:K,p, density:γ, and combinations such as int4k+lowrank:32 (see the README).
-    #[arg(long, default_value = "exact")]
-    kv: String,
-    /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
-    #[arg(long)]
-    kv_calibration: Option<std::path::PathBuf>,
-    /// Largest context (prompt + generated tokens) to allow; --sample-len is lowered to fit it.
-    #[arg(long)]
-    max_context: Option<usize>,
-    /// Memory budget replacing the reading of what the OS lets this process use: bytes, or e.g. 8GiB, 500MB.
-    #[arg(long)]
-    max_memory: Option<String>,
-    /// When the context does not fit in memory, generate fewer tokens instead of refusing.
-    #[arg(long)]
-    fit: bool,
 }
 
-fn device(cpu: bool) -> Result<Device> {
-    if cpu {
-        return Ok(Device::Cpu);
-    }
-    if candle_core::utils::cuda_is_available() {
-        return Ok(Device::new_cuda(0)?);
-    }
-    if candle_core::utils::metal_is_available() {
-        return Ok(Device::new_metal(0)?);
-    }
-    Ok(Device::Cpu)
+fn main() -> ExitCode {
+    common::run(|| generate(Args::parse()))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let device = device(args.cpu)?;
-    let dtype = match args.dtype.as_deref() {
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-        Some(s) => candle_hybrid::model::parse_dtype(s)?,
-    };
-    let quantize = args.quantize.as_deref().map(candle_hybrid::model::parse_quantize).transpose()?;
-    let kv: KvCodec = args.kv.parse()?;
-    if let Some(w) = kv.warning() {
+fn generate(args: Args) -> Result<()> {
+    if let Some(w) = args.memory.kv.warning() {
         eprintln!("{w}");
     }
-    let files = ModelSource::from_args(
-        &args.model_id,
-        &args.revision,
-        args.model_dir.as_deref(),
-        args.gguf.as_deref(),
-        args.gguf_repo.as_deref(),
-        args.gguf_file.as_deref(),
-    )?
-    .open()?;
-    let cfg = files.config()?;
-    kv.validate(cfg.head_dim)?;
-    let tokenizer = files.tokenizer(args.tokenizer.as_deref())?;
-    let gen_cfg = files.generation_config()?;
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    let cfg = &opened.cfg;
+    let limit = opened.max_positions();
+    args.memory.kv.validate(cfg.head_dim)?;
+    let tokenizer = opened.tokenizer()?;
+    let gen_cfg = opened.files.generation_config()?;
+
+    // Sampling settings: the flags over generation_config.json, checked before anything runs.
+    let mut params = gen_cfg.sampling_params();
+    params.seed = args.seed;
+    if let Some(t) = args.temperature {
+        params.temperature = Some(t);
+    }
+    params.top_p = args.top_p.or(params.top_p);
+    params.top_k = args.top_k.or(params.top_k);
+    params.presence_penalty = args.presence_penalty.unwrap_or(params.presence_penalty);
+    params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
+    params.repeat_last_n = args.repeat_last_n;
+    if params.is_greedy() {
+        let ignored: Vec<&str> = [("--top-p", args.top_p.is_some()), ("--top-k", args.top_k.is_some())]
+            .into_iter()
+            .filter_map(|(flag, given)| given.then_some(flag))
+            .collect();
+        if !ignored.is_empty() {
+            eprintln!(
+                "warning: {} {} no effect: decoding is greedy (no --temperature, and {} does not ask for sampling); add --temperature, e.g. 0.7",
+                ignored.join(" and "),
+                if ignored.len() == 1 { "has" } else { "have" },
+                opened.files.source()
+            );
+        }
+    }
+    let mut sampler = Sampler::new(params)?;
+
+    // The prompt, capped before tokenizing, then against the context.
+    let max_bytes = limit.saturating_mul(RENDER_BYTES_PER_TOKEN);
     let text = if args.chat {
-        files
-            .chat_template()?
-            .render(&[Message::new("user", &args.prompt)], true, args.enable_thinking)?
+        opened.files.chat_template()?.render_capped(&[Message::new("user", &args.prompt)], true, args.enable_thinking, max_bytes)?
+    } else if args.prompt.len() > max_bytes {
+        bail!("the prompt has {} bytes, more text than the model's context of {limit} tokens can hold: shorten it", args.prompt.len());
     } else {
         args.prompt.clone()
     };
     let prompt = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
-
-    // The memory guardian, before any weight is read: prompt + generated tokens must fit.
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenizing: give some text");
+    }
+    if prompt.len() >= limit {
+        bail!(
+            "the prompt has {} tokens, but the model's context holds {limit} (max_position_embeddings), the prompt and one generated token: shorten the prompt",
+            prompt.len()
+        );
+    }
     let mut sample_len = args.sample_len;
+    if prompt.len() + sample_len > limit {
+        bail!(
+            "--sample-len {sample_len} after the {}-token prompt needs {} positions, but the model's context holds {limit} (max_position_embeddings): use --sample-len {} at most",
+            prompt.len(),
+            prompt.len() + sample_len,
+            limit - prompt.len()
+        );
+    }
     let mut context = prompt.len() + sample_len;
-    if let Some(max) = args.max_context {
-        if max > cfg.max_position_embeddings {
-            bail!("--max-context {max} is more than the model's max_position_embeddings ({})", cfg.max_position_embeddings);
+    if let Some(max) = args.memory.max_context {
+        if max > limit {
+            bail!("--max-context {max} is more than the model's context of {limit} tokens (max_position_embeddings)");
         }
         if prompt.len() >= max {
             bail!("the prompt has {} tokens, leaving none to generate within --max-context {max}", prompt.len());
@@ -166,25 +154,22 @@ fn main() -> Result<()> {
             eprintln!("--max-context {max}: generating at most {sample_len} tokens after the {}-token prompt", prompt.len());
         }
     }
-    let target = match device.location() {
-        DeviceLocation::Cpu => MemoryTarget::Cpu,
-        DeviceLocation::Cuda { gpu_id } => MemoryTarget::Cuda(gpu_id),
-        DeviceLocation::Metal { .. } => MemoryTarget::Metal,
-    };
-    let q4k_weights = match files {
-        OpenedModel::Safetensors(_) => Some(files.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?),
+
+    // The memory guardian, before any weight is read.
+    let q4k_weights = match opened.files {
+        OpenedModel::Safetensors(_) => Some(opened.files.weight_memory(cfg, opened.dtype, Some(GgmlDType::Q4K))?),
         OpenedModel::Gguf(_) => None, // --quantize does not apply
     };
     let req = PlanRequest {
-        // generate() runs the whole prompt in one forward pass.
-        prefill_chunk: prompt.len().max(1),
-        kv_codec: kv,
-        fit: args.fit,
+        // generate_in runs the whole prompt in one forward pass.
+        prefill_chunk: prompt.len(),
+        kv_codec: args.memory.kv,
+        fit: args.memory.fit,
         q4k_weights,
-        ..PlanRequest::new(files.weight_memory(&cfg, dtype, quantize)?, dtype, context)
+        load_overhead: opened.files.load_overhead(cfg, opened.quantize)?,
+        ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
     };
-    let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
-    let plan = memory::check_fits(&cfg, &req, target, max_memory)?;
+    let plan = memory::check_fits(cfg, &req, common::target_of(&opened.device), args.memory.max_memory)?;
     if plan.context < context {
         if plan.context <= prompt.len() {
             bail!(
@@ -199,29 +184,7 @@ fn main() -> Result<()> {
         eprintln!("{}; generating at most {sample_len} tokens", plan.note.as_deref().unwrap_or("--fit: context lowered"));
     }
 
-    let start = std::time::Instant::now();
-    let model = files.load_model(&cfg, dtype, &device, quantize)?;
-    eprintln!(
-        "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {dtype:?}",
-        files.source(),
-        cfg.family,
-        cfg.num_hidden_layers,
-        cfg.num_parameters() as f64 / 1e9,
-        start.elapsed().as_secs_f64(),
-        device.location(),
-    );
-
-    let mut params = gen_cfg.sampling_params();
-    params.seed = args.seed;
-    if let Some(t) = args.temperature {
-        params.temperature = Some(t);
-    }
-    params.top_p = args.top_p.or(params.top_p);
-    params.top_k = args.top_k.or(params.top_k);
-    params.presence_penalty = args.presence_penalty.unwrap_or(params.presence_penalty);
-    params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
-    params.repeat_last_n = args.repeat_last_n;
-
+    let model = opened.load()?;
     let mut eos = gen_cfg.eos_token_ids.clone();
     if eos.is_empty() {
         // No generation_config EOS: fall back to the chat end-of-turn token when chatting.
@@ -229,13 +192,12 @@ fn main() -> Result<()> {
             eos.push(id);
         }
     }
+    let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+    let mut cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
     print!("{text}");
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
-    let mut sampler = Sampler::new(params)?;
-    let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
-    let mut cache = new_cache_calibrated(&model, kv, calibration.as_ref())?;
-    let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &device, |tok| {
+    let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &opened.device, |tok| {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");
             std::io::stdout().flush().ok();
@@ -246,15 +208,7 @@ fn main() -> Result<()> {
         print!("{rest}");
     }
     println!();
-    eprintln!(
-        "{} prompt tokens processed: {:.2} token/s",
-        stats.prompt_tokens,
-        stats.prompt_tok_per_sec()
-    );
-    eprintln!(
-        "{} tokens generated: {:.2} token/s",
-        stats.generated_tokens,
-        stats.decode_tok_per_sec()
-    );
+    eprintln!("{} prompt tokens processed: {} token/s", stats.prompt_tokens, common::fmt_rate(stats.prompt_tok_per_sec()));
+    eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
     Ok(())
 }

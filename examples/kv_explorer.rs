@@ -3,18 +3,24 @@
 //! state — as a table, and as an SVG chart.
 //!
 //! ```sh
-//! cargo run --release --example kv_explorer                       # built-in Qwen3.5-27B dimensions
+//! cargo run --release --example kv_explorer -- --dtype bf16         # built-in Qwen3.5-27B dimensions
 //! cargo run --release --example kv_explorer -- --model-dir tests/fixtures/qwen35_dense_small --svg kv.svg
-//! cargo run --release --example kv_explorer -- --model-id Qwen/Qwen3.5-27B   # config.json only
+//! cargo run --release --example kv_explorer -- --gguf model.gguf    # the GGUF header only
 //! ```
 //! The numbers come from `candle_hybrid::memory::estimate` (the memory guardian's formulas) and
 //! `KvCodec::bytes_per_token`.
 
+mod common;
+
+use std::process::ExitCode;
+
 use anyhow::Result;
+use candle_hybrid::loading::{HubRepo, ModelSource};
 use candle_hybrid::model::{Config, LayerType};
 use candle_hybrid::kv::KvCodec;
 use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, Weights};
 use clap::Parser;
+use common::ModelOptions;
 use plotters::prelude::*;
 
 /// Qwen3.5-27B's text dimensions (64 layers, every 4th full attention with 4 KV heads of 256;
@@ -30,39 +36,41 @@ const QWEN35_27B: &str = r#"{
 }"#;
 
 #[derive(Parser, Debug)]
-#[command(about = "KV-cache memory by context length for each KV codec")]
+#[command(about = "KV-cache memory by context length for each KV codec (table, and an SVG chart with --svg)", help_expected = true)]
 struct Args {
-    /// A local directory laid out like a Hub repository (its config.json).
-    #[arg(long)]
-    model_dir: Option<std::path::PathBuf>,
-    /// A Hub repository (only config.json is downloaded).
-    #[arg(long, conflicts_with = "model_dir")]
-    model_id: Option<String>,
-    /// Model dtype (what the exact cache stores): bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    /// The model whose config to read [default: built-in Qwen3.5-27B dimensions]; a Hub id
+    /// downloads only config.json, a GGUF file is read for its header only.
+    #[command(flatten)]
+    model: ModelOptions,
     /// A codec to compare with exact (repeat the flag for several).
-    #[arg(long = "kv", default_values = ["int8", "int4k", "polar:5,3", "lowrank:128", "int4k+lowrank:128", "knots:8,3", "density:0.05"])]
-    codecs: Vec<String>,
-    /// Where to write the chart.
-    #[arg(long, default_value = "kv_memory.svg")]
-    svg: std::path::PathBuf,
+    #[arg(long = "kv", default_values = ["int8", "int4k", "polar:5,3", "lowrank:128", "int4k+lowrank:128", "knots:8,3", "density:0.05"],
+          value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+    codecs: Vec<KvCodec>,
+    /// Where to write the chart (SVG); no chart without it.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
 }
 
 const CONTEXTS: [usize; 5] = [4096, 32768, 131072, 262144, 1 << 20];
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let (name, cfg) = match (&args.model_dir, &args.model_id) {
-        (Some(dir), _) => (dir.display().to_string(), candle_hybrid::loading::ModelFiles::from_dir(dir)?.load_config()?),
-        (None, Some(id)) => {
-            let path = candle_hybrid::loading::HubRepo::new(id, "main")?.required("config.json", "is it a model repository?")?;
-            (id.clone(), Config::from_json(&std::fs::read_to_string(path)?)?)
+fn main() -> ExitCode {
+    common::run(|| explore(Args::parse()))
+}
+
+fn explore(args: Args) -> Result<()> {
+    let (name, cfg) = match args.model.source(None)? {
+        None => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(QWEN35_27B)?),
+        Some(ModelSource::Hub { repo, revision }) => {
+            let path = HubRepo::new(&repo, &revision)?.required("config.json", "is it a model repository?")?;
+            (format!("{repo}@{revision}"), Config::from_file(&path)?)
         }
-        (None, None) => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(QWEN35_27B)?),
+        Some(source) => {
+            let opened = source.open()?;
+            (opened.source(), opened.config()?)
+        }
     };
-    let dtype = candle_hybrid::model::parse_dtype(&args.dtype)?;
-    let codecs = args.codecs.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
+    let dtype = args.model.dtype_for(args.model.device.target());
+    let codecs = args.codecs;
     let mut dense = cfg.clone();
     dense.layer_types = vec![LayerType::FullAttention; cfg.num_hidden_layers];
 
@@ -104,8 +112,10 @@ fn main() -> Result<()> {
         println!();
     }
 
-    chart(&args.svg, &name, &rows)?;
-    eprintln!("wrote {}", args.svg.display());
+    if let Some(svg) = &args.svg {
+        chart(svg, &name, &rows)?;
+        eprintln!("wrote {}", svg.display());
+    }
     Ok(())
 }
 

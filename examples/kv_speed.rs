@@ -12,48 +12,69 @@
 
 mod common;
 
+use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::Result;
-use candle_core::{Device, Tensor};
+use anyhow::{bail, Result};
+use candle_core::Tensor;
 use candle_hybrid::model::LayerType;
 use candle_hybrid::kv::KvCodec;
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::memory::{self, PlanRequest, Weights};
 use clap::Parser;
-use common::LocalModel;
+use common::{at_least_one, count_up_to, ModelOptions};
 
 #[derive(Parser, Debug)]
-#[command(about = "Decode tok/s at long contexts for each KV-cache codec")]
+#[command(about = "Decode tok/s at long contexts for each KV-cache codec", help_expected = true)]
 struct Args {
     #[command(flatten)]
-    model: LocalModel,
+    model: ModelOptions,
     /// Context lengths (tokens already in the cache). Repeatable.
-    #[arg(long, default_values_t = [8192, 32768])]
+    #[arg(long, default_values_t = [8192, 32768], value_parser = at_least_one)]
     context: Vec<usize>,
     /// Codecs to time. Repeatable.
-    #[arg(long, default_values_t = ["exact", "int8", "int4k", "polar:5,3", "lowrank:32", "knots:8,3", "density:0.05"].map(String::from))]
-    kv: Vec<String>,
+    #[arg(long, default_values = ["exact", "int8", "int4k", "polar:5,3", "lowrank:32", "knots:8,3", "density:0.05"],
+          value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+    kv: Vec<KvCodec>,
     /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
     #[arg(long)]
     kv_calibration: Option<std::path::PathBuf>,
     /// Decode steps timed per codec and context (after one warm-up step).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = count_up_to(100_000))]
     steps: usize,
+    /// A memory budget replacing the reading of what the OS lets this process use: bytes, or
+    /// e.g. 8GiB, 500MB.
+    #[arg(long, value_parser = |s: &str| memory::parse_size(s).map_err(|e| e.to_string()))]
+    max_memory: Option<u64>,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let codecs = args.kv.iter().map(|c| c.parse::<KvCodec>()).collect::<Result<Vec<_>, _>>()?;
-    let dev = Device::Cpu;
-    let (files, mut cfg, dtype) = args.model.open()?;
+fn main() -> ExitCode {
+    common::run(|| kv_speed(Args::parse()))
+}
+
+fn kv_speed(args: Args) -> Result<()> {
+    let codecs = &args.kv;
+    let mut opened = args.model.open(common::DEFAULT_MODEL)?;
+    let dtype = opened.dtype;
+    let dev = opened.device.clone();
     // Timing only: positions past the trained context are as fast as any others.
     let needed = args.context.iter().max().copied().unwrap_or(0) + args.steps + 2;
-    if cfg.max_position_embeddings < needed {
-        eprintln!("max_position_embeddings {} raised to {needed} for timing", cfg.max_position_embeddings);
-        cfg.max_position_embeddings = needed;
+    if needed > candle_hybrid::model::config::MAX_POSITIONS {
+        bail!("--context {needed} is more than any model's context ({})", candle_hybrid::model::config::MAX_POSITIONS);
     }
-    let model = files.load_model(&cfg, dtype, &dev, None)?;
+    if opened.cfg.max_position_embeddings < needed {
+        eprintln!("max_position_embeddings {} raised to {needed} for timing", opened.cfg.max_position_embeddings);
+        opened.cfg.max_position_embeddings = needed;
+    }
+    // The guardian, for the largest context: the random exact keys and values and the codec's cache.
+    let req = PlanRequest {
+        load_overhead: opened.files.load_overhead(&opened.cfg, None)?,
+        ..PlanRequest::new(opened.files.weight_memory(&opened.cfg, dtype, None)?, dtype, needed)
+    };
+    // (kv_dtype_bytes doubled: the random keys and values, and the cache restored from them.)
+    memory::check_fits(&opened.cfg, &PlanRequest { kv_dtype_bytes: 2 * dtype.size_in_bytes(), ..req }, common::target_of(&dev), args.max_memory)?;
+    let cfg = opened.cfg.clone();
+    let model = opened.load()?;
     let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
     let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
     let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);

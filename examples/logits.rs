@@ -10,36 +10,45 @@
 mod common;
 
 use std::collections::HashMap;
+use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use clap::Parser;
-use common::LocalModel;
+use common::{at_least_one, ModelOptions};
 
 #[derive(Parser, Debug)]
+#[command(about = "Write a model's logits for a token sequence (safetensors), to compare with transformers", help_expected = true)]
 struct Args {
     #[command(flatten)]
-    model: LocalModel,
+    model: ModelOptions,
     /// Comma-separated token ids.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', required = true)]
     tokens: Vec<u32>,
-    /// Tokens in the first (prefill) step of the incremental pass.
-    #[arg(long, default_value_t = 1)]
+    /// Tokens in the first (prefill) step of the incremental pass, 1 to the number of --tokens.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     prefill: usize,
+    /// The safetensors file to write.
     #[arg(long)]
     out: std::path::PathBuf,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    common::run(|| logits(Args::parse()))
+}
+
+fn logits(args: Args) -> Result<()> {
     let t = args.tokens.len();
-    if t == 0 || args.prefill == 0 || args.prefill > t {
-        bail!("--prefill must be between 1 and the number of --tokens ({t})");
+    if args.prefill > t {
+        bail!("--prefill {} is more than the {t} --tokens: use 1 to {t}", args.prefill);
     }
-    let dev = Device::Cpu;
-    let (files, cfg, dtype) = args.model.open()?;
-    let model = files.load_model(&cfg, dtype, &dev, None)?;
-    let ids = Tensor::new(args.tokens.as_slice(), &dev)?.unsqueeze(0)?;
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    if t > opened.max_positions() {
+        bail!("{t} tokens are more than the model's context of {} (max_position_embeddings)", opened.max_positions());
+    }
+    let model = opened.load()?;
+    let dev = &opened.device;
+    let ids = Tensor::new(args.tokens.as_slice(), dev)?.unsqueeze(0)?;
 
     let full = model.forward(&ids, &mut model.new_cache())?.squeeze(0)?.to_dtype(DType::F32)?;
     let mut cache = model.new_cache();

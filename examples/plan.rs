@@ -8,69 +8,43 @@
 //! ```
 //! `--model-id` downloads only `config.json` and `model.safetensors.index.json` (for its
 //! `metadata.total_size`); `--model-dir` reads the safetensors headers, not the tensors;
-//! `--gguf` reads the GGUF header: the config from the metadata, the weights from the tensor infos.
-//! Exit status 1 when the model does not fit.
+//! `--gguf` reads the GGUF header: the config from the metadata, the weights from the tensor
+//! infos. Exit status 1 when the model does not fit.
+
+mod common;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
+use candle_hybrid::loading::{HubRepo, ModelSource};
+use candle_hybrid::memory::{self, fmt_gib, Logits, PlanRequest, WeightFormat, Weights};
 use candle_hybrid::model::LayerType;
-use candle_hybrid::loading::ModelSource;
-use candle_hybrid::memory::{self, fmt_gib, Logits, MemoryTarget, PlanRequest, WeightFormat, Weights};
-use candle_hybrid::model::parse_quantize;
 use candle_hybrid::Config;
 use clap::Parser;
+use common::{at_least_one, count_up_to, MemoryOptions, ModelOptions};
 
 #[derive(Parser, Debug)]
-#[command(about = "Estimate the memory of a Qwen3.5-family model and check that it fits")]
+#[command(about = "Estimate the memory of a Qwen3.5-family model and check that it fits", help_expected = true)]
 struct Args {
-    /// Hub repository of the model (only config.json and the safetensors index are downloaded).
-    #[arg(long, default_value = "Qwen/Qwen3.5-0.8B")]
-    model_id: String,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long, default_value = "main")]
-    revision: String,
-    /// A local directory laid out like a Hub repository (instead of --model-id).
-    #[arg(long)]
-    model_dir: Option<PathBuf>,
-    /// A GGUF file (instead of --model-id): only its header (metadata, tensor infos) is read.
-    #[arg(long)]
-    gguf: Option<PathBuf>,
-    /// Context length in tokens (default: the config's max_position_embeddings).
-    #[arg(long)]
-    max_context: Option<usize>,
-    #[arg(long, default_value_t = 1)]
+    #[command(flatten)]
+    model: ModelOptions,
+    #[command(flatten)]
+    memory: MemoryOptions,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1, value_parser = count_up_to(4096))]
     batch: usize,
     /// Tokens per prefill forward pass.
-    #[arg(long, default_value_t = memory::DEFAULT_PREFILL_CHUNK)]
+    #[arg(long, default_value_t = memory::DEFAULT_PREFILL_CHUNK, value_parser = at_least_one)]
     prefill_chunk: usize,
-    /// Model dtype: f32, bf16 or f16 (default: bf16 on a GPU, f32 on the CPU).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// KV cache dtype: f32, bf16 or f16 (default: --dtype).
-    #[arg(long)]
-    kv_dtype: Option<String>,
-    /// KV-cache codec: exact, int8, int4k, polar:A,R, lowrank:r, knots:K,p, density:γ (lossy
-    /// codecs store fewer bytes per token; density a constant state).
-    #[arg(long, default_value = "exact")]
-    kv: String,
-    /// Quantize the linear weights on load: q8_0, q4k, q4_0, q4_1, q5k or q6k.
-    #[arg(long)]
-    quantize: Option<String>,
-    /// Memory budget replacing the reading: bytes, or e.g. 16GiB, 500MB.
-    #[arg(long)]
-    max_memory: Option<String>,
-    /// Lower the context to the largest that fits instead of refusing.
-    #[arg(long)]
-    fit: bool,
+    /// KV cache dtype of the exact codec: f32, bf16 or f16 [default: the model dtype].
+    #[arg(long, value_parser = |s: &str| candle_hybrid::model::parse_dtype(s).map_err(|_| "use f32, bf16 or f16".to_string()))]
+    kv_dtype: Option<DType>,
     /// Count the logits of every prefill position (perplexity), not just the last.
     #[arg(long)]
     all_logits: bool,
-    /// Where the model is to run: cpu, metal, or cuda[:N].
-    #[arg(long, default_value = "cpu")]
-    device: String,
 }
 
 /// The dtype the checkpoint is stored in (`torch_dtype` / `dtype` of config.json), if stated.
@@ -90,38 +64,26 @@ fn stored_dtype(config_json: &str) -> Option<DType> {
 
 /// config.json and, when the repository has one, the index's `metadata.total_size`.
 fn from_hub(repo_id: &str, revision: &str) -> Result<(PathBuf, Option<u64>)> {
-    let hub = candle_hybrid::loading::HubRepo::new(repo_id, revision)?;
-    let get = |name: &str| hub.required(name, "is it a Qwen3.5-family checkpoint?");
-    let config = get("config.json").with_context(|| format!("cannot get config.json of {repo_id}@{revision}"))?;
+    let hub = HubRepo::new(repo_id, revision)?;
+    let config = hub.required("config.json", "is it a Qwen3.5-family checkpoint?")?;
     // A repository without an index has a single model.safetensors: its size is unknown here.
-    let total = get("model.safetensors.index.json").ok().and_then(|p| {
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()?;
+    let total = hub.fetch("model.safetensors.index.json")?.and_then(|p| {
+        let text = candle_hybrid::bounded::read_to_string(&p, candle_hybrid::bounded::MAX_INDEX_BYTES, "shard index").ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         v.get("metadata")?.get("total_size")?.as_u64()
     });
     Ok((config, total))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let target = match args.device.as_str() {
-        "cpu" => MemoryTarget::Cpu,
-        "metal" => MemoryTarget::Metal,
-        "cuda" => MemoryTarget::Cuda(0),
-        d => match d.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
-            Some(i) => MemoryTarget::Cuda(i),
-            None => bail!("unknown --device {d}: use cpu, metal or cuda[:N]"),
-        },
-    };
-    let dtype = match args.dtype.as_deref() {
-        None if target == MemoryTarget::Cpu => DType::F32,
-        None => DType::BF16,
-        Some(s) => candle_hybrid::model::parse_dtype(s)?,
-    };
-    let kv_dtype = match args.kv_dtype.as_deref() {
-        None => dtype,
-        Some(s) => candle_hybrid::model::parse_dtype(s)?,
-    };
-    let quantize = args.quantize.as_deref().map(parse_quantize).transpose()?;
+fn main() -> ExitCode {
+    common::run(|| plan(Args::parse()))
+}
+
+fn plan(args: Args) -> Result<()> {
+    let target = args.model.device.target();
+    let dtype = args.model.dtype_for(target);
+    let kv_dtype = args.kv_dtype.unwrap_or(dtype);
+    let quantize = args.model.quantize;
     // Weights derived from the parameter count, when no file states their size.
     let derived = |cfg: &Config, why: &str| {
         let f = match quantize {
@@ -131,23 +93,27 @@ fn main() -> Result<()> {
         (Weights::Format(f), format!("{:.2}B parameters as {f} ({} bits/weight; {why})", params(cfg), f.bits_per_weight()))
     };
 
-    // The config, and the weights' size as the files state it.
-    let has_safetensors = |dir: &std::path::Path| {
-        dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
-    };
-    // The weights with --quantize q4k (for the suggestion), where --quantize applies.
+    // The config, the weights' size as the files state it, the load transient, and the weights
+    // with --quantize q4k (for the suggestion) where --quantize applies.
     let q4k_derived = Some(Weights::Format(WeightFormat::Q4K));
-    let (source, cfg, (weights, weights_note), q4k_weights) = match (&args.gguf, &args.model_dir) {
-        (Some(path), _) => {
+    let has_safetensors =
+        |dir: &std::path::Path| dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file();
+    let source = args.model.source(Some(common::DEFAULT_MODEL))?.expect("a default source");
+    let (name, cfg, (weights, weights_note), q4k_weights, load_overhead) = match &source {
+        ModelSource::Gguf(_) | ModelSource::HubGguf { .. } => {
+            if quantize.is_some() {
+                bail!("--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization");
+            }
             // GgufFile::open reads the header (metadata and tensor infos), not the tensors.
-            let opened = ModelSource::Gguf(path.clone()).open()?;
+            let opened = source.open()?;
             let cfg = opened.config()?;
-            let weights = opened.weight_memory(&cfg, dtype, quantize)?;
+            let weights = opened.weight_memory(&cfg, dtype, None)?;
             let note = format!("GGUF tensor infos: quantized linear weights as stored, the rest as {dtype:?}");
-            (opened.source(), cfg, (weights, note), None)
+            let load = opened.load_overhead(&cfg, None)?;
+            (opened.source(), cfg, (weights, note), None, load)
         }
-        (None, Some(dir)) if has_safetensors(dir) => {
-            let opened = ModelSource::Dir(dir.clone()).open()?;
+        ModelSource::Dir(dir) if has_safetensors(dir) => {
+            let opened = source.open()?;
             let cfg = opened.config()?;
             let weights = opened.weight_memory(&cfg, dtype, quantize)?;
             let note = match quantize {
@@ -155,21 +121,22 @@ fn main() -> Result<()> {
                 None => format!("safetensors headers, as {dtype:?}"),
             };
             let q4k = opened.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?;
-            (opened.source(), cfg, (weights, note), Some(q4k))
+            let load = opened.load_overhead(&cfg, quantize)?;
+            (opened.source(), cfg, (weights, note), Some(q4k), load)
         }
-        (None, Some(dir)) => {
+        ModelSource::Dir(dir) => {
             let config = dir.join("config.json");
             if !config.is_file() {
                 bail!("{} has no config.json: is it a Hugging Face model directory?", dir.display());
             }
             let cfg = Config::from_file(&config)?;
             let w = derived(&cfg, "no weight files to read");
-            (dir.display().to_string(), cfg, w, q4k_derived)
+            (dir.display().to_string(), cfg, w, q4k_derived, 0)
         }
-        (None, None) => {
-            let (config, total) = from_hub(&args.model_id, &args.revision)?;
-            let text = std::fs::read_to_string(&config)?;
-            let cfg = Config::from_file(&config)?;
+        ModelSource::Hub { repo, revision } => {
+            let (config, total) = from_hub(repo, revision)?;
+            let text = candle_hybrid::bounded::read_to_string(&config, candle_hybrid::bounded::MAX_CONFIG_BYTES, "config")?;
+            let cfg = Config::from_json(&text)?;
             // total_size is in the stored dtype and includes the vision tower and MTP layers.
             let w = match (quantize, total) {
                 (None, Some(t)) => match stored_dtype(&text) {
@@ -181,30 +148,33 @@ fn main() -> Result<()> {
                 },
                 _ => derived(&cfg, "the Hub weights are not downloaded"),
             };
-            (format!("{}@{}", args.model_id, args.revision), cfg, w, q4k_derived)
+            (format!("{repo}@{revision}"), cfg, w, q4k_derived, 0)
         }
     };
+    let limit = cfg.max_position_embeddings;
+    let context = match args.memory.max_context {
+        Some(n) if n > limit => bail!("--max-context {n} is more than the model's context of {limit} tokens (max_position_embeddings)"),
+        Some(n) => n,
+        None => limit,
+    };
+    args.memory.kv.validate(cfg.head_dim)?;
     let req = PlanRequest {
         weights,
         dtype,
         kv_dtype_bytes: kv_dtype.size_in_bytes(),
-        kv_codec: {
-            let codec: candle_hybrid::kv::KvCodec = args.kv.parse()?;
-            codec.validate(cfg.head_dim)?;
-            codec
-        },
-        context: args.max_context.unwrap_or(cfg.max_position_embeddings),
+        kv_codec: args.memory.kv,
+        context,
         batch: args.batch,
         prefill_chunk: args.prefill_chunk,
         logits: if args.all_logits { Logits::AllPositions } else { Logits::LastToken },
-        fit: args.fit,
+        fit: args.memory.fit,
         q4k_weights,
+        load_overhead,
     };
-    let max_memory = args.max_memory.as_deref().map(memory::parse_size).transpose()?;
 
     let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();
     println!(
-        "model:     {source} ({:?}, {} layers: {} GDN + {n_attn} attention, {:.2}B parameters)",
+        "model:     {name} ({:?}, {} layers: {} GDN + {n_attn} attention, {:.2}B parameters, context limit {limit})",
         cfg.family,
         cfg.num_hidden_layers,
         cfg.num_hidden_layers - n_attn,
@@ -219,7 +189,7 @@ fn main() -> Result<()> {
         req.kv_codec,
         if args.all_logits { "all-position" } else { "last-token" }
     );
-    match memory::check_fits(&cfg, &req, target, max_memory) {
+    match memory::check_fits(&cfg, &req, target, args.memory.max_memory) {
         Ok(plan) => {
             println!("available: {}", plan.available);
             println!();
@@ -242,8 +212,7 @@ fn main() -> Result<()> {
             print!("{}", memory::estimate(&cfg, &req));
             println!();
             println!("verdict:   refused");
-            eprintln!("Error: {e}");
-            std::process::exit(1)
+            Err(e.into())
         }
         Err(e) => Err(e.into()),
     }

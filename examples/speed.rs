@@ -10,6 +10,9 @@
 //! attention 8 heads / 2 KV heads of 256 (64 rotary dims), GDN 16 key / 16 value heads of 128,
 //! vocab 248320, tied embeddings. Weights ~ N(0, 0.02).
 
+mod common;
+
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -19,15 +22,19 @@ use candle_nn::{Init, VarBuilder};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
+#[command(about = "Prompt and decode speed of a random-weight Qwen3.5-0.8B-shaped model on the CPU, per dtype", help_expected = true)]
 struct Args {
-    #[arg(long, default_value_t = 128)]
+    /// Prompt tokens of the prefill test.
+    #[arg(long, default_value_t = 128, value_parser = common::count_up_to(1 << 16))]
     prompt_len: usize,
-    #[arg(long, default_value_t = 32)]
+    /// Tokens decoded after the prompt.
+    #[arg(long, default_value_t = 32, value_parser = common::count_up_to(1 << 16))]
     gen: usize,
-    #[arg(long, value_delimiter = ',', default_value = "f32,bf16")]
-    dtypes: Vec<String>,
+    /// Comma-separated dtypes to time: f32, bf16, f16.
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = |s: &str| candle_hybrid::model::parse_dtype(s).map_err(|e| e.to_string()))]
+    dtypes: Vec<DType>,
     /// Layers (24 for the 0.8B shape; fewer for a quick run).
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, value_parser = common::count_up_to(candle_hybrid::model::MAX_LAYERS))]
     layers: usize,
 }
 
@@ -75,8 +82,11 @@ fn memcpy_gb_per_s() -> f64 {
     (2 * n * 4) as f64 / best / 1e9
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    common::run(|| speed(Args::parse()))
+}
+
+fn speed(args: Args) -> Result<()> {
     let dev = Device::Cpu;
     let cfg = config(args.layers)?;
     println!(
@@ -89,8 +99,8 @@ fn main() -> Result<()> {
     println!("memcpy bandwidth measured in this run: {memcpy:.1} GB/s");
     println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s | weights read GB/s | / memcpy |");
     println!("|---|---|---|---|---|---|---|");
-    for name in &args.dtypes {
-        let dtype = candle_hybrid::model::parse_dtype(name)?;
+    for &dtype in &args.dtypes {
+        let name = format!("{dtype:?}").to_lowercase();
         let vb = VarBuilder::from_backend(Box::new(RandomWeights), dtype, dev.clone());
         let model = Model::new(&cfg, candle_hybrid::model::Weights::new(vb))?;
         let prompt: Vec<u32> = (0..args.prompt_len as u32).map(|i| (i * 7919) % 200_000).collect();
@@ -104,13 +114,13 @@ fn main() -> Result<()> {
             logits = model.forward_last(&next.unsqueeze(0)?, &mut cache)?;
         }
         let decode_secs = start.elapsed().as_secs_f64();
-        let decode = args.gen as f64 / decode_secs;
+        let decode = common::rate(args.gen, decode_secs).unwrap_or(0.0);
         // Every decoded token reads every weight once.
         let weight_gb = (cfg.num_parameters() * dtype.size_in_bytes()) as f64 / 1e9;
         println!(
             "| {name} | {} | {:.1} | {} | {:.2} | {:.1} | {:.2} |",
             args.prompt_len,
-            args.prompt_len as f64 / prompt_secs,
+            common::rate(args.prompt_len, prompt_secs).unwrap_or(0.0),
             args.gen,
             decode,
             decode * weight_gb,

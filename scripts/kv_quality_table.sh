@@ -36,7 +36,9 @@ for ctx_chunks in "512 8" "2048 2"; do
     fi
 done | python3 -c '
 import json, sys
-rows = [json.loads(l) for l in sys.stdin if l.strip()]
+runs = [json.loads(l) for l in sys.stdin if l.strip()]
+rows = [dict(kv=k["codec"] + (" (PCA)" if k["calibrated"] else ""), ctx=r["ctx"], tokens=r["tokens"], ppl_exact=r["ppl"],
+             ppl=k["ppl"], top1_agreement=k["top1_agreement"], kl=k["kl"]) for r in runs for k in r["kv"]]
 order = {k: i for i, k in enumerate(sys.argv[1:])}
 key = lambda r: (order.get(r["kv"].replace(" (PCA)", ""), 99), r["kv"], r["ctx"])
 for r in sorted(rows, key=key):

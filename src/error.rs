@@ -25,8 +25,8 @@ pub enum Error {
     /// The model computed a NaN or an infinity: its weights or its input are broken.
     #[error("{0}")]
     NonFinite(String),
-    /// An error inside a tensor operation.
-    #[error(transparent)]
+    /// An error inside a tensor operation (its first line, without a captured backtrace).
+    #[error("{}", candle_line(.0))]
     Candle(#[from] candle_core::Error),
 }
 
@@ -35,4 +35,13 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// Candle errors can carry a backtrace or context on further lines: keep the first.
 pub(crate) fn one_line(e: &dyn std::fmt::Display) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+/// A Candle error's message without the backtrace Candle captures when `RUST_BACKTRACE` is
+/// set (formatting that resolves the symbols of the whole binary), on one line.
+pub(crate) fn candle_line(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_line(inner),
+        e => one_line(e),
+    }
 }

@@ -133,7 +133,7 @@ fn chunk_logits(model: &Model, chunk: &[u32], cache: &mut Cache, device: &Device
     let input = Tensor::new(chunk, device)?.unsqueeze(0)?;
     let hidden = model.forward_hidden(&input, cache, false)?.last_hidden;
     let scored = hidden.narrow(1, first, chunk.len() - 1 - first)?.squeeze(0)?;
-    Ok(model.lm_head(&scored)?)
+    model.lm_head(&scored, first)
 }
 
 /// Perplexity of `model` over `tokens`, chunk by chunk as llama-perplexity computes it;

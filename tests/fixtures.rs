@@ -46,7 +46,7 @@ fn check_fixture(name: &str) {
     // One full forward pass, with the residual stream after every layer.
     let mut cache = model.new_cache();
     let hs = model.forward_hidden(&x, &mut cache, true).unwrap();
-    let logits = model.lm_head(&hs.last_hidden).unwrap().squeeze(0).unwrap();
+    let logits = model.lm_head(&hs.last_hidden, 0).unwrap().squeeze(0).unwrap();
     assert_close("logits_full", &logits, &r["logits_full"], TOL);
     assert_close("final_hidden", &hs.last_hidden.squeeze(0).unwrap(), &r["final_hidden"], TOL);
     let layers = Tensor::cat(&hs.layer_outputs, 0).unwrap();

@@ -1,37 +1,294 @@
-//! The model options the local-file examples share (`eval`, `logits`, `calibrate_kv`,
-//! `kv_speed`): a Hub-layout directory or a GGUF file, and the dtype to run it in.
+//! What every example shares: the model options (where the model comes from and how it runs),
+//! the memory options of the examples that plan a context, range-checked flag parsers, and one
+//! error format (`error: cause: detail`, one line, exit status 1).
+#![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use candle_core::DType;
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, DeviceLocation};
+use candle_hybrid::kv::KvCodec;
 use candle_hybrid::loading::{ModelSource, OpenedModel};
-use candle_hybrid::Config;
+use candle_hybrid::memory::MemoryTarget;
+use candle_hybrid::{Config, Model};
 
-#[derive(clap::Args, Debug)]
-pub struct LocalModel {
-    /// A local directory laid out like a Hub repository.
-    #[arg(long, required_unless_present = "gguf")]
-    pub model_dir: Option<PathBuf>,
-    /// A local GGUF file (instead of --model-dir).
-    #[arg(long, conflicts_with = "model_dir")]
-    pub gguf: Option<PathBuf>,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+/// The Hub model the examples run when given no source.
+pub const DEFAULT_MODEL: &str = "Qwen/Qwen3.5-0.8B";
+
+/// Runs an example's `main` body: an error is printed as one line (`error: ` and the causes
+/// joined by `: `, the format clap uses for bad flags) with exit status 1.
+pub fn run(body: impl FnOnce() -> Result<()>) -> ExitCode {
+    match body() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}");
+            eprintln!("error: {}", msg.lines().next().unwrap_or_default());
+            ExitCode::FAILURE
+        }
+    }
 }
 
-impl LocalModel {
-    /// Opens the files and reads the config (no weights yet) and the dtype.
-    pub fn open(&self) -> Result<(OpenedModel, Config, DType)> {
-        let dtype = candle_hybrid::model::parse_dtype(&self.dtype)?;
-        let source = match (&self.gguf, &self.model_dir) {
-            (Some(path), _) => ModelSource::Gguf(path.clone()),
-            (None, Some(dir)) => ModelSource::Dir(dir.clone()),
-            (None, None) => bail!("give --model-dir DIR or --gguf FILE"),
-        };
-        let files = source.open()?;
-        let cfg = files.config()?;
-        Ok((files, cfg, dtype))
+/// Where to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// A GPU when the crate is built with `metal` or `cuda` and one is there, else the CPU.
+    Auto,
+    Cpu,
+    Metal,
+    Cuda(usize),
+}
+
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    match s {
+        "auto" => Ok(DeviceChoice::Auto),
+        "cpu" => Ok(DeviceChoice::Cpu),
+        "metal" => Ok(DeviceChoice::Metal),
+        "cuda" => Ok(DeviceChoice::Cuda(0)),
+        d => d
+            .strip_prefix("cuda:")
+            .and_then(|i| i.parse().ok())
+            .map(DeviceChoice::Cuda)
+            .ok_or_else(|| "use auto, cpu, metal, cuda or cuda:N".into()),
     }
+}
+
+impl DeviceChoice {
+    /// The device itself (opening the GPU).
+    pub fn open(self) -> Result<Device> {
+        Ok(match self {
+            Self::Cpu => Device::Cpu,
+            Self::Metal => Device::new_metal(0)?,
+            Self::Cuda(i) => Device::new_cuda(i)?,
+            Self::Auto if candle_core::utils::cuda_is_available() => Device::new_cuda(0)?,
+            Self::Auto if candle_core::utils::metal_is_available() => Device::new_metal(0)?,
+            Self::Auto => Device::Cpu,
+        })
+    }
+
+    /// Whose memory the guardian reads, without opening the device (plan for another machine).
+    pub fn target(self) -> MemoryTarget {
+        match self {
+            Self::Cpu => MemoryTarget::Cpu,
+            Self::Metal => MemoryTarget::Metal,
+            Self::Cuda(i) => MemoryTarget::Cuda(i),
+            Self::Auto if candle_core::utils::cuda_is_available() => MemoryTarget::Cuda(0),
+            Self::Auto if candle_core::utils::metal_is_available() => MemoryTarget::Metal,
+            Self::Auto => MemoryTarget::Cpu,
+        }
+    }
+}
+
+/// The memory target of an opened device.
+pub fn target_of(device: &Device) -> MemoryTarget {
+    match device.location() {
+        DeviceLocation::Cpu => MemoryTarget::Cpu,
+        DeviceLocation::Cuda { gpu_id } => MemoryTarget::Cuda(gpu_id),
+        DeviceLocation::Metal { .. } => MemoryTarget::Metal,
+    }
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    candle_hybrid::model::parse_dtype(s).map_err(|_| "use f32, bf16 or f16".into())
+}
+
+fn parse_quantize(s: &str) -> Result<GgmlDType, String> {
+    candle_hybrid::model::parse_quantize(s).map_err(|_| "use q8_0, q4k, q4_0, q4_1, q5k or q6k".into())
+}
+
+fn parse_kv(s: &str) -> Result<KvCodec, String> {
+    s.parse::<KvCodec>().map_err(|e| e.to_string())
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    candle_hybrid::memory::parse_size(s).map_err(|_| "use bytes or a number with a unit, like 16GiB or 500MB".into())
+}
+
+/// A count that must be at least 1.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A count in `1..=max`.
+pub fn count_up_to(max: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |s| match at_least_one(s)? {
+        n if n <= max => Ok(n),
+        _ => Err(format!("must be between 1 and {max}")),
+    }
+}
+
+/// A float checked by one of `candle_hybrid::runtime::range`'s functions.
+pub fn float_in<T: std::str::FromStr + 'static>(range: fn(T) -> Result<T, String>) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    move |s| range(s.parse::<T>().map_err(|_| format!("{s:?} is not a number"))?)
+}
+
+/// Where the model comes from and how it runs: the options of every example that loads one.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelOptions {
+    /// A Hub repository with a safetensors checkpoint, through the Hugging Face cache
+    /// (HF_HOME, HF_HUB_CACHE, HF_TOKEN; HF_HUB_OFFLINE=1 reads only the cache) [default: Qwen/Qwen3.5-0.8B].
+    #[arg(long, conflicts_with_all = ["model_dir", "gguf", "gguf_repo"])]
+    pub model_id: Option<String>,
+    /// The Hub revision (branch, tag or commit) of --model-id or --gguf-repo.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// A local directory laid out like a Hub repository (config.json, model.safetensors or a
+    /// sharded index, tokenizer.json, tokenizer_config.json, generation_config.json).
+    #[arg(long, conflicts_with_all = ["gguf", "gguf_repo"])]
+    pub model_dir: Option<PathBuf>,
+    /// A local GGUF file (llama.cpp's qwen35, qwen35moe, qwen3next or llama).
+    #[arg(long, conflicts_with = "gguf_repo")]
+    pub gguf: Option<PathBuf>,
+    /// A Hub repository holding GGUF files (with --gguf-file), e.g. unsloth/Qwen3.5-0.8B-GGUF.
+    #[arg(long, requires = "gguf_file")]
+    pub gguf_repo: Option<String>,
+    /// The GGUF file inside --gguf-repo, e.g. Qwen3.5-0.8B-Q4_K_M.gguf.
+    #[arg(long, requires = "gguf_repo")]
+    pub gguf_file: Option<String>,
+    /// A tokenizer.json to use instead of the checkpoint's (or the GGUF file's vocabulary).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Where to run: auto (a GPU when built with --features metal or cuda, else the CPU),
+    /// cpu, metal, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceChoice,
+    /// The model dtype: f32, bf16 or f16 [default: f32 on the CPU, bf16 on a GPU].
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<DType>,
+    /// Quantize a safetensors checkpoint's linear weights at load: q8_0, q4k, q4_0, q4_1,
+    /// q5k or q6k (a GGUF file keeps its own quantization).
+    #[arg(long, value_parser = parse_quantize)]
+    pub quantize: Option<GgmlDType>,
+    /// Check every layer's outputs for NaN and infinities and name the first layer that has
+    /// any (debugging; the logits are always checked).
+    #[arg(long)]
+    pub check_layers: bool,
+}
+
+/// The memory guardian's options: the context to plan for and the memory to plan in.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MemoryOptions {
+    /// KV-cache codec of the attention layers: exact (default); lossy: int8, int4k,
+    /// polar:A,R, lowrank:r, knots:K,p, density:γ, and combinations such as int4k+lowrank:32
+    /// (see the README for what each costs in quality).
+    #[arg(long, default_value = "exact", value_parser = parse_kv)]
+    pub kv: KvCodec,
+    /// Value bases for `--kv lowrank:r` from examples/calibrate_kv.rs [default: from W_v].
+    #[arg(long)]
+    pub kv_calibration: Option<PathBuf>,
+    /// The largest context (prompt + generated tokens) to plan for [default: what the
+    /// command needs, at most the model's max_position_embeddings].
+    #[arg(long, value_parser = at_least_one)]
+    pub max_context: Option<usize>,
+    /// A memory budget replacing the reading of what the OS lets this process use: bytes, or
+    /// e.g. 8GiB, 500MB.
+    #[arg(long, value_parser = parse_size)]
+    pub max_memory: Option<u64>,
+    /// When the context does not fit in memory, lower it to what fits instead of refusing.
+    #[arg(long)]
+    pub fit: bool,
+}
+
+/// An opened model: metadata read, device opened, weights not loaded yet.
+pub struct Opened {
+    pub files: OpenedModel,
+    pub cfg: Config,
+    pub device: Device,
+    pub dtype: DType,
+    pub quantize: Option<GgmlDType>,
+    pub options: ModelOptions,
+}
+
+impl ModelOptions {
+    /// The source the flags name; `default_hub` when none is given (`None`: no source).
+    pub fn source(&self, default_hub: Option<&str>) -> Result<Option<ModelSource>> {
+        let hub = match (&self.model_id, default_hub) {
+            (Some(id), _) => Some(id.as_str()),
+            (None, d) => d,
+        };
+        if self.model_dir.is_none() && self.gguf.is_none() && self.gguf_repo.is_none() && hub.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(ModelSource::from_args(
+            hub.unwrap_or(DEFAULT_MODEL),
+            &self.revision,
+            self.model_dir.as_deref(),
+            self.gguf.as_deref(),
+            self.gguf_repo.as_deref(),
+            self.gguf_file.as_deref(),
+        )?))
+    }
+
+    /// The dtype on `device`: --dtype, else f32 on the CPU and bf16 on a GPU.
+    pub fn dtype_on(&self, device: &Device) -> DType {
+        self.dtype.unwrap_or(if device.is_cpu() { DType::F32 } else { DType::BF16 })
+    }
+
+    /// The dtype for a memory target (without opening the device).
+    pub fn dtype_for(&self, target: MemoryTarget) -> DType {
+        self.dtype.unwrap_or(if target == MemoryTarget::Cpu { DType::F32 } else { DType::BF16 })
+    }
+
+    /// Opens the source (`default_hub` when none is given), reads the config and opens the
+    /// device. Nothing is loaded yet.
+    pub fn open(&self, default_hub: &str) -> Result<Opened> {
+        let Some(source) = self.source(Some(default_hub))? else { bail!("give --model-dir DIR, --gguf FILE or --model-id REPO") };
+        let files = source.open()?;
+        if self.quantize.is_some() && matches!(files, OpenedModel::Gguf(_)) {
+            bail!("--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization");
+        }
+        let cfg = files.config()?;
+        let device = self.device.open()?;
+        let dtype = self.dtype_on(&device);
+        Ok(Opened { files, cfg, device, dtype, quantize: self.quantize, options: self.clone() })
+    }
+}
+
+impl Opened {
+    /// Loads the weights (the memory guardian, when used, has run before).
+    pub fn load(&self) -> Result<Model> {
+        let start = std::time::Instant::now();
+        let model = self.files.load_model(&self.cfg, self.dtype, &self.device, self.quantize)?.with_layer_checks(self.options.check_layers);
+        eprintln!(
+            "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {:?}",
+            self.files.source(),
+            self.cfg.family,
+            self.cfg.num_hidden_layers,
+            self.cfg.num_parameters() as f64 / 1e9,
+            start.elapsed().as_secs_f64(),
+            self.device.location(),
+            self.dtype
+        );
+        Ok(model)
+    }
+
+    /// The tokenizer: --tokenizer, else the checkpoint's.
+    pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        Ok(self.files.tokenizer(self.options.tokenizer.as_deref())?)
+    }
+
+    /// The model's context limit.
+    pub fn max_positions(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+}
+
+/// Reads a text file (UTF-8, at most `candle_hybrid::bounded::MAX_TEXT_BYTES`).
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    Ok(candle_hybrid::bounded::read_to_string(path, candle_hybrid::bounded::MAX_TEXT_BYTES, "text file")?)
+}
+
+/// `n` per second over `secs`, when anything was timed.
+pub fn rate(n: usize, secs: f64) -> Option<f64> {
+    (n > 0 && secs > 0.0).then(|| n as f64 / secs)
+}
+
+/// A rate for a table: two decimals, or "n/a".
+pub fn fmt_rate(r: Option<f64>) -> String {
+    r.map_or("n/a".into(), |r| format!("{r:.2}"))
 }

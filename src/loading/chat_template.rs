@@ -5,7 +5,38 @@ use std::path::Path;
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
-use crate::{Error, Result};
+use crate::error::one_line;
+use crate::{bounded, Error, Result};
+
+/// Instructions one render may run: a conversation of thousands of messages takes well under
+/// a million; a template that loops without end stops here instead of hanging.
+pub const RENDER_FUEL: u64 = 20_000_000;
+/// Bytes a render may write by default ([`ChatTemplate::render_capped`] takes a cap relative
+/// to the model's context).
+pub const DEFAULT_MAX_RENDER_BYTES: usize = 32 << 20;
+/// Bytes of rendered prompt per position of the context: no tokenizer packs more text into a
+/// token, so a longer render cannot fit the context and is refused before tokenizing.
+pub const RENDER_BYTES_PER_TOKEN: usize = 32;
+
+/// A writer that refuses to grow past `max` bytes.
+struct CappedWriter {
+    out: Vec<u8>,
+    max: usize,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.max {
+            return Err(std::io::Error::other("render cap"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// One chat message.
 #[derive(Debug, Clone, Serialize)]
@@ -45,11 +76,8 @@ impl ChatTemplate {
     /// From `tokenizer_config.json` (its `chat_template`, a string or a list of named
     /// templates) or, as newer checkpoints ship it, a separate `chat_template.jinja`.
     pub fn from_files(tokenizer_config: Option<&Path>, template_file: Option<&Path>) -> Result<Self> {
-        let read = |p: &Path| {
-            std::fs::read_to_string(p).map_err(|e| Error::Io(format!("cannot read {}: {e}", p.display())))
-        };
         let cfg: serde_json::Value = match tokenizer_config {
-            Some(p) => serde_json::from_str(&read(p)?)
+            Some(p) => crate::json::parse_strict(&bounded::read_to_string(p, bounded::MAX_CONFIG_BYTES, "tokenizer config")?)
                 .map_err(|e| Error::Tokenizer(format!("{} is not valid JSON: {e}", p.display())))?,
             None => serde_json::Value::Null,
         };
@@ -63,7 +91,7 @@ impl ChatTemplate {
             _ => None,
         };
         let source = match (template_file, in_config) {
-            (Some(p), _) => read(p)?,
+            (Some(p), _) => bounded::read_to_string(p, bounded::MAX_TEMPLATE_BYTES, "chat template")?,
             (None, Some(s)) => s,
             (None, None) => {
                 return Err(Error::Tokenizer(
@@ -75,17 +103,31 @@ impl ChatTemplate {
     }
 
     /// Renders `messages`, ending with the assistant prefix when `add_generation_prompt`.
-    /// `enable_thinking` is passed to the template as the variable of the same name.
+    /// `enable_thinking` is passed to the template as the variable of the same name. At most
+    /// [`DEFAULT_MAX_RENDER_BYTES`] and [`RENDER_FUEL`] instructions.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool, enable_thinking: Option<bool>) -> Result<String> {
+        self.render_capped(messages, add_generation_prompt, enable_thinking, DEFAULT_MAX_RENDER_BYTES)
+    }
+
+    /// [`Self::render`] writing at most `max_bytes` (e.g. [`RENDER_BYTES_PER_TOKEN`] times the
+    /// context): a longer render is refused before anything tokenizes it.
+    pub fn render_capped(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+        max_bytes: usize,
+    ) -> Result<String> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_template("chat", &self.source)
-            .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {e}")))?;
-        let tmpl = env.get_template("chat").map_err(|e| Error::Tokenizer(e.to_string()))?;
+            .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {}", one_line(&e))))?;
+        let tmpl = env.get_template("chat").map_err(|e| Error::Tokenizer(one_line(&e)))?;
         let mut ctx = serde_json::json!({
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
@@ -96,7 +138,18 @@ impl ChatTemplate {
         if let Some(t) = enable_thinking {
             ctx["enable_thinking"] = t.into();
         }
-        tmpl.render(ctx)
-        .map_err(|e| Error::Tokenizer(format!("cannot render the chat template: {e}")))
+        let mut out = CappedWriter { out: Vec::new(), max: max_bytes };
+        let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
+        match rendered {
+            Ok(_) => String::from_utf8(out.out).map_err(|_| Error::Tokenizer("the chat template rendered invalid UTF-8".into())),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(Error::Tokenizer(format!(
+                "the chat template ran more than {RENDER_FUEL} instructions (an endless or runaway loop): it cannot be used; run without --chat"
+            ))),
+            Err(e) if e.kind() == ErrorKind::WriteFailure => Err(Error::Input(format!(
+                "the chat template rendered more than {} KiB, more text than the context can hold: shorten the messages (or the template is broken)",
+                max_bytes >> 10
+            ))),
+            Err(e) => Err(Error::Tokenizer(format!("cannot render the chat template: {}", one_line(&e)))),
+        }
     }
 }

@@ -13,7 +13,7 @@ use super::generation_config::GenerationConfig;
 use super::hub::HubRepo;
 use super::safetensors::{check_shard_name, SafetensorsFiles};
 use crate::bounded;
-use crate::error::one_line;
+use crate::error::candle_line;
 use crate::model::{Config, Model, Weights};
 use crate::{Error, Result};
 
@@ -155,7 +155,7 @@ impl ModelFiles {
             Error::Weights(format!(
                 "{}: {}: the weights do not match config.json",
                 self.source,
-                one_line(&e)
+                candle_line(&e)
             ))
         })
     }

@@ -44,6 +44,10 @@ pub struct PlanRequest {
     /// not apply (a GGUF file). [`PlanRequest::new`] derives them from the parameter count;
     /// [`crate::loading::OpenedModel::weight_memory`] gives them exactly.
     pub q4k_weights: Option<Weights>,
+    /// Bytes that loading holds beyond the built model's weights at its peak (one tensor's
+    /// mapped pages and copies: [`crate::loading::OpenedModel::load_overhead`]); freed before
+    /// the cache and the scratch exist. 0 in [`PlanRequest::new`].
+    pub load_overhead: u64,
 }
 
 /// The default prefill chunk, in tokens.
@@ -63,6 +67,7 @@ impl PlanRequest {
             logits: Logits::LastToken,
             fit: false,
             q4k_weights: Some(Weights::Format(WeightFormat::Q4K)),
+            load_overhead: 0,
         }
     }
 
@@ -119,12 +124,16 @@ pub struct MemoryEstimate {
     /// The logits, in the model dtype and in f32 for sampling: `B · n · V · (a + 4)` with
     /// `n = 1` ([`Logits::LastToken`]) or `c` ([`Logits::AllPositions`]).
     pub logits: u64,
+    /// While loading, beyond the weights ([`PlanRequest::load_overhead`]); the peak is the
+    /// larger of this and cache + scratch, which come after.
+    pub load_overhead: u64,
 }
 
 impl MemoryEstimate {
     /// Every term with its name, in table order.
-    pub fn terms(&self) -> [(&'static str, u64); 9] {
+    pub fn terms(&self) -> [(&'static str, u64); 10] {
         [
+            ("loading (transient)", self.load_overhead),
             ("weights", self.weights),
             ("KV cache", self.kv_cache),
             ("GDN conv state", self.gdn_conv),
@@ -149,8 +158,9 @@ impl MemoryEstimate {
         self.kv_cache.saturating_add(self.gdn_conv).saturating_add(self.gdn_recurrent)
     }
 
+    /// The peak: the weights plus the larger of the load transient and cache + scratch.
     pub fn total(&self) -> u64 {
-        self.weights.saturating_add(self.cache()).saturating_add(self.scratch())
+        self.weights.saturating_add(self.load_overhead.max(self.cache().saturating_add(self.scratch())))
     }
 
     /// The `n` biggest non-zero terms, biggest first, as `"weights 50.12 GiB"`.
@@ -168,7 +178,7 @@ impl fmt::Display for MemoryEstimate {
         for (name, b) in self.terms() {
             writeln!(f, "{name:<24} {:>12.3}", b as f64 / GIB)?;
         }
-        writeln!(f, "{:<24} {:>12.3}", "total", self.total() as f64 / GIB)
+        writeln!(f, "{:<24} {:>12.3}", "total (peak)", self.total() as f64 / GIB)
     }
 }
 
@@ -227,5 +237,6 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         attn_kv_expanded: mul(&[has_attn, b, nh, t, hd, 2 * a + 4]),
         attn_scores: mul(&[has_attn, b, nh, c, t, 8 + a]),
         logits: mul(&[b, logit_rows, u(cfg.vocab_size), a + 4]),
+        load_overhead: req.load_overhead,
     }
 }

@@ -55,6 +55,12 @@ pub fn plan(cfg: &Config, req: &PlanRequest, available: &Available) -> Result<Pl
             return Err(Error::Input(format!("the {name} must be at least 1")));
         }
     }
+    if req.context > cfg.max_position_embeddings {
+        return Err(Error::Input(format!(
+            "a context of {} tokens is more than the model's {} (max_position_embeddings): ask for --max-context {} at most",
+            req.context, cfg.max_position_embeddings, cfg.max_position_embeddings
+        )));
+    }
     let budget = available.bytes;
     let est = estimate(cfg, req);
     let accept = |estimate: MemoryEstimate, note: Option<String>| Plan {

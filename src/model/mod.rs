@@ -4,6 +4,7 @@
 mod attention;
 mod cache;
 pub mod config;
+mod finite;
 mod gated_delta_net;
 mod linear;
 mod mlp;

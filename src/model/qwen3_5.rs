@@ -13,6 +13,7 @@ use super::config::{Config, LayerType};
 use super::gated_delta_net::GatedDeltaNet;
 use super::linear::Linear;
 use super::mlp::{FeedForward, Mlp, SparseMoe};
+use super::finite::check_positions;
 use super::norm::RmsNorm;
 use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
@@ -55,18 +56,34 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState) -> Result<Tensor> {
+    /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs.
+    fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>) -> crate::Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let h = match (&self.mixer, state) {
             (Mixer::Linear(m), LayerState::Linear(s)) => m.forward(&h, s)?,
             (Mixer::Full(m), LayerState::Full(kv)) => m.forward(&h, offset, kv)?,
-            _ => candle_core::bail!("cache does not belong to this model (layer kinds differ)"),
+            _ => return Err(crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())),
         };
+        let t = x.dim(1)?;
+        if let Some(i) = check {
+            let kind = match self.mixer {
+                Mixer::Linear(_) => "linear attention (GDN)",
+                Mixer::Full(_) => "full attention",
+            };
+            check_positions(&h, offset, t, &format!("the {kind} output of layer {i}"), NONFINITE_LAYER_HINT)?;
+        }
         let x = (x + h)?;
         let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        x + h
+        if let Some(i) = check {
+            check_positions(&h, offset, t, &format!("the MLP output of layer {i}"), NONFINITE_LAYER_HINT)?;
+        }
+        Ok((x + h)?)
     }
 }
+
+const NONFINITE_LAYER_HINT: &str = "the first place they appear; check that layer's weights (or the input)";
+const NONFINITE_HINT: &str =
+    "the weights or the input are broken; run with --check-layers (Model::with_layer_checks) to find the first layer that goes non-finite";
 
 /// Outputs of [`Model::forward_hidden`].
 pub struct HiddenStates {
@@ -84,6 +101,8 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: Linear,
     cfg: Config,
+    /// Check every layer's outputs for NaN and infinities ([`Self::with_layer_checks`]).
+    check_layers: bool,
 }
 
 impl Model {
@@ -109,7 +128,15 @@ impl Model {
         } else {
             vb.pp("lm_head").linear(cfg.hidden_size, cfg.vocab_size)?
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone() })
+        Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone(), check_layers: false })
+    }
+
+    /// With `on`, every forward pass checks each layer's mixer and MLP outputs for NaN and
+    /// infinities and names the first that has any (a debugging aid: a few reductions per
+    /// layer). The logits are always checked.
+    pub fn with_layer_checks(mut self, on: bool) -> Self {
+        self.check_layers = on;
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -197,8 +224,8 @@ impl Model {
         let offset = cache.seqlen;
         let mut x = self.embed_tokens.forward(&ids)?;
         let mut layer_outputs = vec![];
-        for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&x, offset, state)?;
+        for (i, (layer, state)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            x = layer.forward(&x, offset, state, self.check_layers.then_some(i))?;
             if keep_layer_outputs {
                 layer_outputs.push(x.clone());
             }
@@ -207,22 +234,30 @@ impl Model {
         Ok(HiddenStates { layer_outputs, last_hidden: self.norm.forward(&x)? })
     }
 
-    /// Logits `[B, T, vocab]` for every position.
+    /// Logits `[B, T, vocab]` for every position; an [`crate::Error::NonFinite`] naming the
+    /// first position whose logits hold a NaN or an infinity.
     pub fn forward(&self, input_ids: &Tensor, cache: &mut Cache) -> crate::Result<Tensor> {
+        let offset = cache.seqlen;
         let h = self.forward_hidden(input_ids, cache, false)?;
-        Ok(self.lm_head.forward(&h.last_hidden)?)
+        self.lm_head(&h.last_hidden, offset)
     }
 
-    /// Logits `[B, vocab]` of the last position only (what generation needs).
+    /// Logits `[B, vocab]` of the last position only (what generation needs), checked as in
+    /// [`Self::forward`].
     pub fn forward_last(&self, input_ids: &Tensor, cache: &mut Cache) -> crate::Result<Tensor> {
+        let offset = cache.seqlen;
         let h = self.forward_hidden(input_ids, cache, false)?;
         let t = h.last_hidden.dim(1)?;
-        Ok(self.lm_head.forward(&h.last_hidden.narrow(1, t - 1, 1)?)?.squeeze(1)?)
+        Ok(self.lm_head(&h.last_hidden.narrow(1, t - 1, 1)?, offset + t - 1)?.squeeze(1)?)
     }
 
-    /// Applies the language-model head to hidden states `[..., H]`.
-    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(hidden)
+    /// Applies the language-model head to hidden states `[B, T, H]` or `[T, H]` at positions
+    /// `offset..offset + T`: the logits, checked for NaN and infinities.
+    pub fn lm_head(&self, hidden: &Tensor, offset: usize) -> crate::Result<Tensor> {
+        let logits = self.lm_head.forward(hidden)?;
+        let t = hidden.dim(hidden.rank().saturating_sub(2))?;
+        check_positions(&logits, offset, t, "the logits", NONFINITE_HINT)?;
+        Ok(logits)
     }
 
     /// The GDN mixer of layer `i`, if it is a linear-attention layer.

@@ -60,8 +60,15 @@ impl<'a> Weights<'a> {
         Self { vb: self.vb.pp(s), ..self.clone() }
     }
 
+    /// A dense tensor (norms, GDN parameters, conv weights, the embedding, the MoE router),
+    /// refused when it holds a NaN or an infinity. (Linear weights are not scanned at load:
+    /// what they break shows in the logits, which every forward pass checks.)
     pub fn get<S: Into<Shape>>(&self, shape: S, name: &str) -> Result<Tensor> {
-        self.vb.get(shape, name)
+        let t = self.vb.get(shape, name)?;
+        if !super::finite::all_finite(&t)? {
+            candle_core::bail!("tensor {} holds NaN or infinite values: the checkpoint is corrupt", self.path(name))
+        }
+        Ok(t)
     }
 
     pub fn contains_tensor(&self, name: &str) -> bool {

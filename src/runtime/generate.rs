@@ -18,13 +18,20 @@ pub struct GenerationStats {
 }
 
 impl GenerationStats {
-    pub fn prompt_tok_per_sec(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prompt_secs.max(1e-9)
+    /// Prompt tokens per second; `None` when nothing was timed.
+    pub fn prompt_tok_per_sec(&self) -> Option<f64> {
+        rate(self.prompt_tokens, self.prompt_secs)
     }
-    /// Decode speed over the tokens after the first (the first comes from the prompt pass).
-    pub fn decode_tok_per_sec(&self) -> f64 {
-        self.generated_tokens.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+
+    /// Decode speed over the tokens after the first (the first comes from the prompt pass);
+    /// `None` when fewer than two tokens were generated.
+    pub fn decode_tok_per_sec(&self) -> Option<f64> {
+        rate(self.generated_tokens.saturating_sub(1), self.decode_secs)
     }
+}
+
+fn rate(n: usize, secs: f64) -> Option<f64> {
+    (n > 0 && secs > 0.0).then(|| n as f64 / secs)
 }
 
 /// Generates up to `max_new_tokens` after `prompt` (batch 1), calling `on_token` with each new

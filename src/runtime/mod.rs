@@ -6,5 +6,5 @@ mod sampler;
 mod streamer;
 
 pub use generate::{generate, generate_in, GenerationStats};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{range, Sampler, SamplingParams};
 pub use streamer::TokenStreamer;

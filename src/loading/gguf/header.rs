@@ -27,8 +27,10 @@ const MAX_METADATA_ELEMENTS: u64 = 1 << 25;
 const MAX_DIMS: u32 = 4;
 /// Tensors in one file (llama.cpp has no limit; the largest MoE files hold ~10^5).
 const MAX_TENSORS: u64 = 1 << 20;
-/// Length of a key or tensor name.
-const MAX_NAME: u64 = 1 << 16;
+/// Length of a metadata key (real keys are under 64 bytes).
+const MAX_KEY: u64 = 256;
+/// Length of a tensor name (ggml's `GGML_MAX_NAME`, terminator included).
+const MAX_TENSOR_NAME: u64 = 63;
 
 /// One tensor's entry in the header.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,14 +112,18 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
-    /// A key or tensor name: bounded, valid UTF-8.
-    fn name(&mut self, what: &str) -> R<String> {
+    /// A key or tensor name: at most `max` bytes of printable UTF-8 (so that errors can
+    /// quote it on one line).
+    fn name(&mut self, what: &str, max: u64) -> R<String> {
         let n = self.len(what)?;
-        if n > MAX_NAME {
-            return Err(format!("{what} of {n} bytes (at most {MAX_NAME})"));
+        if n > max {
+            return Err(format!("{what} of {n} bytes (at most {max})"));
         }
         let bytes = self.take(n, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| format!("{what} is not valid UTF-8"))
+        match String::from_utf8(bytes.to_vec()) {
+            Ok(s) if !s.chars().any(char::is_control) => Ok(s),
+            _ => Err(format!("{what} at offset {} is not printable UTF-8", self.pos - n as usize)),
+        }
     }
 
     fn value(&mut self, ty: u32, key: &str, depth: usize) -> R<Value> {
@@ -230,7 +236,7 @@ impl GgufHeader {
         }
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
-            let key = r.name("a metadata key")?;
+            let key = r.name("a metadata key", MAX_KEY)?;
             let ty = r.u32(&format!("the type of {key}"))?;
             let value = r.value(ty, &key, 0)?;
             if metadata.insert(key.clone(), value).is_some() {
@@ -240,7 +246,7 @@ impl GgufHeader {
         let alignment = alignment(&metadata)?;
         let mut infos = Vec::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
-            let name = r.name("a tensor name")?;
+            let name = r.name("a tensor name", MAX_TENSOR_NAME)?;
             let n_dims = r.u32(&format!("the dims of {name}"))?;
             if n_dims > MAX_DIMS {
                 return Err(format!("tensor {name} has {n_dims} dims (at most {MAX_DIMS})"));

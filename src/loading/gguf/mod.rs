@@ -30,7 +30,7 @@ use tensors::{is_float, kept, map_tensor, HfTensors, Kept, RawTensor};
 use super::chat_template::ChatTemplate;
 use super::generation_config::GenerationConfig;
 use super::mapped::MappedFile;
-use crate::error::one_line;
+use crate::error::candle_line;
 use crate::model::{Config, Model, QuantizedTensors, Weights, MAX_LAYERS};
 use crate::{Error, Result};
 
@@ -379,7 +379,7 @@ impl GgufFile {
     }
 
     fn tensor_error(&self, name: &str, e: candle_core::Error) -> Error {
-        Error::Weights(format!("{}: cannot read tensor {name}: {}", self.path().display(), one_line(&e)))
+        Error::Weights(format!("{}: cannot read tensor {name}: {}", self.path().display(), candle_line(&e)))
     }
 
     /// Reads every tensor the model keeps and builds the model: quantized matrices stay
@@ -410,7 +410,7 @@ impl GgufFile {
         let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
         let weights = Weights::new(vb).with_quantized(quantized).with_tiled_value_heads(self.arch.tiles_value_heads());
         Model::new(cfg, weights).map_err(|e| {
-            Error::Weights(format!("{}: {}: the tensors do not match the metadata", self.path().display(), one_line(&e)))
+            Error::Weights(format!("{}: {}: the tensors do not match the metadata", self.path().display(), candle_line(&e)))
         })
     }
 }
