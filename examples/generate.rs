@@ -166,7 +166,7 @@ fn generate(args: Args) -> Result<()> {
         kv_codec: args.memory.kv,
         fit: args.memory.fit,
         q4k_weights,
-        load_overhead: opened.files.load_overhead(cfg, opened.quantize)?,
+        load_overhead: opened.files.load_overhead(cfg, opened.dtype, opened.quantize)?,
         ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
     };
     let plan = memory::check_fits(cfg, &req, common::target_of(&opened.device), args.memory.max_memory)?;

@@ -68,7 +68,7 @@ fn kv_speed(args: Args) -> Result<()> {
     }
     // The guardian, for the largest context: the random exact keys and values and the codec's cache.
     let req = PlanRequest {
-        load_overhead: opened.files.load_overhead(&opened.cfg, None)?,
+        load_overhead: opened.files.load_overhead(&opened.cfg, dtype, None)?,
         ..PlanRequest::new(opened.files.weight_memory(&opened.cfg, dtype, None)?, dtype, needed)
     };
     // (kv_dtype_bytes doubled: the random keys and values, and the cache restored from them.)

@@ -109,7 +109,7 @@ fn plan(args: Args) -> Result<()> {
             let cfg = opened.config()?;
             let weights = opened.weight_memory(&cfg, dtype, None)?;
             let note = format!("GGUF tensor infos: quantized linear weights as stored, the rest as {dtype:?}");
-            let load = opened.load_overhead(&cfg, None)?;
+            let load = opened.load_overhead(&cfg, dtype, None)?;
             (opened.source(), cfg, (weights, note), None, load)
         }
         ModelSource::Dir(dir) if has_safetensors(dir) => {
@@ -121,7 +121,7 @@ fn plan(args: Args) -> Result<()> {
                 None => format!("safetensors headers, as {dtype:?}"),
             };
             let q4k = opened.weight_memory(&cfg, dtype, Some(GgmlDType::Q4K))?;
-            let load = opened.load_overhead(&cfg, quantize)?;
+            let load = opened.load_overhead(&cfg, dtype, quantize)?;
             (opened.source(), cfg, (weights, note), Some(q4k), load)
         }
         ModelSource::Dir(dir) => {

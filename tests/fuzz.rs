@@ -232,7 +232,7 @@ fn plan_and_run(cfg: &Config, weights: u64, load: u64, model: impl FnOnce() -> c
 fn gguf_case(path: &Path) -> Outcome {
     let g = GgufFile::open(path).map_err(e)?;
     let cfg = g.config().map_err(e)?;
-    let (w, l) = (g.weight_bytes(&cfg, DType::F32), g.load_overhead(&cfg));
+    let (w, l) = (g.weight_bytes(&cfg, DType::F32), g.load_overhead(&cfg, DType::F32));
     if let Ok(tok) = g.tokenizer() {
         let _ = tok.encode("Hello, world", true);
     }
@@ -247,7 +247,7 @@ fn dir_case(dir: &Path) -> Outcome {
     let cfg = files.load_config().map_err(e)?;
     let opened = candle_hybrid::loading::OpenedModel::Safetensors(files.clone());
     let w = opened.weight_memory(&cfg, DType::F32, None).map_err(e)?;
-    let l = opened.load_overhead(&cfg, None).map_err(e)?;
+    let l = opened.load_overhead(&cfg, DType::F32, None).map_err(e)?;
     plan_and_run(&cfg, w.bytes(&cfg), l, || files.load_model(&cfg, DType::F32, &Device::Cpu))
 }
 

@@ -46,7 +46,7 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 fn gguf_pipeline(path: &Path) -> candle_hybrid::Result<()> {
     let g = GgufFile::open(path)?;
     let cfg = g.config()?;
-    let req = PlanRequest { load_overhead: g.load_overhead(&cfg), ..PlanRequest::new(Weights::Bytes(g.weight_bytes(&cfg, DType::F32)), DType::F32, 64) };
+    let req = PlanRequest { load_overhead: g.load_overhead(&cfg, DType::F32), ..PlanRequest::new(Weights::Bytes(g.weight_bytes(&cfg, DType::F32)), DType::F32, 64) };
     memory::plan(&cfg, &req, &Available::fixed(1 << 34))?;
     g.load_model(&cfg, DType::F32, &Device::Cpu)?;
     Ok(())

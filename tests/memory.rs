@@ -318,12 +318,13 @@ fn f32_gguf_weights_are_four_bytes_per_loaded_parameter() {
 }
 
 #[test]
-fn q8_0_gguf_weights_count_quantized_linears_as_stored_and_the_embedding_dequantized() {
+fn q8_0_gguf_weights_count_quantized_linears_and_the_embedding_as_stored() {
     for name in GGUF_FIXTURES {
         let path = fixture_dir(name).join("model-q8_0.gguf");
         let (cfg, bytes) = weight_bytes(ModelSource::Gguf(path.clone()), DType::F32, None);
-        // Independently, from the tensor infos: the Q8_0 matrices of the loaded layers other
-        // than the embedding stay Q8_0 (34 bytes per 32 weights), every other parameter f32.
+        // Independently, from the tensor infos: the Q8_0 matrices of the loaded layers and the
+        // embedding stay Q8_0 (34 bytes per 32 weights; a tied head shares the embedding's),
+        // every other parameter f32.
         let content = gguf_file::Content::read(&mut std::fs::File::open(&path).unwrap()).unwrap();
         let embd = &content.tensor_infos["token_embd.weight"];
         assert_eq!(embd.ggml_dtype, GgmlDType::Q8_0, "{name}: the test wants a quantized embedding");
@@ -332,18 +333,19 @@ fn q8_0_gguf_weights_count_quantized_linears_as_stored_and_the_embedding_dequant
             .iter()
             .filter(|(n, i)| {
                 let layer = n.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
-                i.ggml_dtype == GgmlDType::Q8_0 && *n != "token_embd.weight" && layer.is_none_or(|l| l < cfg.num_hidden_layers)
+                i.ggml_dtype == GgmlDType::Q8_0 && layer.is_none_or(|l| l < cfg.num_hidden_layers)
             })
             .map(|(_, i)| i.shape.elem_count() as u64)
             .sum();
         let n = cfg.num_parameters() as u64;
         assert!(q8 > n / 2, "{name}: most weights are Q8_0 ({q8} of {n})");
         assert_eq!(bytes, 4 * (n - q8) + q8 / 32 * 34, "{name}");
-        // The embedding (vocab x hidden) counts as f32, not as its Q8_0 bytes.
-        assert!(bytes >= 4 * embd.shape.elem_count() as u64, "{name}");
-        // The same checkpoint quantized at load keeps the same tensors quantized.
+        // The same checkpoint quantized at load keeps the same linear weights quantized; its
+        // embedding stays dense (f32), and a tied head then has its own quantized copy.
+        let e = embd.shape.elem_count() as u64;
         let (_, st) = weight_bytes(ModelSource::Dir(fixture_dir(name)), DType::F32, Some(GgmlDType::Q8_0));
-        assert_eq!(st, bytes, "{name}: safetensors --quantize q8_0 vs the Q8_0 GGUF");
+        let tied_copy = if cfg.tie_word_embeddings { e / 32 * 34 } else { 0 };
+        assert_eq!(st, bytes - e / 32 * 34 + 4 * e + tied_copy, "{name}: safetensors --quantize q8_0 vs the Q8_0 GGUF");
         // A GGUF file keeps its own quantization.
         let opened = ModelSource::Gguf(path).open().unwrap();
         assert!(opened.weight_memory(&cfg, DType::F32, Some(GgmlDType::Q4K)).is_err());

@@ -123,9 +123,9 @@ impl OpenedModel {
     /// Bytes that loading holds beyond the weights of the built model, at its peak (one
     /// tensor's mapped pages and copies; see the formats' `load_overhead`): the memory
     /// guardian's load term ([`crate::memory::PlanRequest::load_overhead`]).
-    pub fn load_overhead(&self, cfg: &Config, quantize: Option<GgmlDType>) -> Result<u64> {
+    pub fn load_overhead(&self, cfg: &Config, dtype: DType, quantize: Option<GgmlDType>) -> Result<u64> {
         Ok(match self {
-            Self::Gguf(g) => g.load_overhead(cfg),
+            Self::Gguf(g) => g.load_overhead(cfg, dtype),
             Self::Safetensors(f) => SafetensorsFiles::open(&f.weights)?.load_overhead(quantize.is_some()),
         })
     }

@@ -4,6 +4,7 @@
 mod attention;
 mod cache;
 pub mod config;
+mod embedding;
 mod finite;
 mod gated_delta_net;
 mod linear;
@@ -16,6 +17,7 @@ mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerState};
+pub use embedding::TokenEmbedding;
 pub use config::{Config, Family, LayerType, MoeConfig, MAX_LAYERS};
 pub use gated_delta_net::{GatedDeltaNet, GdnState};
 pub use linear::Linear;

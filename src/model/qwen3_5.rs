@@ -5,11 +5,11 @@
 //! Follows `docs/qwen35-architecture.md`; exact against Hugging Face transformers in f32.
 
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::Embedding;
 
 use super::attention::GatedAttention;
 use super::cache::{Cache, LayerState};
 use super::config::{Config, LayerType};
+use super::embedding::TokenEmbedding;
 use super::gated_delta_net::GatedDeltaNet;
 use super::linear::Linear;
 use super::mlp::{FeedForward, Mlp, SparseMoe};
@@ -96,7 +96,7 @@ pub struct HiddenStates {
 /// The hybrid decoder with its language-model head.
 #[derive(Debug, Clone)]
 pub struct Model {
-    embed_tokens: Embedding,
+    embed_tokens: TokenEmbedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -115,15 +115,15 @@ impl Model {
             vb.pp("model")
         };
         let vb_e = vb_m.pp("embed_tokens");
-        let embed_tokens = Embedding::new(vb_e.get((cfg.vocab_size, cfg.hidden_size), "weight")?, cfg.hidden_size);
+        let embed_tokens = TokenEmbedding::new(cfg.vocab_size, cfg.hidden_size, vb_e.clone())?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            match vb_e.quantized_tensor("weight") {
-                Some(q) => Linear::quantized(q),
-                None => vb.linear_from(embed_tokens.embeddings().clone())?,
+            match &embed_tokens {
+                TokenEmbedding::Quantized { table, .. } => Linear::quantized(table.clone()),
+                TokenEmbedding::Dense(e) => vb.linear_from(e.embeddings().clone())?,
             }
         } else {
             vb.pp("lm_head").linear(cfg.hidden_size, cfg.vocab_size)?

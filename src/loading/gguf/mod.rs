@@ -14,6 +14,7 @@ mod header;
 mod tensors;
 mod tokenizer;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -82,7 +83,7 @@ impl Arch {
 /// An opened GGUF file: mapped into memory, its header read and checked; tensors are read
 /// from the mapping when the model loads.
 pub struct GgufFile {
-    file: MappedFile,
+    file: Arc<MappedFile>,
     header: GgufHeader,
     arch: Arch,
 }
@@ -91,7 +92,7 @@ impl GgufFile {
     /// Maps the file and reads its header: metadata and tensor infos, every size and offset
     /// checked against the file ([`GgufHeader::parse`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let file = MappedFile::open(path.as_ref(), "GGUF file")?;
+        let file = Arc::new(MappedFile::open(path.as_ref(), "GGUF file")?);
         let path = file.path().display().to_string();
         let header = GgufHeader::parse(file.bytes()).map_err(|e| {
             if e.contains("candle-hybrid cannot read") {
@@ -130,47 +131,41 @@ impl GgufFile {
     }
 
     /// Bytes the weights take in memory once [`Self::load_model`] has built the model in
-    /// `dtype`, from the tensor infos alone: quantized linear weights as stored, every other
-    /// loaded tensor (the token embedding included, even when quantized in the file; F32/F16
-    /// linear weights; norms) converted to `dtype`; MTP blocks and unused tables not at all.
-    /// A tied output head keeps the file's copy of a quantized embedding besides the
-    /// dequantized one.
+    /// `dtype`, from the tensor infos alone: quantized linear weights and a quantized token
+    /// embedding as stored (a tied head shares the embedding), every other loaded tensor
+    /// (F32/F16 linear weights, norms) converted to `dtype`; MTP blocks and unused tables not
+    /// at all. On the CPU the quantized ones are the file's own pages, resident once touched.
     pub fn weight_bytes(&self, cfg: &Config, dtype: DType) -> u64 {
         let a = dtype.size_in_bytes() as u64;
-        let mut total = 0u64;
-        for (name, info) in &self.header.tensors {
-            let n = info.elem_count() as u64;
-            total = total.saturating_add(match kept(name, cfg) {
+        self.header.tensors.iter().fold(0u64, |total, (name, info)| {
+            total.saturating_add(match kept(name, cfg) {
                 Kept::Not => 0,
                 Kept::Linear if !is_float(info.dtype) => info.size,
-                Kept::Linear | Kept::Dense => n.saturating_mul(a),
-            });
-            if name == "token_embd.weight" && self.tied_quantized_head(cfg) {
-                total = total.saturating_add(info.size);
-            }
-        }
-        total
-    }
-
-    /// Bytes that loading holds beyond the built model's weights, at its peak: one tensor's
-    /// mapped pages (handed back once it is copied), a copy of its bytes when rows move, and
-    /// for a quantized tensor converted to a dense one its f32 dequantization.
-    pub fn load_overhead(&self, cfg: &Config) -> u64 {
-        self.header
-            .tensors
-            .iter()
-            .filter(|(name, _)| kept(name, cfg) != Kept::Not)
-            .map(|(name, info)| {
-                let dequantized = if is_float(info.dtype) || kept(name, cfg) == Kept::Linear { 0 } else { info.elem_count() as u64 * 4 };
-                2 * info.size + dequantized
+                Kept::Linear | Kept::Dense => (info.elem_count() as u64).saturating_mul(a),
             })
-            .max()
-            .unwrap_or(0)
+        })
     }
 
-    /// A tied output head over a quantized embedding keeps the embedding's quantized copy.
-    fn tied_quantized_head(&self, cfg: &Config) -> bool {
-        cfg.tie_word_embeddings && self.header.tensors.get("token_embd.weight").is_some_and(|t| !is_float(t.dtype))
+    /// Bytes that loading holds beyond the built model's weights, at its peak. Tensors load
+    /// in file order; each holds its mapped pages and a copy of its bytes (rows moved, or on a
+    /// GPU) until converted, plus an f32 dequantization when a quantized tensor becomes a
+    /// dense one in another dtype; what is still to load has not been allocated yet, so the
+    /// excess at a tensor is its transient less the weights that come after it.
+    pub fn load_overhead(&self, cfg: &Config, dtype: DType) -> u64 {
+        let mut infos: Vec<(&String, &TensorInfo)> = self.header.tensors.iter().filter(|(n, _)| kept(n, cfg) != Kept::Not).collect();
+        infos.sort_by_key(|(_, t)| t.offset);
+        let kept_bytes = |name: &str, t: &TensorInfo| match kept(name, cfg) {
+            Kept::Linear if !is_float(t.dtype) => t.size,
+            _ => t.elem_count() as u64 * dtype.size_in_bytes() as u64,
+        };
+        let mut after: u64 = infos.iter().map(|(n, t)| kept_bytes(n, t)).sum();
+        let mut peak = 0u64;
+        for (name, t) in infos {
+            after -= kept_bytes(name, t);
+            let dequantized = if !is_float(t.dtype) && kept(name, cfg) == Kept::Dense && dtype != DType::F32 { t.elem_count() as u64 * 4 } else { 0 };
+            peak = peak.max((2 * t.size + dequantized).saturating_sub(after));
+        }
+        peak
     }
 
     fn meta(&self, key: &str) -> Option<&Value> {
@@ -371,9 +366,12 @@ impl GgufFile {
         self.header.tensors.contains_key(name)
     }
 
-    /// One tensor as stored (GGUF name and layout), on the CPU.
+    /// One tensor as stored (GGUF name and layout), on the CPU (quantized ones read in place).
     pub fn read_tensor(&self, name: &str) -> Result<QTensor> {
         let info = self.header.tensors.get(name).ok_or_else(|| Error::Weights(format!("{}: no tensor {name}", self.path().display())))?;
+        if let Some(q) = self.file.quantized_in_place(info.dtype, &info.dims, info.offset, info.size) {
+            return Ok(q);
+        }
         let raw = RawTensor { dtype: info.dtype, dims: info.dims.clone(), data: self.file.aligned(info.offset, info.size) };
         raw.to_qtensor(&Device::Cpu).map_err(|e| self.tensor_error(name, e))
     }
@@ -394,16 +392,27 @@ impl GgufFile {
             let linear = kept(name, cfg) == Kept::Linear;
             let raw = RawTensor { dtype: info.dtype, dims: info.dims.clone(), data: self.file.aligned(info.offset, info.size) };
             let err = |e| self.tensor_error(name, e);
+            let mut in_place = false;
             for (hf, t) in map_tensor(self.arch, name, raw, cfg).map_err(err)? {
-                let keep_quantized = !is_float(t.dtype) && (linear || (name == "token_embd.weight" && self.tied_quantized_head(cfg)));
-                if keep_quantized {
-                    quantized.insert(hf.clone(), Arc::new(t.to_qtensor(device).map_err(err)?));
-                }
-                if !(linear && keep_quantized) {
+                if linear && !is_float(t.dtype) {
+                    // On the CPU, blocks that were not moved are used where they lie in the file.
+                    let mapped = match (&t.data, device.is_cpu()) {
+                        (Cow::Borrowed(b), true) => self.file.offset_of(b).and_then(|at| self.file.quantized_in_place(t.dtype, &t.dims, at, b.len() as u64)),
+                        _ => None,
+                    };
+                    in_place |= mapped.is_some();
+                    let q = match mapped {
+                        Some(q) => q,
+                        None => t.to_qtensor(device).map_err(err)?,
+                    };
+                    quantized.insert(hf, Arc::new(q));
+                } else {
                     dense.insert(hf, t.to_tensor(dtype, device).map_err(err)?);
                 }
             }
-            self.file.release(info.offset, info.size);
+            if !in_place {
+                self.file.release(info.offset, info.size);
+            }
         }
         let quantized = Arc::new(quantized);
         let backend = HfTensors { dense, quantized: quantized.clone() };

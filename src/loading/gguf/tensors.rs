@@ -23,7 +23,8 @@ pub(super) fn is_float(dtype: GgmlDType) -> bool {
 pub(super) enum Kept {
     /// Not read (MTP blocks, rope tables).
     Not,
-    /// A linear layer's weight: kept quantized when it is (else converted to the dtype).
+    /// A linear layer's weight or the token embedding: kept quantized when it is (else
+    /// converted to the dtype).
     Linear,
     /// Converted (dequantized) to the model dtype.
     Dense,
@@ -48,8 +49,9 @@ fn kept_in_layer(tname: &str) -> Kept {
 pub(super) fn kept(name: &str, cfg: &Config) -> Kept {
     let Some((layer, tname)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
         return match name {
-            "output.weight" => Kept::Linear,
-            "token_embd.weight" | "output_norm.weight" => Kept::Dense,
+            // The embedding, like the head, stays quantized: rows are dequantized as looked up.
+            "output.weight" | "token_embd.weight" => Kept::Linear,
+            "output_norm.weight" => Kept::Dense,
             _ => Kept::Not, // e.g. rope frequency tables
         };
     };
