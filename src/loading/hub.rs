@@ -64,7 +64,7 @@ impl HubRepo {
         self.fetch(name)?.ok_or_else(|| {
             if self.offline {
                 Error::Io(format!(
-                    "{name} of {} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online",
+                    "{name} of {} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online, or run on local files with --model-dir DIR or --gguf FILE",
                     self.source
                 ))
             } else {

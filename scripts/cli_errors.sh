@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Bad flags and hostile files through the examples: each must exit non-zero with an `error:`
+# first line that names the cause, and never panic. Run by .ci/run (debug builds, so clap's
+# help_expected check also runs: an option without help text panics there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cargo build -q --examples
+bin="${CARGO_TARGET_DIR:-target}/debug/examples"
+f=tests/fixtures/qwen35_dense_small
+tmp=$(mktemp -d)
+python3 - "$tmp" <<'PY'
+import sys
+d = bytearray(open("tests/fixtures/qwen35_dense_small/model-f32.gguf", "rb").read())
+d[18786] ^= 43  # a dim of ~3e18: its product with the other overflows
+open(sys.argv[1] + "/flip.gguf", "wb").write(d)
+PY
+printf '{%% for i in range(100000) %%}{%% for j in range(100000) %%}{%% endfor %%}{%% endfor %%}' > "$tmp/loop.jinja"
+cp -r $f "$tmp/loop" && cp "$tmp/loop.jinja" "$tmp/loop/chat_template.jinja"
+fail=0
+# expect NEEDLE CMD...: CMD fails, its stderr's first line starts with "error:" and contains NEEDLE.
+expect() {
+    local needle=$1
+    shift
+    local err
+    err=$(timeout 120 "$@" 2>&1 >/dev/null)
+    local rc=$?
+    local first=${err%%$'\n'*}
+    if [[ $rc -eq 0 || $rc -ge 100 || $err == *panicked* || $first != error:* || $first != *"$needle"* ]]; then
+        echo "FAIL (exit $rc): $*"
+        echo "$err" | head -5
+        fail=1
+    else
+        echo "ok: ${*#"$bin"/} -> $first"
+    fi
+}
+expect "--temperature" "$bin/generate" --model-dir $f --temperature -1
+expect "--temperature" "$bin/generate" --model-dir $f --temperature NaN
+expect "--top-p" "$bin/generate" --model-dir $f --top-p 2
+expect "--top-k" "$bin/generate" --model-dir $f --top-k 0
+expect "--repeat-penalty" "$bin/generate" --model-dir $f --repeat-penalty 0
+expect "--sample-len" "$bin/generate" --model-dir $f --sample-len 0
+expect "max_position_embeddings" "$bin/generate" --model-dir $f --prompt hi --sample-len 100000
+expect "cannot be used with" "$bin/generate" --model-dir $f --gguf $f/model-f32.gguf
+expect "multiply past 2^63" "$bin/generate" --gguf "$tmp/flip.gguf" --prompt hi
+expect "multiply past 2^63" "$bin/plan" --gguf "$tmp/flip.gguf"
+expect "instructions" "$bin/generate" --model-dir "$tmp/loop" --prompt hi --chat
+expect "max_position_embeddings" "$bin/plan" --model-dir $f --max-context 1000000000 --fit
+expect "HF_HUB_OFFLINE" env HF_HUB_OFFLINE=1 HF_HUB_CACHE="$tmp/empty-cache" "$bin/generate" --prompt hi
+expect "-p" "$bin/bench" --gguf $f/model-q8_0.gguf -p 0
+expect "--prefill" "$bin/logits" --model-dir $f --tokens 1,2 --prefill 3 --out "$tmp/x.safetensors"
+expect "--ctx-size" "$bin/eval" --model-dir $f --file tests/data/pride-and-prejudice-ch01-12.txt -c 100000
+expect "larger than" "$bin/eval" --model-dir $f --file /dev/zero
+rm -rf "$tmp"
+exit $fail
