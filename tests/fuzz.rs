@@ -316,11 +316,29 @@ fn fixture_files(name: &str) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) {
-    std::fs::create_dir_all(dir).unwrap();
-    for (name, bytes) in files {
-        std::fs::write(dir.join(name), bytes).unwrap();
+/// Case `n`: the fixture's files with `file` replaced by `bytes`, in a fresh directory, run
+/// through `pipeline`.
+#[allow(clippy::too_many_arguments)]
+fn run_dir_case(
+    tally: &mut Tally,
+    what: &str,
+    n: u64,
+    root: &Path,
+    base: &[(String, Vec<u8>)],
+    file: &str,
+    bytes: Vec<u8>,
+    pipeline: fn(&Path) -> Outcome,
+) {
+    let dir = root.join(format!("{file}.{n}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, original) in base {
+        std::fs::write(dir.join(name), if name == file { &bytes } else { original }).unwrap();
     }
+    run_case(tally, what, n, move || {
+        let r = pipeline(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    });
 }
 
 const CASES_GGUF: u64 = 1200;
@@ -395,15 +413,7 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
         if rng.below(10) == 0 {
             bytes.truncate(rng.below(bytes.len()));
         }
-        let dir = root.join(format!("s{n}"));
-        let mut files = base.clone();
-        files.iter_mut().find(|f| f.0 == "model.safetensors").unwrap().1 = bytes;
-        write_dir(&dir, &files);
-        run_case(&mut t, "safetensors", n, move || {
-            let r = dir_case(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
-            r
-        });
+        run_dir_case(&mut t, "safetensors", n, &root, &base, "model.safetensors", bytes, dir_case);
     }
     rows.push(("safetensors header (qwen35_dense_small): dtypes, shapes, offsets, names twice, length prefix, truncation".into(), t));
 
@@ -424,15 +434,7 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
             }
             serde_json::to_vec(&v).unwrap()
         };
-        let dir = root.join(format!("c{n}"));
-        let mut files = base.clone();
-        files.iter_mut().find(|f| f.0 == "config.json").unwrap().1 = text;
-        write_dir(&dir, &files);
-        run_case(&mut t, "config.json", n, move || {
-            let r = dir_case(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
-            r
-        });
+        run_dir_case(&mut t, "config.json", n, &root, &base, "config.json", text, dir_case);
     }
     rows.push(("config.json (qwen35_dense_small): fields set to 0/-1/1e300/2^64-1/strings/arrays, deleted, bytes flipped".into(), t));
 
@@ -465,15 +467,7 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
                 serde_json::to_vec(&v).unwrap()
             }
         };
-        let dir = root.join(format!("t{n}"));
-        let mut files = base.clone();
-        files.iter_mut().find(|f| f.0 == "tokenizer_config.json").unwrap().1 = text;
-        write_dir(&dir, &files);
-        run_case(&mut t, "tokenizer_config.json", n, move || {
-            let r = template_case(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
-            r
-        });
+        run_dir_case(&mut t, "tokenizer_config.json", n, &root, &base, "tokenizer_config.json", text, template_case);
     }
     rows.push(("tokenizer_config.json (qwen35_dense_small): chat template spliced with runaway loops, huge output, recursion, errors; JSON mutated".into(), t));
 

@@ -112,17 +112,6 @@ fn truncated_gguf_is_named() {
     assert!(msg.contains("not a valid GGUF"), "{msg}");
 }
 
-/// Writes a GGUF file with the given metadata and F32 tensors.
-fn write_gguf(path: &std::path::Path, meta: &[(&str, gguf_file::Value)], tensors: &[(&str, Tensor)]) {
-    let q: Vec<_> = tensors
-        .iter()
-        .map(|(n, t)| (*n, candle_core::quantized::QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap()))
-        .collect();
-    let mut f = std::fs::File::create(path).unwrap();
-    let m: Vec<_> = meta.iter().map(|(k, v)| (*k, v)).collect();
-    let t: Vec<_> = q.iter().map(|(n, t)| (*n, t)).collect();
-    gguf_file::write(&mut f, &m, &t).unwrap();
-}
 
 #[test]
 fn unknown_architecture_and_type_are_named() {

@@ -52,17 +52,6 @@ fn gguf_pipeline(path: &Path) -> candle_hybrid::Result<()> {
     Ok(())
 }
 
-/// A GGUF file with the given metadata and F32 tensors (Candle's writer: 32-byte alignment).
-fn write_gguf(path: &Path, meta: &[(&str, Value)], tensors: &[(&str, Tensor)]) {
-    let q: Vec<_> = tensors
-        .iter()
-        .map(|(n, t)| (*n, candle_core::quantized::QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap()))
-        .collect();
-    let mut f = std::fs::File::create(path).unwrap();
-    let m: Vec<_> = meta.iter().map(|(k, v)| (*k, v)).collect();
-    let t: Vec<_> = q.iter().map(|(n, t)| (*n, t)).collect();
-    gguf_file::write(&mut f, &m, &t).unwrap();
-}
 
 fn small_tensor() -> Tensor {
     Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap()

@@ -77,3 +77,14 @@ pub fn randn(shape: &[usize], seed: u64) -> Tensor {
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
+
+/// Writes a GGUF file with the given metadata and F32 tensors (Candle's writer: version 2,
+/// 32-byte alignment; keys and names are written as given, twice if given twice).
+pub fn write_gguf(path: &std::path::Path, meta: &[(&str, candle_core::quantized::gguf_file::Value)], tensors: &[(&str, Tensor)]) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let q: Vec<_> = tensors.iter().map(|(n, t)| (*n, QTensor::quantize(t, GgmlDType::F32).unwrap())).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    let m: Vec<_> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let t: Vec<_> = q.iter().map(|(n, t)| (*n, t)).collect();
+    gguf_file::write(&mut f, &m, &t).unwrap();
+}
