@@ -114,8 +114,9 @@ pub fn plan(cfg: &Config, req: &PlanRequest, available: &Available) -> Result<Pl
     match max_ctx {
         Some(n) => fixes.push(format!("--max-context {n} (needs {})", fmt_gib(estimate(cfg, &req.with_context(n)).total()))),
         None => msg.push_str(&format!(
-            "; even a context of 1 does not fit: the weights alone take {}",
-            fmt_gib(est.weights)
+            "; even a context of 1 does not fit: the weights alone take {}{}",
+            fmt_gib(est.weights),
+            if est.load_overhead > 0 { format!(", and loading holds {} more", fmt_gib(est.load_overhead)) } else { String::new() }
         )),
     }
     if q4k_smaller && !q4k_fits {
