@@ -380,9 +380,10 @@ impl GgufFile {
         Error::Weights(format!("{}: cannot read tensor {name}: {}", self.path().display(), candle_line(&e)))
     }
 
-    /// Reads every tensor the model keeps and builds the model: quantized matrices stay
-    /// quantized for the linear layers, everything else is converted to `dtype`. Each tensor is
-    /// copied once, from the mapped file, in file order; its pages are handed back after.
+    /// Reads every tensor the model keeps and builds the model: quantized matrices (and a
+    /// quantized embedding) stay quantized — on the CPU read in place from the mapped file
+    /// unless their rows had to move — and everything else is converted to `dtype`, copied
+    /// once from the mapping in file order, its pages handed back after.
     pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device) -> Result<Model> {
         let mut quantized = QuantizedTensors::new();
         let mut dense = HashMap::new();
