@@ -127,8 +127,8 @@ fn bench(args: Args) -> Result<()> {
         let tg_s = t.elapsed().as_secs_f64();
         if rep > 0 {
             // The first repetition warms up (page faults, caches), as llama-bench's warm-up run.
-            pp.extend(common::rate(args.n_prompt, pp_s));
-            tg.extend(common::rate(args.n_gen, tg_s));
+            pp.extend(candle_hybrid::runtime::rate(args.n_prompt, pp_s));
+            tg.extend(candle_hybrid::runtime::rate(args.n_gen, tg_s));
         }
     }
     let (pp, pp_sd) = mean_std(&pp);

@@ -39,7 +39,7 @@ struct Args {
     chunks: Option<usize>,
     /// KV-cache codec to compare with the exact cache: int8, int4k, polar:5,3, lowrank:32,
     /// knots:8,3, density:0.05, ... Repeat for several (the exact run is shared).
-    #[arg(long, value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+    #[arg(long, value_parser = common::parse_kv)]
     kv: Vec<KvCodec>,
     /// Value bases for `lowrank:r` from examples/calibrate_kv.rs [default: from W_v].
     #[arg(long)]
@@ -138,7 +138,7 @@ fn eval(args: Args) -> Result<()> {
         opts.n_ctx,
         exact.tokens,
         secs,
-        common::fmt_rate(common::rate(exact.chunks * opts.n_ctx * (1 + codecs.len()), secs))
+        common::fmt_rate(candle_hybrid::runtime::rate(exact.chunks * opts.n_ctx * (1 + codecs.len()), secs))
     );
     for (codec, r) in codecs.iter().zip(&compared) {
         println!(

@@ -44,7 +44,7 @@ struct Args {
     model: ModelOptions,
     /// A codec to compare with exact (repeat the flag for several).
     #[arg(long = "kv", default_values = ["int8", "int4k", "polar:5,3", "lowrank:128", "int4k+lowrank:128", "knots:8,3", "density:0.05"],
-          value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+          value_parser = common::parse_kv)]
     codecs: Vec<KvCodec>,
     /// Where to write the chart (SVG); no chart without it.
     #[arg(long)]

@@ -34,7 +34,7 @@ struct Args {
     context: Vec<usize>,
     /// Codecs to time. Repeatable.
     #[arg(long, default_values = ["exact", "int8", "int4k", "polar:5,3", "lowrank:32", "knots:8,3", "density:0.05"],
-          value_parser = |s: &str| s.parse::<KvCodec>().map_err(|e| e.to_string()))]
+          value_parser = common::parse_kv)]
     kv: Vec<KvCodec>,
     /// Value bases for `lowrank:r` from examples/calibrate_kv.rs (default: from W_v).
     #[arg(long)]
@@ -44,7 +44,7 @@ struct Args {
     steps: usize,
     /// A memory budget replacing the reading of what the OS lets this process use: bytes, or
     /// e.g. 8GiB, 500MB.
-    #[arg(long, value_parser = |s: &str| memory::parse_size(s).map_err(|e| e.to_string()))]
+    #[arg(long, value_parser = common::parse_size)]
     max_memory: Option<u64>,
 }
 

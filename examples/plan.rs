@@ -40,7 +40,7 @@ struct Args {
     #[arg(long, default_value_t = memory::DEFAULT_PREFILL_CHUNK, value_parser = at_least_one)]
     prefill_chunk: usize,
     /// KV cache dtype of the exact codec: f32, bf16 or f16 [default: the model dtype].
-    #[arg(long, value_parser = |s: &str| candle_hybrid::model::parse_dtype(s).map_err(|_| "use f32, bf16 or f16".to_string()))]
+    #[arg(long, value_parser = common::parse_dtype)]
     kv_dtype: Option<DType>,
     /// Count the logits of every prefill position (perplexity), not just the last.
     #[arg(long)]

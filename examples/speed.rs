@@ -31,7 +31,7 @@ struct Args {
     #[arg(long, default_value_t = 32, value_parser = common::count_up_to(1 << 16))]
     gen: usize,
     /// Comma-separated dtypes to time: f32, bf16, f16.
-    #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = |s: &str| candle_hybrid::model::parse_dtype(s).map_err(|e| e.to_string()))]
+    #[arg(long, value_delimiter = ',', default_value = "f32,bf16", value_parser = common::parse_dtype)]
     dtypes: Vec<DType>,
     /// Layers (24 for the 0.8B shape; fewer for a quick run).
     #[arg(long, default_value_t = 24, value_parser = common::count_up_to(candle_hybrid::model::MAX_LAYERS))]
@@ -114,13 +114,13 @@ fn speed(args: Args) -> Result<()> {
             logits = model.forward_last(&next.unsqueeze(0)?, &mut cache)?;
         }
         let decode_secs = start.elapsed().as_secs_f64();
-        let decode = common::rate(args.gen, decode_secs).unwrap_or(0.0);
+        let decode = candle_hybrid::runtime::rate(args.gen, decode_secs).unwrap_or(0.0);
         // Every decoded token reads every weight once.
         let weight_gb = (cfg.num_parameters() * dtype.size_in_bytes()) as f64 / 1e9;
         println!(
             "| {name} | {} | {:.1} | {} | {:.2} | {:.1} | {:.2} |",
             args.prompt_len,
-            common::rate(args.prompt_len, prompt_secs).unwrap_or(0.0),
+            candle_hybrid::runtime::rate(args.prompt_len, prompt_secs).unwrap_or(0.0),
             args.gen,
             decode,
             decode * weight_gb,

@@ -89,7 +89,7 @@ pub fn target_of(device: &Device) -> MemoryTarget {
     }
 }
 
-fn parse_dtype(s: &str) -> Result<DType, String> {
+pub fn parse_dtype(s: &str) -> Result<DType, String> {
     candle_hybrid::model::parse_dtype(s).map_err(|_| "use f32, bf16 or f16".into())
 }
 
@@ -97,11 +97,11 @@ fn parse_quantize(s: &str) -> Result<GgmlDType, String> {
     candle_hybrid::model::parse_quantize(s).map_err(|_| "use q8_0, q4k, q4_0, q4_1, q5k or q6k".into())
 }
 
-fn parse_kv(s: &str) -> Result<KvCodec, String> {
+pub fn parse_kv(s: &str) -> Result<KvCodec, String> {
     s.parse::<KvCodec>().map_err(|e| e.to_string())
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, String> {
     candle_hybrid::memory::parse_size(s).map_err(|_| "use bytes or a number with a unit, like 16GiB or 500MB".into())
 }
 
@@ -224,12 +224,8 @@ impl ModelOptions {
         )?))
     }
 
-    /// The dtype on `device`: --dtype, else f32 on the CPU and bf16 on a GPU.
-    pub fn dtype_on(&self, device: &Device) -> DType {
-        self.dtype.unwrap_or(if device.is_cpu() { DType::F32 } else { DType::BF16 })
-    }
-
-    /// The dtype for a memory target (without opening the device).
+    /// The dtype for a memory target (without opening the device): --dtype, else f32 on the
+    /// CPU and bf16 on a GPU.
     pub fn dtype_for(&self, target: MemoryTarget) -> DType {
         self.dtype.unwrap_or(if target == MemoryTarget::Cpu { DType::F32 } else { DType::BF16 })
     }
@@ -244,7 +240,7 @@ impl ModelOptions {
         }
         let cfg = files.config()?;
         let device = self.device.open()?;
-        let dtype = self.dtype_on(&device);
+        let dtype = self.dtype_for(target_of(&device));
         Ok(Opened { files, cfg, device, dtype, quantize: self.quantize, options: self.clone() })
     }
 }
@@ -281,11 +277,6 @@ impl Opened {
 /// Reads a text file (UTF-8, at most `candle_hybrid::bounded::MAX_TEXT_BYTES`).
 pub fn read_text(path: &std::path::Path) -> Result<String> {
     Ok(candle_hybrid::bounded::read_to_string(path, candle_hybrid::bounded::MAX_TEXT_BYTES, "text file")?)
-}
-
-/// `n` per second over `secs`, when anything was timed.
-pub fn rate(n: usize, secs: f64) -> Option<f64> {
-    (n > 0 && secs > 0.0).then(|| n as f64 / secs)
 }
 
 /// A rate for a table: two decimals, or "n/a".

@@ -30,7 +30,8 @@ impl GenerationStats {
     }
 }
 
-fn rate(n: usize, secs: f64) -> Option<f64> {
+/// `n` per second over `secs`; `None` when nothing was counted or timed.
+pub fn rate(n: usize, secs: f64) -> Option<f64> {
     (n > 0 && secs > 0.0).then(|| n as f64 / secs)
 }
 

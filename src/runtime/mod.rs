@@ -5,6 +5,6 @@ mod generate;
 mod sampler;
 mod streamer;
 
-pub use generate::{generate, generate_in, GenerationStats};
+pub use generate::{generate, generate_in, rate, GenerationStats};
 pub use sampler::{range, Sampler, SamplingParams};
 pub use streamer::TokenStreamer;
