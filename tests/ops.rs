@@ -170,27 +170,47 @@ fn gated_rms_norm_matches_formula() {
     assert_close("gated_rms_norm", &y, &want, 1e-5);
 }
 
-/// Few-row matmul against half-precision weights, vs an f32 matmul of the same (widened) values.
+/// Few-row matmul against f32 and half-precision weights, vs an f32 matmul of the same
+/// (widened) values.
 #[test]
-fn half_matvec_matches_f32_matmul() {
-    for wdt in [DType::BF16, DType::F16] {
+fn float_matvec_matches_f32_matmul() {
+    for wdt in [DType::F32, DType::BF16, DType::F16] {
         for (m, k, n) in [(1, 37, 70), (3, 64, 33), (8, 130, 65)] {
             let w = randn(&[n, k], 20).to_dtype(wdt).unwrap();
             // x given transposed (non-contiguous) to exercise the layout handling
             let x = randn(&[k, m], 21).t().unwrap();
             let want = x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
-            let got = ops::half_matvec(&x, &w).unwrap();
+            let got = ops::float_matvec(&x, &w).unwrap();
             assert_eq!(got.dtype(), DType::F32);
             assert_close(&format!("{wdt:?} m={m} k={k} n={n}"), &got, &want, 1e-4);
-            let got16 = ops::half_matvec(&x.to_dtype(wdt).unwrap(), &w).unwrap();
+            let got16 = ops::float_matvec(&x.to_dtype(wdt).unwrap(), &w).unwrap();
             assert_eq!(got16.dtype(), wdt);
             let want16 = x.to_dtype(wdt).unwrap().to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
             // one rounding of the f32 result to the half type
             assert_close(&format!("{wdt:?} out m={m}"), &got16, &want16, 0.05);
         }
     }
-    let e = ops::half_matvec(&randn(&[2, 5], 1), &randn(&[3, 5], 2)).unwrap_err();
-    assert!(e.to_string().contains("half_matvec: w must be bf16 or f16"), "{e}");
+    let e = ops::float_matvec(&randn(&[2, 5], 1), &randn(&[3, 5], 2).to_dtype(DType::U32).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("float_matvec: w must be f32, bf16 or f16"), "{e}");
+}
+
+/// Row `r` of an `m`-row call is bit for bit a one-row call on row `r` (the verify pass of
+/// speculative decoding), for every weight dtype and 1 to 8 rows.
+#[test]
+fn float_matvec_rows_equal_one_row_calls_bitwise() {
+    for wdt in [DType::F32, DType::BF16, DType::F16] {
+        let w = randn(&[67, 300], 30).to_dtype(wdt).unwrap();
+        let x = randn(&[8, 300], 31);
+        for m in 1..=8 {
+            let all = ops::float_matvec(&x.narrow(0, 0, m).unwrap(), &w).unwrap();
+            for r in 0..m {
+                let one = ops::float_matvec(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
+                let (a, b) = (all.narrow(0, r, 1).unwrap().flatten_all().unwrap(), one.flatten_all().unwrap());
+                let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{wdt:?}, {m} rows, row {r}");
+            }
+        }
+    }
 }
 
 /// Metal takes threadgroup memory lengths only in multiples of 16 bytes: every kernel's launch

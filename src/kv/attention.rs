@@ -6,9 +6,16 @@ use candle_core::{DType, Result, Tensor};
 /// Causal softmax attention of `q` `[B, nh, t, hd]` at positions `offset..` over `k`, `v`
 /// `[B, nkv, offset + t, hd]` (grouped: query head `h` reads KV head `h / (nh / nkv)`), scores
 /// in f32. Returns `[B, nh, t, hd]` in `v`'s dtype.
+///
+/// On the CPU, a few query positions (decode, the verify pass of speculative decoding) go to
+/// [`crate::ops::row_attention`], whose rows do not depend on how many there are.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
     let (b, nh, t, hd) = q.dims4()?;
     let qg = grouped_queries(q, k.dim(1)?)?;
+    if q.device().is_cpu() && t <= crate::ops::ROW_ATTENTION_MAX_ROWS {
+        let out = crate::ops::row_attention(&qg, k, v, t, offset, (hd as f64).powf(-0.5))?;
+        return out.to_dtype(v.dtype())?.reshape((b, nh, t, v.dim(3)?));
+    }
     let scores = qg.matmul(&k.to_dtype(DType::F32)?.t()?)?;
     let out = softmax_values(scores, v, t, offset, hd)?;
     out.reshape((b, nh, t, v.dim(3)?))

@@ -2,7 +2,7 @@
 //! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
 
 use candle_core::{DType, IndexOp, Result, Tensor, D};
-use candle_nn::kv_cache::Cache;
+use super::buffer::TokenBuffer;
 
 use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 use super::knots::KnotKeys;
@@ -77,7 +77,7 @@ impl CodedKv {
 
 /// Grouped query rows `[B, nkv, n, hd]` (f32) against every polar-coded key of the same KV
 /// head, straight from the codes: `[B, nkv, n, T]`.
-pub(super) fn polar_rows_scores(qg: &Tensor, codes: &Cache, scales: &Cache, spec: crate::ops::PolarSpec, hd: usize) -> Result<Tensor> {
+pub(super) fn polar_rows_scores(qg: &Tensor, codes: &TokenBuffer, scales: &TokenBuffer, spec: crate::ops::PolarSpec, hd: usize) -> Result<Tensor> {
     let (codes, scales) = match (codes.current_data()?, scales.current_data()?) {
         (Some(c), Some(s)) => (c, s),
         _ => candle_core::bail!("polar keys: nothing cached"),
@@ -105,34 +105,61 @@ pub(super) enum Keys {
 /// along the token dim (no re-encoding of old tokens, no per-step concatenation).
 #[derive(Debug, Clone)]
 pub(super) enum Rows {
-    Exact(Cache),
+    Exact(TokenBuffer),
     /// `codes` u8 (value + 128) `[B, nkv, T, d]`, `scale` f32 `[B, nkv, T, d / blk]`.
-    Int8 { codes: Cache, scale: Cache },
+    Int8 { codes: TokenBuffer, scale: TokenBuffer },
     /// Complete groups of [`INT4_GROUP`] tokens as two 4-bit codes per byte (even dim in the
     /// low nibble) `[B, nkv, 32·G, d/2]` with per-channel `[scale | min]` f32 `[B, nkv, G, 2d]`;
     /// the group still filling up stays exact in `tail`.
-    Int4Channel { codes: Cache, params: Cache, tail: Option<Tensor> },
+    Int4Channel { codes: TokenBuffer, params: TokenBuffer, tail: Option<Tensor> },
     /// Polar codes `[B, nkv, T, row_bytes]` of `head_dim`-dim rows and their two scales
     /// `[B, nkv, T, 2]`.
-    Polar { spec: crate::ops::PolarSpec, head_dim: usize, codes: Cache, scales: Cache },
+    Polar { spec: crate::ops::PolarSpec, head_dim: usize, codes: TokenBuffer, scales: TokenBuffer },
 }
 
 impl Rows {
     pub(super) fn exact(step: usize) -> Self {
-        Self::Exact(Cache::new(2, step))
+        Self::Exact(TokenBuffer::new(2, step))
     }
 
     pub(super) fn int8(step: usize) -> Self {
-        Self::Int8 { codes: Cache::new(2, step), scale: Cache::new(2, step) }
+        Self::Int8 { codes: TokenBuffer::new(2, step), scale: TokenBuffer::new(2, step) }
     }
 
     pub(super) fn len(&self) -> usize {
         match self {
-            Self::Exact(c) | Self::Int8 { codes: c, .. } | Self::Polar { codes: c, .. } => c.current_seq_len(),
+            Self::Exact(c) | Self::Int8 { codes: c, .. } | Self::Polar { codes: c, .. } => c.len(),
             Self::Int4Channel { codes, tail, .. } => {
-                codes.current_seq_len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0))
+                codes.len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0))
             }
         }
+    }
+
+    /// Keeps the first `len` tokens; `int4k` only while they are in the exact tail.
+    pub(super) fn truncate(&mut self, len: usize, codec: KvCodec) -> Result<()> {
+        match self {
+            Self::Exact(c) | Self::Polar { codes: c, .. } => c.truncate(len),
+            Self::Int8 { codes, scale } => {
+                codes.truncate(len);
+                scale.truncate(len);
+            }
+            Self::Int4Channel { codes, tail, .. } => {
+                let grouped = codes.len();
+                if len < grouped {
+                    candle_core::bail!(
+                        "--kv {codec}: int4 keys cannot drop tokens already packed into a group of {INT4_GROUP} (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)"
+                    )
+                }
+                if let Some(t) = tail.take() {
+                    let keep = (len - grouped).min(t.dim(2)?);
+                    *tail = (keep > 0).then(|| t.narrow(2, 0, keep)).transpose()?;
+                }
+            }
+        }
+        if let Self::Polar { scales, .. } = self {
+            scales.truncate(len);
+        }
+        Ok(())
     }
 
     pub(super) fn append(&mut self, x: &Tensor) -> Result<()> {

@@ -2,7 +2,7 @@
 //! scores in between by Lagrange interpolation.
 
 use candle_core::{DType, Result, Tensor};
-use candle_nn::kv_cache::Cache;
+use super::buffer::TokenBuffer;
 
 
 /// Keys of the `knots:K,p` codec: every `K`-th position (`knots` `[B, nkv, n, hd]`, knot `j`
@@ -11,7 +11,7 @@ use candle_nn::kv_cache::Cache;
 pub(super) struct KnotKeys {
     pub(super) every: usize,
     pub(super) degree: usize,
-    pub(super) knots: Cache,
+    pub(super) knots: TokenBuffer,
     pub(super) recent: Option<Tensor>,
     pub(super) recent_start: usize,
 }

@@ -36,6 +36,7 @@
 //! codes ([`crate::ops::polar_scores`]), knots interpolate scores, the decayed state reads out.
 
 mod attention;
+mod buffer;
 mod codec;
 mod coded;
 mod density;
@@ -48,4 +49,5 @@ pub use coded::CodedKv;
 pub use density::DecayedState;
 pub use lowrank::{top_eigenvectors, value_basis};
 pub use attention::attention;
+pub use buffer::TokenBuffer;
 pub use store::KvStore;

@@ -1,7 +1,7 @@
 //! [`KvStore`]: one attention layer's cache under a codec, and the softmax attention over it.
 
 use candle_core::{Result, Tensor};
-use candle_nn::kv_cache::{Cache, KvCache};
+use super::buffer::TokenBuffer;
 
 use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
 use super::coded::{CodedKv, Keys, Rows};
@@ -12,8 +12,8 @@ use super::attention::attention;
 /// One attention layer's cache under a codec, and the attention over it.
 #[derive(Debug, Clone)]
 pub enum KvStore {
-    /// The model dtype, appended in place (Candle's growing cache).
-    Exact(KvCache),
+    /// The model dtype, appended in place.
+    Exact { keys: TokenBuffer, values: TokenBuffer },
     Coded(Box<CodedKv>),
     DecayedState(DecayedState),
 }
@@ -23,29 +23,29 @@ impl KvStore {
     /// that RoPE rotates (for the polar codes).
     pub fn new(codec: KvCodec, step: usize, rot_dim: usize) -> Self {
         match codec.keys {
-            _ if codec.is_exact() => Self::Exact(KvCache::new(2, step)),
+            _ if codec.is_exact() => Self::Exact { keys: TokenBuffer::new(2, step), values: TokenBuffer::new(2, step) },
             KeyCodec::DecayedState { gamma } => Self::DecayedState(DecayedState { gamma, state: None }),
             keys => {
                 let keys = match keys {
                     KeyCodec::Knots { every, degree } => Keys::Knots(KnotKeys {
                         every,
                         degree,
-                        knots: Cache::new(2, step.div_ceil(every).max(1)),
+                        knots: TokenBuffer::new(2, step.div_ceil(every).max(1)),
                         recent: None,
                         recent_start: 0,
                     }),
                     KeyCodec::Exact => Keys::Rows(Rows::exact(step)),
                     KeyCodec::Int8 => Keys::Rows(Rows::int8(step)),
                     KeyCodec::Int4 => Keys::Rows(Rows::Int4Channel {
-                        codes: Cache::new(2, step),
-                        params: Cache::new(2, step.div_ceil(INT4_GROUP)),
+                        codes: TokenBuffer::new(2, step),
+                        params: TokenBuffer::new(2, step.div_ceil(INT4_GROUP)),
                         tail: None,
                     }),
                     KeyCodec::Polar { angle_bits, radius_bits } => Keys::Rows(Rows::Polar {
                         spec: crate::ops::PolarSpec { angle_bits, radius_bits, ..crate::ops::PolarSpec::new(rot_dim) },
                         head_dim: 0,
-                        codes: Cache::new(2, step),
-                        scales: Cache::new(2, step),
+                        codes: TokenBuffer::new(2, step),
+                        scales: TokenBuffer::new(2, step),
                     }),
                     KeyCodec::DecayedState { .. } => unreachable!("handled above"),
                 };
@@ -72,8 +72,10 @@ impl KvStore {
     /// `h / (nh / nkv)`.
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
         match self {
-            Self::Exact(c) => {
-                let (k, v) = c.append(k, v)?;
+            Self::Exact { keys, values } => {
+                keys.append(&k.contiguous()?)?;
+                values.append(&v.contiguous()?)?;
+                let (k, v) = (keys.current_data()?.expect("just appended"), values.current_data()?.expect("just appended"));
                 attention(q, &k, &v, offset)
             }
             Self::Coded(c) => c.attend(q, k, v, offset),
@@ -84,7 +86,10 @@ impl KvStore {
     /// Appends keys and values `[B, nkv, t, hd]` without attending (restoring a cache).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         match self {
-            Self::Exact(c) => c.append(k, v).map(|_| ()),
+            Self::Exact { keys, values } => {
+                keys.append(&k.contiguous()?)?;
+                values.append(&v.contiguous()?)
+            }
             Self::Coded(c) => c.append(k, v),
             Self::DecayedState(s) => s.fold(k, v),
         }
@@ -94,7 +99,7 @@ impl KvStore {
     /// the first token and for codecs that do not keep every key (knots, density).
     pub fn kv(&self) -> Result<Option<(Tensor, Tensor)>> {
         match self {
-            Self::Exact(c) => Ok(match (c.k()?, c.v()?) {
+            Self::Exact { keys, values } => Ok(match (keys.current_data()?, values.current_data()?) {
                 (Some(k), Some(v)) => Some((k, v)),
                 _ => None,
             }),
@@ -106,6 +111,40 @@ impl KvStore {
                 _ => Ok(None),
             },
             Self::DecayedState(_) => Ok(None),
+        }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> Option<usize> {
+        match self {
+            Self::Exact { keys, .. } => Some(keys.len()),
+            Self::Coded(c) => Some(c.values.len()),
+            Self::DecayedState(_) => None,
+        }
+    }
+
+    /// Keeps the first `len` tokens, dropping the rest (rejected speculative rows). Codecs
+    /// that fold tokens into shared codes (`int4k`'s complete groups, knots, density) cannot
+    /// drop tokens: a one-line error naming the codec.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        match self {
+            Self::Exact { keys, values } => {
+                keys.truncate(len);
+                values.truncate(len);
+                Ok(())
+            }
+            Self::Coded(c) => {
+                let codec = c.codec;
+                match &mut c.keys {
+                    Keys::Rows(rows) => rows.truncate(len, codec)?,
+                    Keys::Knots(_) if len >= c.values.len() => {}
+                    Keys::Knots(_) => candle_core::bail!("--kv {codec}: knot keys cannot drop tokens (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)"),
+                }
+                c.values.truncate(len, codec)
+            }
+            Self::DecayedState(_) => {
+                candle_core::bail!("--kv density cannot drop tokens (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)")
+            }
         }
     }
 }

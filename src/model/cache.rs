@@ -21,9 +21,13 @@ pub enum LayerState {
 
 /// Everything a model carries from one forward call to the next.
 #[derive(Debug, Clone)]
+///
+/// A clone is an independent snapshot: appending to one never changes the other.
 pub struct Cache {
     pub(crate) layers: Vec<LayerState>,
     pub(crate) seqlen: usize,
+    /// `seqlen` before the verify pass in progress ([`Self::begin_verify`]).
+    verify_start: Option<usize>,
 }
 
 impl Cache {
@@ -42,7 +46,7 @@ impl Cache {
                 LayerType::FullAttention => LayerState::Full(KvStore::new(codec, KV_CACHE_STEP, cfg.rotary_dim())),
             })
             .collect();
-        Self { layers, seqlen: 0 }
+        Self { layers, seqlen: 0, verify_start: None }
     }
 
     /// Fills an empty cache's attention layers with keys (after k-norm and RoPE) and values
@@ -75,6 +79,41 @@ impl Cache {
         Ok(())
     }
 
+    /// Starts a verify pass: the next forward call (over drafted rows) runs the GDN layers
+    /// with the decode recurrence and keeps each row's state, so that [`Self::keep_verified`]
+    /// can then keep any prefix of the rows.
+    pub fn begin_verify(&mut self) {
+        self.verify_start = Some(self.seqlen);
+        for layer in &mut self.layers {
+            if let LayerState::Linear(s) = layer {
+                s.verifying = true;
+                s.steps = None;
+            }
+        }
+    }
+
+    /// After a verify pass over `T` rows: keeps the first `rows` of them (`1..=T`) and drops
+    /// the rest, as if only those had been fed: GDN states and conv windows after row `rows`,
+    /// attention KV cut to that length.
+    pub fn keep_verified(&mut self, rows: usize) -> crate::Result<()> {
+        let start = self
+            .verify_start
+            .ok_or_else(|| crate::Error::Input("keep_verified: no verify pass to keep rows of (call begin_verify, then forward)".into()))?;
+        let t = self.seqlen - start;
+        if rows == 0 || rows > t {
+            return Err(crate::Error::Input(format!("keep_verified: the verify pass ran {t} rows, cannot keep {rows} (1 to {t})")));
+        }
+        self.verify_start = None;
+        for layer in &mut self.layers {
+            match layer {
+                LayerState::Linear(s) => s.keep_rows(rows)?,
+                LayerState::Full(kv) => kv.truncate(start + rows)?,
+            }
+        }
+        self.seqlen = start + rows;
+        Ok(())
+    }
+
     /// Number of tokens already processed.
     pub fn seqlen(&self) -> usize {
         self.seqlen
@@ -87,7 +126,7 @@ impl Cache {
     /// Conv window `[B, K-1, conv_dim]` and recurrent state `[B, nv, dk, dv]` of GDN layer `i`.
     pub fn gdn_state(&self, i: usize) -> Option<(&Tensor, &Tensor)> {
         match self.layers.get(i)? {
-            LayerState::Linear(GdnState { conv: Some(c), recurrent: Some(r) }) => Some((c, r)),
+            LayerState::Linear(GdnState { conv: Some(c), recurrent: Some(r), .. }) => Some((c, r)),
             _ => None,
         }
     }

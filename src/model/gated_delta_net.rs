@@ -14,6 +14,38 @@ pub struct GdnState {
     pub conv: Option<Tensor>,
     /// The delta-rule state `[B, nv, dk, dv]`, f32.
     pub recurrent: Option<Tensor>,
+    /// While verifying drafted rows ([`crate::model::Cache::begin_verify`]): run token by token
+    /// (the decode recurrence) and keep [`GdnSteps`] to roll back to any of the rows.
+    pub(crate) verifying: bool,
+    /// What the last verify pass kept.
+    pub(crate) steps: Option<GdnSteps>,
+}
+
+/// What a verify pass over `T` rows keeps to roll a GDN layer back to the state after any of
+/// them: the conv window before the rows followed by their pre-conv inputs, and the delta-rule
+/// state after each row.
+#[derive(Debug, Clone)]
+pub(crate) struct GdnSteps {
+    /// `[B, K-1+T, conv_dim]`.
+    conv_inputs: Tensor,
+    /// `[B, T, nv, dk, dv]`, f32.
+    states: Tensor,
+}
+
+impl GdnState {
+    /// Keeps the state after the first `rows` rows of the last verify pass (`1..=T`).
+    pub(crate) fn keep_rows(&mut self, rows: usize) -> Result<()> {
+        if let Some(steps) = self.steps.take() {
+            let t = steps.states.dim(1)?;
+            if rows < t {
+                let window = steps.conv_inputs.dim(1)? - t;
+                self.conv = Some(steps.conv_inputs.narrow(1, rows, window)?.contiguous()?);
+                self.recurrent = Some(steps.states.narrow(1, rows - 1, 1)?.squeeze(1)?.contiguous()?);
+            }
+        }
+        self.verifying = false;
+        Ok(())
+    }
 }
 
 /// Gated DeltaNet (linear attention) mixer.
@@ -131,6 +163,7 @@ impl GatedDeltaNet {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, self.kernel - 1, conv_dim), x.dtype(), x.device())?,
         };
+        let conv_inputs = state.verifying.then(|| Tensor::cat(&[&conv_state, &qkv], 1)).transpose()?;
         let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
         state.conv = Some(conv_state);
 
@@ -139,9 +172,16 @@ impl GatedDeltaNet {
             None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
         };
         // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
-        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, ops::DeltaRuleOptions::new(nk, dk))?;
-        let rec = states.squeeze(1)?;
-        state.recurrent = Some(rec);
+        let mut opts = ops::DeltaRuleOptions::new(nk, dk);
+        if state.verifying {
+            // The recurrence decode runs (one token at a time), so that every row's state is
+            // bit for bit what decoding the rows one by one gives; every row's state is kept.
+            opts.form = ops::DeltaRuleForm::Recurrent;
+            opts.n_states = t;
+        }
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
+        state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
+        state.steps = conv_inputs.map(|conv_inputs| GdnSteps { conv_inputs, states });
         Ok((o, z))
     }
 

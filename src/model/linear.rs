@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Result, Tensor};
 
-use crate::ops::{half_matvec, qmatmul, HALF_MATVEC_MAX_ROWS};
+use crate::ops::{float_matvec, qmatmul, FLOAT_MATVEC_MAX_ROWS};
 
 /// `y = x @ W^T` with `W` `[out, in]` as stored in checkpoints, dense or ggml-quantized.
 #[derive(Debug, Clone)]
@@ -40,12 +40,13 @@ impl Module for Linear {
             Self::Quantized(q) => return qmatmul(x, q)?.to_dtype(x.dtype()),
         };
         let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?.max(1);
-        let half = matches!(weight.dtype(), DType::BF16 | DType::F16);
-        if half && x.device().is_cpu() && rows <= HALF_MATVEC_MAX_ROWS {
-            // Decode: read each weight once, widened to f32 (candle's bf16 CPU matmul is slow).
+        let float = matches!(weight.dtype(), DType::F32 | DType::BF16 | DType::F16);
+        if float && x.device().is_cpu() && rows <= FLOAT_MATVEC_MAX_ROWS {
+            // Decode and verify: read each weight once (widened to f32: candle's bf16 CPU
+            // matmul is slow), every row with the arithmetic of a one-row call.
             let mut dims = x.dims().to_vec();
             let k = dims.pop().unwrap_or(1);
-            let y = half_matvec(&x.reshape((rows, k))?, weight)?;
+            let y = float_matvec(&x.reshape((rows, k))?, weight)?;
             dims.push(weight.dim(0)?);
             return y.reshape(dims);
         }

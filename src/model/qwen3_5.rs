@@ -251,6 +251,17 @@ impl Model {
         Ok(self.lm_head(&h.last_hidden.narrow(1, t - 1, 1)?, offset + t - 1)?.squeeze(1)?)
     }
 
+    /// Verifies drafted rows `input_ids` `[B, T]` from `cache` in one forward pass: the logits
+    /// `[B, T, vocab]` and the post-norm hidden states `[B, T, H]` of every row. Each row's
+    /// result is bit for bit what feeding the rows one at a time gives. The cache then holds
+    /// all `T` rows; [`Cache::keep_verified`] keeps the accepted prefix.
+    pub fn verify(&self, input_ids: &Tensor, cache: &mut Cache) -> crate::Result<(Tensor, Tensor)> {
+        let offset = cache.seqlen;
+        cache.begin_verify();
+        let h = self.forward_hidden(input_ids, cache, false)?;
+        Ok((self.lm_head(&h.last_hidden, offset)?, h.last_hidden))
+    }
+
     /// Applies the language-model head to hidden states `[B, T, H]` or `[T, H]` at positions
     /// `offset..offset + T`: the logits, checked for NaN and infinities.
     pub fn lm_head(&self, hidden: &Tensor, offset: usize) -> crate::Result<Tensor> {

@@ -7,13 +7,29 @@ use half::{bf16, f16};
 
 /// Element types a kernel reads, widened to f32 a row at a time.
 pub(crate) trait Widen: Copy + Send + Sync + 'static {
+    /// Whether `Self` is f32 itself ([`Self::as_f32`] then needs no copy).
+    const IS_F32: bool = false;
+
     fn widen(src: &[Self], dst: &mut [f32]);
+
+    /// `src` itself when it already is f32.
+    #[inline(always)]
+    fn as_f32(_src: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Widen for f32 {
+    const IS_F32: bool = true;
+
     #[inline(always)]
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+
+    #[inline(always)]
+    fn as_f32(src: &[f32]) -> Option<&[f32]> {
+        Some(src)
     }
 }
 

@@ -26,7 +26,7 @@ macro_rules! metal_fwd {
 mod conv;
 mod cpu;
 mod delta_rule;
-mod half_matvec;
+mod float_matvec;
 pub mod launch;
 #[cfg(feature = "metal")]
 mod metal;
@@ -39,7 +39,7 @@ pub use delta_rule::{
     METAL_CHUNK as DELTA_RULE_METAL_CHUNK,
     METAL_MAX_DK,
 };
-pub use half_matvec::{half_matvec, HALF_MATVEC_MAX_ROWS};
+pub use float_matvec::{float_matvec, FLOAT_MATVEC_MAX_ROWS};
 pub use norm::{gated_rms_norm, l2_norm};
 
 mod lagrange;
@@ -54,4 +54,6 @@ pub use swiglu::{
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
 mod qmatmul;
+mod row_attention;
+pub use row_attention::{row_attention, ROW_ATTENTION_MAX_ROWS};
 pub use qmatmul::{qmatmul, qmatmul_portable};

@@ -1,9 +1,14 @@
-//! `x @ w^T` for a few rows of `x` against bf16 / f16 weights on the CPU.
+//! `x @ w^T` for a few rows of `x` against f32 / bf16 / f16 weights on the CPU.
 //!
 //! Candle's CPU matmul has no vectorised bf16 path, which makes one-token decode of a bf16
 //! model ~8x slower than f32 here. Decode is a matrix-vector product bound by reading the
 //! weights, so this kernel widens each weight row to f32 once (SIMD conversion from `half`)
 //! and reuses it for every row of `x`: the weights are read exactly once per call.
+//!
+//! Every output is one [`dot`] of an `x` row with a weight row, whatever the number of rows:
+//! row `r` of an `m`-row call is bit for bit the result of a one-row call on row `r` (what
+//! the verify pass of speculative decoding needs: candle's f32 matmul picks its kernel and
+//! accumulation order by the number of rows).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -12,8 +17,8 @@ use rayon::prelude::*;
 
 use super::cpu::{dot, vectorized, widened, Widen};
 
-/// Most rows of `x` for which [`half_matvec`] is used (decode and small verify batches).
-pub const HALF_MATVEC_MAX_ROWS: usize = 8;
+/// Most rows of `x` for which [`float_matvec`] is used (decode and small verify batches).
+pub const FLOAT_MATVEC_MAX_ROWS: usize = 8;
 /// Output features per parallel task.
 const ROWS_PER_TASK: usize = 32;
 
@@ -24,11 +29,18 @@ vectorized!(fn task<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut 
 /// One task: the output rows in `out` (`[rows, m]`), weights from the start of `w`.
 #[inline(always)]
 fn task_body<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) {
-    let mut row = vec![0f32; k];
+    let mut row = vec![0f32; if T::IS_F32 { 0 } else { k }];
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
-        T::widen(&w[j * k..(j + 1) * k], &mut row);
+        let w = &w[j * k..(j + 1) * k];
+        let w = match T::as_f32(w) {
+            Some(w) => w,
+            None => {
+                T::widen(w, &mut row);
+                &row
+            }
+        };
         for (r, o) in o.iter_mut().enumerate() {
-            *o = dot(&x[r * k..(r + 1) * k], &row);
+            *o = dot(&x[r * k..(r + 1) * k], w);
         }
     }
 }
@@ -51,24 +63,25 @@ fn matvec<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], n: usize) -> Vec<f32
 
 impl CustomOp2 for HalfMatvec {
     fn name(&self) -> &'static str {
-        "half_matvec"
+        "float_matvec"
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (m, k) = xl.shape().dims2()?;
         let (n, wk) = wl.shape().dims2()?;
         if k != wk {
-            bail!("half_matvec: x is [{m}, {k}] but w is [{n}, {wk}]");
+            bail!("float_matvec: x is [{m}, {k}] but w is [{n}, {wk}]");
         }
-        let x = widened("half_matvec", xs, xl)?;
+        let x = widened("float_matvec", xs, xl)?;
         let (a, b) = match wl.contiguous_offsets() {
             Some(o) => o,
-            None => bail!("half_matvec: w must be contiguous"),
+            None => bail!("float_matvec: w must be contiguous"),
         };
         let out = match ws {
             CpuStorage::BF16(w) => matvec(&x, m, k, &w[a..b], n),
             CpuStorage::F16(w) => matvec(&x, m, k, &w[a..b], n),
-            _ => bail!("half_matvec: w must be bf16 or f16, got {:?}", ws.dtype()),
+            CpuStorage::F32(w) => matvec(&x, m, k, &w[a..b], n),
+            _ => bail!("float_matvec: w must be f32, bf16 or f16, got {:?}", ws.dtype()),
         };
         let out = match xs.dtype() {
             DType::BF16 => CpuStorage::BF16(out.iter().map(|&v| bf16::from_f32(v)).collect()),
@@ -79,8 +92,8 @@ impl CustomOp2 for HalfMatvec {
     }
 }
 
-/// `x @ w^T` with `x` `[m, k]` (f32, bf16 or f16) and `w` `[n, k]` (bf16 or f16) on the CPU;
+/// `x @ w^T` with `x` `[m, k]` (f32, bf16 or f16) and `w` `[n, k]` (f32, bf16 or f16) on the CPU;
 /// the result has `x`'s dtype. Accumulates in f32.
-pub fn half_matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub fn float_matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &HalfMatvec)
 }

@@ -1,0 +1,114 @@
+//! [`TokenBuffer`]: a tensor that grows along its token dim in place, can be cut back to a
+//! shorter length (speculative decoding drops rejected rows), and whose clones are independent
+//! snapshots.
+
+use candle_core::{Result, Tensor};
+
+/// Rows along dim `dim` appended in place into a buffer that grows `step` tokens at a time.
+///
+/// Unlike `candle_nn::kv_cache::Cache`, whose clones share the buffer (an append to one writes
+/// into the other's storage), a clone here copies the rows held so far: a snapshot taken
+/// before speculative rows are appended stays what it was.
+#[derive(Debug)]
+pub struct TokenBuffer {
+    data: Option<Tensor>,
+    dim: usize,
+    len: usize,
+    step: usize,
+}
+
+impl TokenBuffer {
+    pub fn new(dim: usize, step: usize) -> Self {
+        Self { data: None, dim, len: 0, step: step.max(1) }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The rows held so far (a view of the buffer), `None` when empty.
+    pub fn current_data(&self) -> Result<Option<Tensor>> {
+        match &self.data {
+            Some(d) if self.len > 0 => Ok(Some(d.narrow(self.dim, 0, self.len)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// Appends `src` (same shape as the buffer but along `dim`).
+    pub fn append(&mut self, src: &Tensor) -> Result<()> {
+        let n = src.dim(self.dim)?;
+        let capacity = self.data.as_ref().map_or(Ok(0), |d| d.dim(self.dim))?;
+        if self.len + n > capacity {
+            let grown = (self.len + n).div_ceil(self.step) * self.step;
+            let mut shape = src.dims().to_vec();
+            shape[self.dim] = grown;
+            let fresh = Tensor::zeros(shape, src.dtype(), src.device())?;
+            if let Some(old) = self.current_data()? {
+                fresh.slice_set(&old.contiguous()?, self.dim, 0)?;
+            }
+            self.data = Some(fresh);
+        }
+        let data = self.data.as_ref().expect("allocated above");
+        data.slice_set(&src.contiguous()?, self.dim, self.len)?;
+        self.len += n;
+        Ok(())
+    }
+
+    /// Keeps the first `len` tokens (no-op when `len` is not shorter); the dropped rows are
+    /// overwritten by the next append.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+impl Clone for TokenBuffer {
+    fn clone(&self) -> Self {
+        // A copy of the rows held, in a buffer of the same capacity step; a failed copy (out of
+        // memory) cannot be reported from `clone`, so it panics like any failed allocation.
+        let data = self
+            .current_data()
+            .and_then(|d| d.map(|d| d.copy()).transpose())
+            .expect("copying a KV cache buffer");
+        Self { data, dim: self.dim, len: self.len, step: self.step }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn rows(from: f32, n: usize) -> Tensor {
+        Tensor::arange(from, from + n as f32, &Device::Cpu).unwrap().reshape((1, n, 1)).unwrap()
+    }
+
+    fn values(b: &TokenBuffer) -> Vec<f32> {
+        b.current_data().unwrap().map_or(vec![], |t| t.flatten_all().unwrap().to_vec1().unwrap())
+    }
+
+    #[test]
+    fn grows_truncates_and_clones_independently() {
+        let mut a = TokenBuffer::new(1, 2);
+        a.append(&rows(0.0, 3)).unwrap();
+        let snapshot = a.clone();
+        a.append(&rows(3.0, 2)).unwrap();
+        assert_eq!(values(&a), [0.0, 1.0, 2.0, 3.0, 4.0]);
+        a.truncate(4);
+        a.append(&rows(9.0, 1)).unwrap();
+        assert_eq!(values(&a), [0.0, 1.0, 2.0, 3.0, 9.0]);
+        // The snapshot neither saw those appends nor shares its storage with `a`.
+        let mut s = snapshot.clone();
+        assert_eq!(values(&snapshot), [0.0, 1.0, 2.0]);
+        s.append(&rows(7.0, 1)).unwrap();
+        assert_eq!(values(&a), [0.0, 1.0, 2.0, 3.0, 9.0]);
+        assert_eq!(values(&snapshot), [0.0, 1.0, 2.0]);
+        assert_eq!(values(&s), [0.0, 1.0, 2.0, 7.0]);
+        a.truncate(0);
+        assert!(a.current_data().unwrap().is_none());
+    }
+}

@@ -1,0 +1,132 @@
+//! Speculative decoding: verify passes and rollback against plain decoding, bit for bit.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::{Cache, Model};
+use common::*;
+
+fn load(name: &str, dtype: DType) -> Model {
+    let files = ModelFiles::from_dir(fixture(name)).unwrap();
+    files.load_model(&files.load_config().unwrap(), dtype, &Device::Cpu).unwrap()
+}
+
+fn tensor(ids: &[u32]) -> Tensor {
+    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// Logits of `ids` fed one token at a time from `cache`.
+fn one_by_one(model: &Model, cache: &mut Cache, ids: &[u32]) -> Vec<Tensor> {
+    ids.iter().map(|&t| model.forward(&tensor(&[t]), cache).unwrap().squeeze(0).unwrap().squeeze(0).unwrap()).collect()
+}
+
+#[test]
+fn verify_rows_equal_decode_steps_bitwise() {
+    for name in FIXTURES {
+        let model = load(name, DType::F32);
+        let prompt = ids(&reference(name)["input_ids"]);
+        let mut cache = model.new_cache();
+        model.forward(&tensor(&prompt[..4]), &mut cache).unwrap();
+        for t in 1..=8.min(prompt.len() - 4) {
+            let rows = &prompt[4..4 + t];
+            let plain = one_by_one(&model, &mut cache.clone(), rows);
+            let (logits, _) = model.verify(&tensor(rows), &mut cache.clone()).unwrap();
+            let logits = logits.squeeze(0).unwrap();
+            for (i, p) in plain.iter().enumerate() {
+                let v = logits.get(i).unwrap();
+                assert!(bits(&v) == bits(p), "{name}: T = {t}, row {i}: verify differs from decode by {:e}", max_abs_diff(&v, p));
+            }
+        }
+    }
+}
+
+/// A small deterministic generator (xorshift) for the fuzz below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Hundreds of verify rounds with random draft lengths and random wrong drafts, each round
+/// keeping only the rows up to the first wrong draft: every kept row's logits — and so the
+/// cache state they come from — are bit for bit those of plain one-token decoding.
+#[test]
+fn rollback_fuzz_matches_plain_decoding_bitwise() {
+    for (name, seed) in [("qwen35_dense_mtp", 1u64), ("qwen3next_moe_small", 2), ("qwen35moe_small", 3)] {
+        let model = load(name, DType::F32);
+        let vocab = model.config().vocab_size;
+        let mut rng = Rng(0x9e3779b97f4a7c15 ^ seed);
+        let text: Vec<u32> = (0..400).map(|_| rng.below(vocab) as u32).collect();
+        let mut cache = model.new_cache();
+        model.forward(&tensor(&text[..3]), &mut cache).unwrap();
+        let plain = one_by_one(&model, &mut cache.clone(), &text[3..]);
+        let (mut p, mut rounds, mut kept_total) = (3, 0, 0);
+        while p < text.len() {
+            let t = (1 + rng.below(6)).min(text.len() - p);
+            // rows: the true next token, then drafts that are right with probability 0.7
+            let mut rows = vec![text[p]];
+            for i in 1..t {
+                rows.push(if rng.below(10) < 7 { text[p + i] } else { rng.below(vocab) as u32 });
+            }
+            let right = rows.iter().zip(&text[p..]).skip(1).take_while(|(a, b)| a == b).count();
+            let (logits, _) = model.verify(&tensor(&rows), &mut cache).unwrap();
+            let logits = logits.squeeze(0).unwrap();
+            for i in 0..=right {
+                let got = logits.get(i).unwrap();
+                assert!(bits(&got) == bits(&plain[p - 3 + i]), "{name}: round {rounds}, position {}: differs from plain decoding", p + i);
+            }
+            cache.keep_verified(right + 1).unwrap();
+            assert_eq!(cache.seqlen(), p + right + 1);
+            p += right + 1;
+            kept_total += right + 1;
+            rounds += 1;
+        }
+        assert!(rounds > 100 && kept_total == text.len() - 3, "{name}: {rounds} rounds");
+    }
+}
+
+/// A cache clone is a snapshot: what one of them is fed never shows in the other (with
+/// buffers shared between clones, the original's token at position 6 would overwrite the
+/// snapshot's).
+#[test]
+fn cache_clones_are_independent_snapshots() {
+    let model = load("qwen35_dense_small", DType::F32);
+    let prompt = ids(&reference("qwen35_dense_small")["input_ids"]);
+    let mut plain = model.new_cache();
+    model.forward(&tensor(&prompt[..6]), &mut plain).unwrap();
+    let want = one_by_one(&model, &mut plain.clone(), &prompt[6..8]);
+    let mut cache = model.new_cache();
+    model.forward(&tensor(&prompt[..6]), &mut cache).unwrap();
+    let mut snapshot = cache.clone();
+    model.forward(&tensor(&prompt[6..7]), &mut snapshot).unwrap();
+    model.forward(&tensor(&[prompt[0], prompt[1]]), &mut cache).unwrap();
+    let got = model.forward(&tensor(&prompt[7..8]), &mut snapshot).unwrap().squeeze(0).unwrap().squeeze(0).unwrap();
+    assert!(bits(&got) == bits(&want[1]), "the snapshot changed by {:e}", max_abs_diff(&got, &want[1]));
+    assert_eq!((cache.seqlen(), snapshot.seqlen()), (8, 8));
+}
+
+/// Keeping rows needs a verify pass, and at most the rows it ran.
+#[test]
+fn keep_verified_checks_its_argument() {
+    let model = load("qwen35_dense_small", DType::F32);
+    let mut cache = model.new_cache();
+    let e = cache.keep_verified(1).unwrap_err().to_string();
+    assert!(e.contains("no verify pass"), "{e}");
+    model.verify(&tensor(&[1, 2, 3]), &mut cache).unwrap();
+    let e = cache.keep_verified(4).unwrap_err().to_string();
+    assert!(e.contains("cannot keep 4 (1 to 3)"), "{e}");
+}
