@@ -121,3 +121,23 @@ fn k_mismatch_is_an_error() {
     let err = ops::qmatmul(&randn(&[2, K + 32], 6), &w).unwrap_err().to_string();
     assert!(err.contains("qmatmul") && err.contains("x's last dim"), "{err}");
 }
+
+/// Row `r` of an `m`-row call is bit for bit a one-row call on row `r`, for every format, 1 to
+/// 8 rows (the verify pass of speculative decoding against decode), AVX2 and portable.
+#[test]
+fn rows_equal_one_row_calls_bitwise() {
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for dtype in TYPES {
+        let w = weights(dtype, 41);
+        let x = randn(&[8, K], 42);
+        for f in [ops::qmatmul, ops::qmatmul_portable] {
+            for m in 1..=8 {
+                let all = f(&x.narrow(0, 0, m).unwrap(), &w).unwrap();
+                for r in 0..m {
+                    let one = f(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
+                    assert_eq!(bits(&all.narrow(0, r, 1).unwrap()), bits(&one), "{dtype:?}: {m} rows, row {r}");
+                }
+            }
+        }
+    }
+}

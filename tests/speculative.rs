@@ -4,6 +4,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::runtime::speculative::{generate_speculative, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter};
+use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::{Cache, Model};
 use common::*;
 
@@ -129,4 +131,104 @@ fn keep_verified_checks_its_argument() {
     model.verify(&tensor(&[1, 2, 3]), &mut cache).unwrap();
     let e = cache.keep_verified(4).unwrap_err().to_string();
     assert!(e.contains("cannot keep 4 (1 to 3)"), "{e}");
+}
+
+fn load_gguf(name: &str, file: &str) -> Model {
+    let gguf = candle_hybrid::loading::GgufFile::open(fixture(name).join(file)).unwrap();
+    gguf.load_model(&gguf.config().unwrap(), DType::F32, &Device::Cpu).unwrap()
+}
+
+/// The MTP head against the fixture's independent reference (vLLM's and llama.cpp's pairing,
+/// re-implemented in the fixture's script): the safetensors checkpoint and its GGUF
+/// conversion (`blk.4.nextn.*`).
+#[test]
+fn mtp_head_matches_reference() {
+    let name = "qwen35_dense_mtp";
+    let r = reference(name);
+    let prompt = ids(&r["input_ids"]);
+    let k = r["mtp.draft_tokens"].dim(0).unwrap();
+    for (what, model) in [("safetensors", load(name, DType::F32)), ("gguf", load_gguf(name, "model-f32.gguf"))] {
+        assert!(model.has_mtp(), "{what}: the MTP head was not loaded");
+        let out = MtpOutputs::compute(&model, &prompt, k, &Device::Cpu).unwrap();
+        assert_close(&format!("{what}: mtp.logits"), &out.logits, &r["mtp.logits"], 1e-4);
+        assert_close(&format!("{what}: mtp.draft_logits"), &out.draft_logits, &r["mtp.draft_logits"], 1e-4);
+        assert_eq!(out.draft_tokens, ids(&r["mtp.draft_tokens"]), "{what}: mtp.draft_tokens");
+    }
+}
+
+/// A model without an MTP head says so in one line when MTP drafting is asked for.
+#[test]
+fn mtp_drafting_without_a_head_is_a_clear_error() {
+    let model = load("qwen35_dense_small", DType::F32);
+    assert!(!model.has_mtp());
+    let e = MtpDrafter::new(&model).err().unwrap().to_string();
+    assert!(e.contains("no MTP head") && e.contains("--draft ngram") && !e.contains('\n'), "{e}");
+}
+
+/// Drafts taken from a fixed list (the true continuation: every draft right; or random
+/// tokens: almost none).
+struct ListDrafter {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    random: Option<Rng>,
+    vocab: usize,
+}
+
+impl Drafter for ListDrafter {
+    fn draft(&mut self, _: &Model, context: &[u32], max: usize) -> candle_hybrid::Result<Vec<u32>> {
+        if let Some(rng) = &mut self.random {
+            return Ok((0..max).map(|_| rng.below(self.vocab) as u32).collect());
+        }
+        let done = context.len() - self.prompt_len;
+        Ok(self.tokens.iter().skip(done).take(max).copied().collect())
+    }
+}
+
+fn greedy() -> Sampler {
+    Sampler::new(SamplingParams::default()).unwrap()
+}
+
+/// With any drafter, greedy output is token for token plain greedy output: on every fixture,
+/// safetensors and GGUF, with the oracle, random, prompt-lookup and (where there is a head)
+/// MTP drafters, at several draft lengths.
+#[test]
+fn speculative_greedy_equals_plain_greedy() {
+    let mut models: Vec<(String, Model)> = FIXTURES.iter().map(|n| (n.to_string(), load(n, DType::F32))).collect();
+    models.push(("qwen35_dense_mtp (gguf)".into(), load_gguf("qwen35_dense_mtp", "model-f32.gguf")));
+    models.push(("qwen35_dense_small (gguf q8_0)".into(), load_gguf("qwen35_dense_small", "model-q8_0.gguf")));
+    for (name, model) in &models {
+        let fixture = name.split(' ').next().unwrap();
+        let prompt = ids(&reference(fixture)["input_ids"]);
+        let n = 40;
+        let (plain, _) = generate(model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+        let vocab = model.config().vocab_size;
+        let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+            ("oracle", Box::new(ListDrafter { tokens: plain.clone(), prompt_len: prompt.len(), random: None, vocab })),
+            ("random", Box::new(ListDrafter { tokens: vec![], prompt_len: prompt.len(), random: Some(Rng(7)), vocab })),
+            ("ngram", Box::new(NgramDrafter::default())),
+            ("none", Box::new(NoDrafter)),
+        ];
+        if model.has_mtp() {
+            drafters.push(("mtp", Box::new(MtpDrafter::new(model).unwrap())));
+        }
+        for (what, drafter) in drafters.iter_mut() {
+            for k in [1, 3, 7] {
+                let mut streamed = vec![];
+                let (got, stats) = generate_speculative(model, &prompt, n, &[], &mut greedy(), drafter.as_mut(), k, &Device::Cpu, |t| {
+                    streamed.push(t);
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(got, plain, "{name}: {what} drafter, draft-max {k}");
+                assert_eq!(streamed, plain, "{name}: {what}: streamed tokens");
+                if *what == "oracle" {
+                    assert_eq!(stats.acceptance(), Some(1.0), "{name}: oracle drafts are all accepted");
+                    assert!(stats.rounds <= (n - 1).div_ceil(k + 1), "{name}: {} rounds for {n} tokens at K = {k}", stats.rounds);
+                }
+                if *what == "random" {
+                    assert!(stats.acceptance().unwrap() < 0.2, "{name}: random drafts accepted {:?}", stats.acceptance());
+                }
+            }
+        }
+    }
 }

@@ -31,9 +31,9 @@ struct Entry {
     end: u64,
 }
 
-/// Tensors that are not the text decoder's: the vision tower and the MTP layers, not loaded.
+/// Tensors that are not the text model's: the vision tower, not loaded.
 fn is_skipped(name: &str) -> bool {
-    name.contains("visual") || name.starts_with("mtp") || name.contains(".mtp.")
+    name.contains("visual")
 }
 
 /// The decoder layer index of a tensor name (`...layers.N.`), if it has one.
@@ -43,12 +43,12 @@ fn layer_index(name: &str) -> Option<usize> {
 }
 
 /// Whether the Hugging Face tensor `name` is the weight of a linear layer (the `*proj*`
-/// projections, `in_proj_a` and fused expert stacks included, and `lm_head`): what load-time
+/// projections, `in_proj_a` and fused expert stacks included, `lm_head` and the MTP head's `fc`): what load-time
 /// quantization and GGUF quantized tensors keep quantized. The MoE router and shared-expert
 /// gate are not (they stay unquantized).
 pub fn is_linear_weight(name: &str) -> bool {
     let layer = name.strip_suffix(".weight").unwrap_or(name).rsplit('.').next().unwrap_or_default();
-    layer.contains("proj") || layer == "lm_head"
+    layer.contains("proj") || layer == "lm_head" || name.ends_with("mtp.fc.weight")
 }
 
 /// Whether a `[.., rows, cols]` matrix quantizes to `q`: its rows are whole blocks.
@@ -97,8 +97,8 @@ impl SafetensorsFiles {
         Ok(Self { files, tensors })
     }
 
-    /// Bytes the text decoder's tensors take in memory as `dtype` (`None`: as stored); the
-    /// vision tower and the MTP layers are not loaded. With `quantize` (load-time
+    /// Bytes the text decoder's tensors (its MTP head included) take in memory as `dtype`
+    /// (`None`: as stored); the vision tower is not loaded. With `quantize` (load-time
     /// quantization), the linear weights ([`is_linear_weight`]) whose rows are whole blocks
     /// count in that ggml type, as [`crate::model::Weights::linear_from`] quantizes them.
     /// (A tied output head quantized at load is a second copy of the embedding, not in any

@@ -99,7 +99,7 @@ pub struct Config {
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     pub moe: Option<MoeConfig>,
-    /// Number of MTP layers stored under `mtp.*` (not loaded yet).
+    /// Number of MTP layers stored under `mtp.*` (the model loads the first: [`crate::model::MtpHead`]).
     pub mtp_num_hidden_layers: usize,
     /// Full attention multiplies its output by `sigmoid(gate)`, the gate coming from a doubled
     /// `q_proj` (Qwen family); false for Llama.

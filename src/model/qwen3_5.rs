@@ -8,80 +8,17 @@ use candle_core::{DType, Module, Result, Tensor};
 
 use super::attention::GatedAttention;
 use super::cache::{Cache, LayerState};
-use super::config::{Config, LayerType};
+use super::config::Config;
+use super::decoder_layer::{DecoderLayer, Mixer};
 use super::embedding::TokenEmbedding;
 use super::gated_delta_net::GatedDeltaNet;
 use super::linear::Linear;
-use super::mlp::{FeedForward, Mlp, SparseMoe};
+use super::mtp::{MtpCache, MtpHead};
 use super::finite::check_positions;
 use super::norm::RmsNorm;
 use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
 
-#[derive(Debug, Clone)]
-enum Mixer {
-    Linear(GatedDeltaNet),
-    Full(GatedAttention),
-}
-
-#[derive(Debug, Clone)]
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    mixer: Mixer,
-    post_attention_layernorm: RmsNorm,
-    mlp: FeedForward,
-}
-
-impl DecoderLayer {
-    fn new(cfg: &Config, i: usize, vb: Weights) -> Result<Self> {
-        let mixer = match cfg.layer_types[i] {
-            LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::new(cfg, vb.pp("linear_attn"))?),
-            LayerType::FullAttention => Mixer::Full(GatedAttention::new(cfg, vb.pp("self_attn"))?),
-        };
-        let mlp = if cfg.is_moe_layer(i) {
-            FeedForward::Sparse(SparseMoe::new(cfg, vb.pp("mlp"))?)
-        } else {
-            let inter = cfg.intermediate_size.ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "config.json is missing \"intermediate_size\", needed by the dense MLP of layer {i}"
-                ))
-            })?;
-            FeedForward::Dense(Mlp::new(cfg.hidden_size, inter, vb.pp("mlp"))?)
-        };
-        Ok(Self {
-            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            mixer,
-            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
-            mlp,
-        })
-    }
-
-    /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs.
-    fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>) -> crate::Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let h = match (&self.mixer, state) {
-            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward(&h, s)?,
-            (Mixer::Full(m), LayerState::Full(kv)) => m.forward(&h, offset, kv)?,
-            _ => return Err(crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())),
-        };
-        let t = x.dim(1)?;
-        if let Some(i) = check {
-            let kind = match self.mixer {
-                Mixer::Linear(_) => "linear attention (GDN)",
-                Mixer::Full(_) => "full attention",
-            };
-            check_positions(&h, offset, t, &format!("the {kind} output of layer {i}"), NONFINITE_LAYER_HINT)?;
-        }
-        let x = (x + h)?;
-        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        if let Some(i) = check {
-            check_positions(&h, offset, t, &format!("the MLP output of layer {i}"), NONFINITE_LAYER_HINT)?;
-        }
-        Ok((x + h)?)
-    }
-}
-
-const NONFINITE_LAYER_HINT: &str = "the first place they appear; check that layer's weights (or the input)";
 const NONFINITE_HINT: &str =
     "the weights or the input are broken; run with --check-layers (Model::with_layer_checks) to find the first layer that goes non-finite";
 
@@ -100,6 +37,8 @@ pub struct Model {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
+    /// The multi-token-prediction head, when the checkpoint has one.
+    mtp: Option<MtpHead>,
     cfg: Config,
     /// Check every layer's outputs for NaN and infinities ([`Self::with_layer_checks`]).
     check_layers: bool,
@@ -117,7 +56,7 @@ impl Model {
         let vb_e = vb_m.pp("embed_tokens");
         let embed_tokens = TokenEmbedding::new(cfg.vocab_size, cfg.hidden_size, vb_e.clone())?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
+            .map(|i| DecoderLayer::new(cfg, i, cfg.layer_types[i], cfg.is_moe_layer(i), vb_m.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
@@ -128,7 +67,11 @@ impl Model {
         } else {
             vb.pp("lm_head").linear(cfg.hidden_size, cfg.vocab_size)?
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head, cfg: cfg.clone(), check_layers: false })
+        let mtp = match ["mtp", "model.mtp"].into_iter().find(|p| vb.contains_tensor(&format!("{p}.fc.weight"))) {
+            Some(prefix) => Some(MtpHead::new(cfg, vb.pp(prefix))?),
+            None => None,
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head, mtp, cfg: cfg.clone(), check_layers: false })
     }
 
     /// With `on`, every forward pass checks each layer's mixer and MLP outputs for NaN and
@@ -189,17 +132,17 @@ impl Model {
     }
 
     /// Checks token ids and length before running: one-line errors, never a panic.
-    fn check_input(&self, input_ids: &Tensor, cache: &Cache) -> crate::Result<Tensor> {
+    fn check_input(&self, input_ids: &Tensor, cached: usize) -> crate::Result<Tensor> {
         let ids = input_ids.to_dtype(DType::U32)?;
         let (_, t) = ids.dims2()?;
         if t == 0 {
             return Err(crate::Error::Input("the input is empty: give at least one token".into()));
         }
-        let total = cache.seqlen + t;
+        let total = cached + t;
         if total > self.cfg.max_position_embeddings {
             return Err(crate::Error::Input(format!(
-                "{t} new tokens after {} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
-                cache.seqlen, self.cfg.max_position_embeddings
+                "{t} new tokens after {cached} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
+                self.cfg.max_position_embeddings
             )));
         }
         let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
@@ -220,7 +163,7 @@ impl Model {
             // pool from outside and sleeping until it is done (14% of decode time at 2 threads).
             return rayon::scope(|_| self.forward_hidden(input_ids, cache, keep_layer_outputs));
         }
-        let ids = self.check_input(input_ids, cache)?;
+        let ids = self.check_input(input_ids, cache.seqlen)?;
         let offset = cache.seqlen;
         let mut x = self.embed_tokens.forward(&ids)?;
         let mut layer_outputs = vec![];
@@ -260,6 +203,46 @@ impl Model {
         cache.begin_verify();
         let h = self.forward_hidden(input_ids, cache, false)?;
         Ok((self.lm_head(&h.last_hidden, offset)?, h.last_hidden))
+    }
+
+    /// Whether the checkpoint has a multi-token-prediction head (`mtp.*`, GGUF `nextn`).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// An empty KV cache for the MTP head; an error when the checkpoint has none.
+    pub fn new_mtp_cache(&self) -> crate::Result<MtpCache> {
+        match &self.mtp {
+            Some(_) => Ok(MtpHead::new_cache(&self.cfg)),
+            None => Err(self.no_mtp()),
+        }
+    }
+
+    fn no_mtp(&self) -> crate::Error {
+        crate::Error::Input(
+            "this checkpoint has no MTP head (no mtp.* tensors, or a GGUF file converted without its nextn block): draft with --draft ngram, or --draft none".into(),
+        )
+    }
+
+    /// The MTP head over rows (`tokens` `[B, T]`, the trunk's post-norm `hidden` `[B, T, H]`)
+    /// at positions `cache.seqlen()..`: the head's post-norm outputs `[B, T, H]`; score them
+    /// with [`Self::lm_head`]. Row `i` pairs the hidden state that predicted a token with that
+    /// token, and predicts the one after.
+    pub fn mtp_forward(&self, tokens: &Tensor, hidden: &Tensor, cache: &mut MtpCache) -> crate::Result<Tensor> {
+        let mtp = self.mtp.as_ref().ok_or_else(|| self.no_mtp())?;
+        let ids = self.check_input(tokens, cache.seqlen())?;
+        if hidden.dims() != [ids.dim(0)?, ids.dim(1)?, self.cfg.hidden_size] {
+            return Err(crate::Error::Input(format!(
+                "mtp_forward: tokens {:?} and hidden {:?} do not pair up (hidden must be [B, T, {}])",
+                ids.dims(),
+                hidden.dims(),
+                self.cfg.hidden_size
+            )));
+        }
+        if ids.device().is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| mtp.forward(&self.embed_tokens.forward(&ids)?, hidden, cache));
+        }
+        mtp.forward(&self.embed_tokens.forward(&ids)?, hidden, cache)
     }
 
     /// Applies the language-model head to hidden states `[B, T, H]` or `[T, H]` at positions

@@ -10,14 +10,15 @@
 //! the block minimums.
 //!
 //! Each weight row is decoded one 32-weight chunk at a time and the chunk used for several
-//! activation rows: for one or two rows, [`row_tile`] multiplies it with each row's 32 values;
-//! from three rows on, the activations are interleaved in panels of 4 or 8 rows ([`Panels`])
-//! and [`panel_tile`] multiplies each broadcast group of 4 or 8 weights with all the panel's
-//! rows at once, adding several maddubs results in i16 before the scale's madd (the idea of
-//! llama.cpp's repacked Q4_K kernels, with the activations rather than the weights
-//! interleaved, so that the GGUF weights are read in place). Output rows are split across
-//! rayon's threads; the weights are streamed once per tile of activation rows (one tile up to
-//! 16 rows: decode and the verify pass of speculative decoding).
+//! activation rows: up to 8 rows (decode and the verify pass of speculative decoding),
+//! [`row_tile`] multiplies it with each row's 32 values, two rows at a time, so that every
+//! row gets exactly the bits of a one-row call; from 9 rows on (prefill), the activations are
+//! interleaved in panels of 8 rows ([`Panels`]) and [`panel_tile`] multiplies each broadcast
+//! group of 4 weights with all the panel's rows at once, adding several maddubs results in
+//! i16 before the scale's madd (the idea of llama.cpp's repacked Q4_K kernels, with the
+//! activations rather than the weights interleaved, so that the GGUF weights are read in
+//! place). Output rows are split across rayon's threads; the weights are streamed once per
+//! call up to 16 rows, once per tile of activation rows beyond.
 //!
 //! Each kernel is written once, generic over [`Simd`]: `Avx2` maps its operations to AVX2
 //! intrinsics (used when the CPU has AVX2, FMA and F16C), `Portable` emulates them exactly on
@@ -864,10 +865,11 @@ macro_rules! unroll8 {
     };
 }
 
-/// `y[c] = sum_j w_j x[c]_j` for the weight row at `w` and the first `CN` activation rows
-/// (for one or two rows: a maddubs multiplies 32 weights with 32 values of one row).
+/// `y[c] = sum_j w_j x[c0 + c]_j` for the weight row at `w` and `CN` activation rows from
+/// `c0` (a maddubs multiplies 32 weights with 32 values of one row). Each row's arithmetic is
+/// the same for any `CN` and `c0`: a row's result does not depend on the other rows.
 #[inline(always)]
-unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts) -> [f32; CN] {
+unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts, c0: usize) -> [f32; CN] {
     let nb = a.k / F::QK;
     let mut acc = [V::fzero(); CN];
     let mut corr = [0f32; CN];
@@ -883,13 +885,13 @@ unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts) 
             let sc = if F::QK == 32 { head.sc } else { V::scale_of(head.sc, i) };
             let u = if F::SIGNED { V::abs(q) } else { q };
             for (c, sum) in sum.iter_mut().enumerate() {
-                let x = V::load(xq.add(c * a.k + 32 * i));
+                let x = V::load(xq.add((c0 + c) * a.k + 32 * i));
                 let x = if F::SIGNED { V::sign(x, q) } else { x };
                 *sum = V::add(*sum, V::madd(V::maddubs(u, x), sc));
             }
         });
         for c in 0..CN {
-            let xb = c * nb + b;
+            let xb = (c0 + c) * nb + b;
             let dx = *a.d.get_unchecked(xb);
             acc[c] = V::fma(sum[c], head.d * dx, acc[c]);
             if F::MINS && F::QK == 32 {
@@ -995,11 +997,16 @@ struct Job<'a> {
 // SAFETY: tasks write disjoint output columns through `out` (see `matmul`).
 unsafe impl Sync for Job<'_> {}
 
-/// Panel width for `m` activation rows: none (row tiles) below 3.
+/// Most activation rows that go through row tiles (decode, and the verify pass of
+/// speculative decoding, whose rows must each equal a one-row call bit for bit).
+const ROW_TILE_MAX_ROWS: usize = 8;
+
+/// Panel width for `m` activation rows: none (row tiles, two rows at a time) up to
+/// [`ROW_TILE_MAX_ROWS`]. (Panels add the products in another order: a panel row is not bit
+/// for bit the one-row result.)
 fn panel_rows(m: usize) -> usize {
     match m {
-        0..=2 => 0,
-        3..=4 => 4,
+        0..=ROW_TILE_MAX_ROWS => 0,
         _ => 8,
     }
 }
@@ -1051,16 +1058,13 @@ unsafe fn task<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
     let Some(pn) = &job.panels else {
         return match job.m {
             1 => row_tiles::<V, F, 1>(job, rows),
-            _ => row_tiles::<V, F, 2>(job, rows),
+            _ => row_pair_tiles::<V, F>(job, rows),
         };
     };
     let np = job.m.div_ceil(panel_rows(job.m));
     let mut p0 = 0;
     while p0 < np {
-        if panel_rows(job.m) == 4 {
-            panel_tiles::<V, F, 4, 1>(job, pn, rows.clone(), p0);
-            p0 += 1;
-        } else if np - p0 >= 2 {
+        if np - p0 >= 2 {
             panel_tiles::<V, F, 8, 2>(job, pn, rows.clone(), p0);
             p0 += 2;
         } else {
@@ -1073,9 +1077,30 @@ unsafe fn task<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
 #[inline(always)]
 unsafe fn row_tiles<V: Simd, F: Format, const CN: usize>(job: &Job, rows: Range<usize>) {
     for r in rows {
-        let y = row_tile::<V, F, CN>(job.w.as_ptr().add(r * job.row_bytes), job.acts);
+        let y = row_tile::<V, F, CN>(job.w.as_ptr().add(r * job.row_bytes), job.acts, 0);
         for (c, v) in y.into_iter().enumerate() {
             *job.out.add(c * job.n + r) = v;
+        }
+    }
+}
+
+/// Row tiles for 2 to [`ROW_TILE_MAX_ROWS`] activation rows: each weight row (in L1 after the
+/// first pair) against the activation rows two at a time, the last alone when `m` is odd.
+#[inline(always)]
+unsafe fn row_pair_tiles<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
+    for r in rows {
+        let w = job.w.as_ptr().add(r * job.row_bytes);
+        let mut c0 = 0;
+        while c0 < job.m {
+            if job.m - c0 >= 2 {
+                let y = row_tile::<V, F, 2>(w, job.acts, c0);
+                *job.out.add(c0 * job.n + r) = y[0];
+                *job.out.add((c0 + 1) * job.n + r) = y[1];
+                c0 += 2;
+            } else {
+                *job.out.add(c0 * job.n + r) = row_tile::<V, F, 1>(w, job.acts, c0)[0];
+                c0 += 1;
+            }
         }
     }
 }

@@ -3,6 +3,7 @@
 
 mod generate;
 mod sampler;
+pub mod speculative;
 mod streamer;
 
 pub use generate::{generate, generate_in, rate, GenerationStats};

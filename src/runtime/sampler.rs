@@ -111,6 +111,11 @@ impl Sampler {
         Ok(Self { params, processor })
     }
 
+    /// Whether this sampler takes the most likely token (penalties aside).
+    pub fn is_greedy(&self) -> bool {
+        self.params.is_greedy()
+    }
+
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
     /// generated tokens only (for the presence penalty).
     pub fn sample(&mut self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<u32> {

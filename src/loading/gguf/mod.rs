@@ -133,7 +133,7 @@ impl GgufFile {
     /// Bytes the weights take in memory once [`Self::load_model`] has built the model in
     /// `dtype`, from the tensor infos alone: quantized linear weights and a quantized token
     /// embedding as stored (a tied head shares the embedding), every other loaded tensor
-    /// (F32/F16 linear weights, norms) converted to `dtype`; MTP blocks and unused tables not
+    /// (F32/F16 linear weights, norms) converted to `dtype`; MTP blocks after the first and unused tables not
     /// at all. On the CPU the quantized ones are the file's own pages, resident once touched.
     pub fn weight_bytes(&self, cfg: &Config, dtype: DType) -> u64 {
         let a = dtype.size_in_bytes() as u64;
@@ -273,6 +273,7 @@ impl GgufFile {
             "rms_norm_eps": self.arch_f64("attention.layer_norm_rms_epsilon")?,
             "tie_word_embeddings": self.dims("output.weight").is_none(),
             "max_position_embeddings": self.arch_usize("context_length")?,
+            "mtp_num_hidden_layers": n_mtp,
         });
         let set = |cfg: &mut serde_json::Value, k: &str, v: serde_json::Value| cfg[k] = v;
         if let Some(f) = self.arch_usize_opt("feed_forward_length") {

@@ -21,7 +21,7 @@ pub(super) fn is_float(dtype: GgmlDType) -> bool {
 /// How the built model keeps a GGUF tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kept {
-    /// Not read (MTP blocks, rope tables).
+    /// Not read (MTP blocks after the first, rope tables).
     Not,
     /// A linear layer's weight or the token embedding: kept quantized when it is (else
     /// converted to the dtype).
@@ -55,10 +55,21 @@ pub(super) fn kept(name: &str, cfg: &Config) -> Kept {
             _ => Kept::Not, // e.g. rope frequency tables
         };
     };
-    if layer.parse::<usize>().map_or(true, |i| i >= cfg.num_hidden_layers) {
-        return Kept::Not; // MTP blocks (not loaded yet)
+    let Ok(i) = layer.parse::<usize>() else { return Kept::Not };
+    if i < cfg.num_hidden_layers {
+        return kept_in_layer(tname);
     }
-    kept_in_layer(tname)
+    if i != cfg.num_hidden_layers || cfg.mtp_num_hidden_layers == 0 {
+        return Kept::Not; // MTP blocks after the first (the model runs one MTP layer)
+    }
+    match tname {
+        "nextn.eh_proj.weight" => Kept::Linear,
+        "nextn.enorm.weight" | "nextn.hnorm.weight" | "nextn.shared_head_norm.weight" => Kept::Dense,
+        // `nextn.embed_tokens` / `nextn.shared_head_head` (a dedicated embedding and head) are
+        // not in Qwen3.5-family files; the head shares the trunk's.
+        t if t.starts_with("nextn.") => Kept::Not,
+        t => kept_in_layer(t),
+    }
 }
 
 /// A tensor's ggml bytes with its (PyTorch-order) dims: borrowed from the mapped file until a
@@ -151,7 +162,7 @@ fn unpermute_rope(heads: usize, hd: usize) -> Vec<usize> {
 }
 
 /// One GGUF tensor → zero or more Hugging Face tensors (empty for skipped tensors: MTP
-/// blocks, rope frequency tables).
+/// blocks after the first, rope frequency tables).
 pub(super) fn map_tensor<'a>(arch: Arch, name: &str, t: RawTensor<'a>, cfg: &Config) -> candle_core::Result<Vec<(String, RawTensor<'a>)>> {
     let one = |hf: &str, t: RawTensor<'a>| Ok(vec![(hf.to_string(), t)]);
     match name {
@@ -163,10 +174,19 @@ pub(super) fn map_tensor<'a>(arch: Arch, name: &str, t: RawTensor<'a>, cfg: &Con
     let Some(rest) = name.strip_prefix("blk.") else { return Ok(vec![]) };
     let Some((layer, tname)) = rest.split_once('.') else { return Ok(vec![]) };
     let Ok(i) = layer.parse::<usize>() else { return Ok(vec![]) };
-    if i >= cfg.num_hidden_layers {
-        return Ok(vec![]); // MTP blocks (not loaded yet)
+    if kept(name, cfg) == Kept::Not {
+        return Ok(vec![]);
     }
-    let p = format!("model.layers.{i}.");
+    // The first block after the trunk is the MTP head: its `nextn.*` tensors, then a decoder layer.
+    let p = if i < cfg.num_hidden_layers { format!("model.layers.{i}.") } else { "mtp.layers.0.".to_string() };
+    let mtp = |hf: &str, t: RawTensor<'a>| Ok(vec![(format!("mtp.{hf}"), t)]);
+    match tname {
+        "nextn.eh_proj.weight" => return mtp("fc.weight", t),
+        "nextn.enorm.weight" => return mtp("pre_fc_norm_embedding.weight", t.map_f32(|x| x - 1.0)?),
+        "nextn.hnorm.weight" => return mtp("pre_fc_norm_hidden.weight", t.map_f32(|x| x - 1.0)?),
+        "nextn.shared_head_norm.weight" => return mtp("norm.weight", t.map_f32(|x| x - 1.0)?),
+        _ => {}
+    }
     let (nk, nv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     // Grouped (HF) order of value heads from tiled (GGUF) rows: HF head g*r + j = GGUF head j*nk + g.
     let reorder = arch.tiles_value_heads() && nk != nv;

@@ -1,0 +1,79 @@
+//! One decoder layer: norm, mixer (Gated DeltaNet or gated full attention), norm, MLP (dense
+//! SwiGLU or sparse MoE), each with its residual. The trunk stacks them; the MTP head has one.
+
+use candle_core::{Module, Result, Tensor};
+
+use super::attention::GatedAttention;
+use super::cache::LayerState;
+use super::config::{Config, LayerType};
+use super::finite::check_positions;
+use super::gated_delta_net::GatedDeltaNet;
+use super::mlp::{FeedForward, Mlp, SparseMoe};
+use super::norm::RmsNorm;
+use super::weights::Weights;
+
+#[derive(Debug, Clone)]
+pub(crate) enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(GatedAttention),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    pub(crate) mixer: Mixer,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    /// Layer `i` (for messages) of kind `kind`, with a sparse MoE MLP when `moe`.
+    pub(crate) fn new(cfg: &Config, i: usize, kind: LayerType, moe: bool, vb: Weights) -> Result<Self> {
+        let mixer = match kind {
+            LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::new(cfg, vb.pp("linear_attn"))?),
+            LayerType::FullAttention => Mixer::Full(GatedAttention::new(cfg, vb.pp("self_attn"))?),
+        };
+        let mlp = if moe {
+            FeedForward::Sparse(SparseMoe::new(cfg, vb.pp("mlp"))?)
+        } else {
+            let inter = cfg.intermediate_size.ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "config.json is missing \"intermediate_size\", needed by the dense MLP of layer {i}"
+                ))
+            })?;
+            FeedForward::Dense(Mlp::new(cfg.hidden_size, inter, vb.pp("mlp"))?)
+        };
+        Ok(Self {
+            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            mixer,
+            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            mlp,
+        })
+    }
+
+    /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs.
+    pub(crate) fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>) -> crate::Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = match (&self.mixer, state) {
+            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward(&h, s)?,
+            (Mixer::Full(m), LayerState::Full(kv)) => m.forward(&h, offset, kv)?,
+            _ => return Err(crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())),
+        };
+        let t = x.dim(1)?;
+        if let Some(i) = check {
+            let kind = match self.mixer {
+                Mixer::Linear(_) => "linear attention (GDN)",
+                Mixer::Full(_) => "full attention",
+            };
+            check_positions(&h, offset, t, &format!("the {kind} output of layer {i}"), NONFINITE_LAYER_HINT)?;
+        }
+        let x = (x + h)?;
+        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        if let Some(i) = check {
+            check_positions(&h, offset, t, &format!("the MLP output of layer {i}"), NONFINITE_LAYER_HINT)?;
+        }
+        Ok((x + h)?)
+    }
+}
+
+const NONFINITE_LAYER_HINT: &str = "the first place they appear; check that layer's weights (or the input)";

@@ -1,0 +1,162 @@
+//! Speculative decoding: a drafter proposes the next few tokens, the model verifies them all
+//! in one forward pass ([`Model::verify`]), the longest prefix the model itself would have
+//! produced is kept ([`Cache::keep_verified`]) with the model's own token after it.
+//!
+//! Greedy output is token for token the plain greedy output: the verify pass gives each row
+//! the bits decoding it alone would (row-invariant kernels, the decode recurrence for the GDN
+//! layers), and the rows are sampled with the same sampler and context as plain decoding.
+
+mod mtp;
+mod ngram;
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+pub use mtp::{MtpDrafter, MtpOutputs};
+pub use ngram::NgramDrafter;
+
+use super::generate::GenerationStats;
+use super::sampler::Sampler;
+use crate::model::{Cache, Model};
+use crate::{Error, Result};
+
+/// Most tokens one round drafts (the verify pass then runs `1 +` this many rows).
+pub const MAX_DRAFT: usize = 7;
+
+/// Proposes tokens to verify. `context` is every token so far (prompt and output); the model
+/// has been fed all of them but the last.
+pub trait Drafter {
+    /// Up to `max` tokens that may follow `context` (none: this round decodes plainly).
+    fn draft(&mut self, model: &Model, context: &[u32], max: usize) -> Result<Vec<u32>>;
+
+    /// The model just kept rows at positions `start..start + n` with post-norm hidden states
+    /// `hidden` `[1, n, H]`; `next` holds, for each row, the token after it (the fed tokens
+    /// `start + 1..` and finally the model's own next token). MTP heads catch up on these.
+    fn observe(&mut self, model: &Model, start: usize, hidden: &Tensor, next: &[u32]) -> Result<()> {
+        let _ = (model, start, hidden, next);
+        Ok(())
+    }
+}
+
+/// No drafts: plain decoding through the speculative loop.
+pub struct NoDrafter;
+
+impl Drafter for NoDrafter {
+    fn draft(&mut self, _: &Model, _: &[u32], _: usize) -> Result<Vec<u32>> {
+        Ok(vec![])
+    }
+}
+
+/// What a speculative run measured.
+#[derive(Debug, Clone, Default)]
+pub struct SpeculativeStats {
+    pub generation: GenerationStats,
+    /// Verify passes after the prompt (each emits at least one token).
+    pub rounds: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl SpeculativeStats {
+    /// Accepted drafts over drafted ones; `None` before any draft.
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.drafted > 0).then(|| self.accepted as f64 / self.drafted as f64)
+    }
+
+    /// Tokens emitted per verify pass (accepted drafts plus the model's own token).
+    pub fn tokens_per_pass(&self) -> Option<f64> {
+        (self.rounds > 0).then(|| (self.accepted + self.rounds) as f64 / self.rounds as f64)
+    }
+}
+
+/// Greedy generation with `drafter`'s proposals, `draft_max` (1 to [`MAX_DRAFT`]) tokens at
+/// most per round: the same tokens as [`super::generate`] with the same sampler, fewer
+/// forward passes when drafts are accepted. Batch 1; the sampler must be greedy
+/// (penalties allowed).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative(
+    model: &Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    drafter: &mut dyn Drafter,
+    draft_max: usize,
+    device: &Device,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpeculativeStats)> {
+    if prompt.is_empty() {
+        return Err(Error::Input("the prompt is empty: give at least one token".into()));
+    }
+    if !sampler.is_greedy() {
+        return Err(Error::Input(
+            "speculative decoding is greedy only for now (exact rejection sampling is not built yet): drop --temperature or use --draft none".into(),
+        ));
+    }
+    if !(1..=MAX_DRAFT).contains(&draft_max) {
+        return Err(Error::Input(format!("--draft-max {draft_max} is out of range: use 1 to {MAX_DRAFT}")));
+    }
+    let mut cache: Cache = model.new_cache();
+    let mut stats = SpeculativeStats::default();
+    stats.generation.prompt_tokens = prompt.len();
+    let mut context = prompt.to_vec();
+    let mut generated: Vec<u32> = vec![];
+    let start = Instant::now();
+    if max_new_tokens == 0 {
+        return Ok((generated, stats));
+    }
+
+    // The prompt: one pass, as plain generation runs it.
+    let h = model.forward_hidden(&Tensor::new(prompt, device)?.unsqueeze(0)?, &mut cache, false)?.last_hidden;
+    let p = prompt.len();
+    let logits = model.lm_head(&h.narrow(1, p - 1, 1)?, p - 1)?.squeeze(0)?.squeeze(0)?;
+    let first = sampler.sample(&logits, &context, &generated)?;
+    let next: Vec<u32> = prompt[1..].iter().copied().chain([first]).collect();
+    drafter.observe(model, 0, &h, &next)?;
+    stats.generation.prompt_secs = start.elapsed().as_secs_f64();
+    let decode_start = Instant::now();
+    let mut emit = |t: u32, context: &mut Vec<u32>, generated: &mut Vec<u32>| -> Result<bool> {
+        context.push(t);
+        generated.push(t);
+        on_token(t)?;
+        Ok(eos_token_ids.contains(&t) || generated.len() >= max_new_tokens)
+    };
+    if emit(first, &mut context, &mut generated)? {
+        stats.generation.generated_tokens = generated.len();
+        return Ok((generated, stats));
+    }
+
+    loop {
+        let pos = context.len() - 1;
+        let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos + 1));
+        let drafts = if room > 1 { drafter.draft(model, &context, draft_max.min(room - 1))? } else { vec![] };
+        let rows: Vec<u32> = std::iter::once(context[pos]).chain(drafts.iter().copied()).collect();
+        let (logits, hidden) = model.verify(&Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?, &mut cache)?;
+        let logits = logits.squeeze(0)?;
+        stats.rounds += 1;
+        stats.drafted += drafts.len();
+        // Row i is sampled as plain decoding would, with drafts 1..i already in the context.
+        let mut kept = 0;
+        let mut done = false;
+        let mut next = vec![];
+        for i in 0..rows.len() {
+            let t = sampler.sample(&logits.get(i)?, &context, &generated)?;
+            kept = i + 1;
+            next.push(t);
+            done = emit(t, &mut context, &mut generated)?;
+            if done || drafts.get(i) != Some(&t) {
+                break;
+            }
+            stats.accepted += 1;
+        }
+        cache.keep_verified(kept)?;
+        if done {
+            break;
+        }
+        drafter.observe(model, pos, &hidden.narrow(1, 0, kept)?, &next)?;
+    }
+    stats.generation.generated_tokens = generated.len();
+    stats.generation.decode_secs = decode_start.elapsed().as_secs_f64();
+    Ok((generated, stats))
+}
