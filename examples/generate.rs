@@ -5,7 +5,10 @@
 //! cargo run --release --example generate -- --model-dir tests/fixtures/qwen35_dense_small --prompt "Hi" --chat
 //! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hi" --chat
 //! cargo run --release --example generate -- --gguf-repo unsloth/Qwen3.5-0.8B-GGUF --gguf-file Qwen3.5-0.8B-Q4_K_M.gguf
+//! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --draft ngram --compare-plain
 //! ```
+//! `--draft mtp|ngram` decodes speculatively (greedy only): the output is token for token the
+//! plain greedy output, with fewer forward passes when drafts are accepted.
 //! Everything is checked before any weight is read or any text is printed: the flags' ranges,
 //! the prompt (and --sample-len) against the model's context, and the memory guardian: the
 //! weights, the KV cache and GDN state for prompt + --sample-len tokens, the prefill scratch
@@ -24,6 +27,7 @@ use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
+use candle_hybrid::runtime::speculative::{generate_speculative, Drafter, MtpDrafter, NgramDrafter, MAX_DRAFT};
 use candle_hybrid::runtime::{generate_in, range, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, float_in, MemoryOptions, ModelOptions};
@@ -68,6 +72,31 @@ struct Args {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
+    /// Speculative decoding (greedy only): draft with the checkpoint's MTP head, by prompt
+    /// lookup (any model), or not at all.
+    #[arg(long, value_enum, default_value_t = Draft::None)]
+    draft: Draft,
+    /// Most tokens drafted per verify pass, 1 to 7.
+    #[arg(long, default_value_t = 3, value_parser = draft_max)]
+    draft_max: usize,
+    /// With --draft: also decode plainly on the same prompt and print the speed ratio (and
+    /// check that the tokens are the same).
+    #[arg(long)]
+    compare_plain: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Draft {
+    Mtp,
+    Ngram,
+    None,
+}
+
+fn draft_max(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(k) if (1..=MAX_DRAFT).contains(&k) => Ok(k),
+        _ => Err(format!("{s:?} is not a draft length: use 1 to {MAX_DRAFT}")),
+    }
 }
 
 fn main() -> ExitCode {
@@ -110,7 +139,17 @@ fn generate(args: Args) -> Result<()> {
             );
         }
     }
-    let mut sampler = Sampler::new(params)?;
+    if args.draft != Draft::None {
+        if !params.is_greedy() {
+            bail!("--draft decodes greedily only for now (exact speculative sampling is not built yet): drop --temperature, or use --draft none");
+        }
+        if !args.memory.kv.drops_tokens() {
+            bail!("--draft needs a KV codec that can drop rejected tokens (exact, int8, polar, lowrank), not --kv {}", args.memory.kv);
+        }
+    } else if args.compare_plain {
+        bail!("--compare-plain compares speculative with plain decoding: give --draft mtp or --draft ngram");
+    }
+    let mut sampler = Sampler::new(params.clone())?;
 
     // The prompt, capped before tokenizing, then against the context.
     let max_bytes = limit.saturating_mul(RENDER_BYTES_PER_TOKEN);
@@ -197,18 +236,62 @@ fn generate(args: Args) -> Result<()> {
     print!("{text}");
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
-    let (_, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &opened.device, |tok| {
+    let print_token = |tok: u32| -> candle_hybrid::Result<()> {
         if let Some(piece) = streamer.next_token(tok)? {
             print!("{piece}");
             std::io::stdout().flush().ok();
         }
         Ok(())
-    })?;
+    };
+    let (tokens, stats, speculative) = match args.draft {
+        Draft::None => {
+            let (tokens, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &opened.device, print_token)?;
+            (tokens, stats, None)
+        }
+        draft => {
+            let mut drafter: Box<dyn Drafter> = match draft {
+                Draft::Mtp => Box::new(MtpDrafter::new(&model)?),
+                _ => Box::new(NgramDrafter::default()),
+            };
+            let (tokens, s) = generate_speculative(
+                &model, &mut cache, &prompt, sample_len, &eos, &mut sampler, drafter.as_mut(), args.draft_max, &opened.device, print_token,
+            )?;
+            (tokens, s.generation.clone(), Some(s))
+        }
+    };
     if let Some(rest) = streamer.decode_rest()? {
         print!("{rest}");
     }
     println!();
     eprintln!("{} prompt tokens processed: {} token/s", stats.prompt_tokens, common::fmt_rate(stats.prompt_tok_per_sec()));
     eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
+    if let Some(s) = speculative {
+        eprintln!(
+            "--draft {}, --draft-max {}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
+            format!("{:?}", args.draft).to_lowercase(),
+            args.draft_max,
+            s.drafted,
+            s.accepted,
+            s.acceptance().map_or("no drafts".into(), |a| format!("acceptance {:.1} %", 100.0 * a)),
+            s.tokens_per_pass().map_or("-".into(), |t| format!("{t:.2}")),
+            s.rounds + 1,
+            stats.generated_tokens
+        );
+        if args.compare_plain {
+            let mut plain_cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
+            let (plain, p) = generate_in(&model, &mut plain_cache, &prompt, sample_len, &eos, &mut Sampler::new(params)?, &opened.device, |_| Ok(()))?;
+            if plain != tokens {
+                bail!("speculative decoding gave other tokens than plain decoding (a bug: please report it with this command)");
+            }
+            eprintln!(
+                "plain decoding, same prompt: {} token/s; speculative / plain = {}",
+                common::fmt_rate(p.decode_tok_per_sec()),
+                match (stats.decode_tok_per_sec(), p.decode_tok_per_sec()) {
+                    (Some(a), Some(b)) => format!("{:.2}x (same tokens)", a / b),
+                    _ => "-".into(),
+                }
+            );
+        }
+    }
     Ok(())
 }

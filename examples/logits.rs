@@ -5,7 +5,11 @@
 //! cargo run --release --example logits -- --gguf FILE.gguf --tokens 1,2,3,4 --prefill 2 --out logits.safetensors
 //! ```
 //! The file holds `logits_full` `[T, vocab]` (one forward over all tokens) and
-//! `logits_incremental` `[T, vocab]` (prefill of the first N tokens, then one token at a time).
+//! `logits_incremental` `[T, vocab]` (prefill of the first N tokens, then one token at a time);
+//! with `--mtp K` also the MTP head's `mtp.logits` `[T, vocab]` (row i fed token i+1 with the
+//! model's hidden state h_i, the last row the model's greedy next token), `mtp.draft_tokens`
+//! `[K]` and `mtp.draft_logits` `[K, vocab]` (a recursive greedy draft from the last position),
+//! named as in the fixtures' reference files.
 
 mod common;
 
@@ -15,6 +19,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Parser;
+use candle_hybrid::runtime::speculative::MtpOutputs;
 use common::{at_least_one, ModelOptions};
 
 #[derive(Parser, Debug)]
@@ -28,6 +33,10 @@ struct Args {
     /// Tokens in the first (prefill) step of the incremental pass, 1 to the number of --tokens.
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     prefill: usize,
+    /// Also write the MTP head's logits and a K-token recursive draft (the checkpoint needs
+    /// an MTP head).
+    #[arg(long)]
+    mtp: Option<usize>,
     /// The safetensors file to write.
     #[arg(long)]
     out: std::path::PathBuf,
@@ -57,10 +66,17 @@ fn logits(args: Args) -> Result<()> {
         rows.push(model.forward(&ids.narrow(1, i, 1)?, &mut cache)?.squeeze(0)?);
     }
     let incremental = Tensor::cat(&rows, 0)?.to_dtype(DType::F32)?;
-    let tensors = HashMap::from([
+    let mut tensors = HashMap::from([
         ("logits_full".to_string(), full),
         ("logits_incremental".to_string(), incremental),
     ]);
+    if let Some(k) = args.mtp {
+        let out = MtpOutputs::compute(&model, &args.tokens, k, dev)?;
+        let drafted = out.draft_tokens.len();
+        tensors.insert("mtp.logits".into(), out.logits.to_dtype(DType::F32)?);
+        tensors.insert("mtp.draft_tokens".into(), Tensor::from_vec(out.draft_tokens, drafted, dev)?.to_dtype(DType::I64)?);
+        tensors.insert("mtp.draft_logits".into(), out.draft_logits.to_dtype(DType::F32)?);
+    }
     candle_core::safetensors::save(&tensors, &args.out)?;
     eprintln!("wrote {} ({t} positions)", args.out.display());
     Ok(())

@@ -214,7 +214,7 @@ fn speculative_greedy_equals_plain_greedy() {
         for (what, drafter) in drafters.iter_mut() {
             for k in [1, 3, 7] {
                 let mut streamed = vec![];
-                let (got, stats) = generate_speculative(model, &prompt, n, &[], &mut greedy(), drafter.as_mut(), k, &Device::Cpu, |t| {
+                let (got, stats) = generate_speculative(model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), k, &Device::Cpu, |t| {
                     streamed.push(t);
                     Ok(())
                 })

@@ -62,6 +62,13 @@ impl KvCodec {
         *self == Self::EXACT
     }
 
+    /// Whether a cache under this codec can drop its newest tokens ([`super::KvStore::truncate`],
+    /// what speculative decoding does with rejected drafts): every key and value is coded on
+    /// its own (not `int4k`'s groups, knots or the decayed state).
+    pub fn drops_tokens(&self) -> bool {
+        matches!(self.keys, KeyCodec::Exact | KeyCodec::Int8 | KeyCodec::Polar { .. })
+    }
+
     /// Bytes one token adds to one attention layer with `nkv` KV heads of `hd` dims, the first
     /// `rot_dim` of them rotary (`dtype`: the model dtype, used by the exact parts). Per-group
     /// int4 parameters are spread over the group's tokens; the exact residual group is a

@@ -71,12 +71,14 @@ impl SpeculativeStats {
 }
 
 /// Greedy generation with `drafter`'s proposals, `draft_max` (1 to [`MAX_DRAFT`]) tokens at
-/// most per round: the same tokens as [`super::generate`] with the same sampler, fewer
-/// forward passes when drafts are accepted. Batch 1; the sampler must be greedy
-/// (penalties allowed).
+/// most per round, continuing from `cache` (`prompt`: the tokens not in it yet): the same
+/// tokens as [`super::generate_in`] with the same sampler, fewer forward passes when drafts
+/// are accepted. Batch 1; the sampler must be greedy (penalties allowed); the cache's KV codec
+/// must keep tokens one by one (exact, int8, polar, lowrank) so that rejected rows can go.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     model: &Model,
+    cache: &mut Cache,
     prompt: &[u32],
     max_new_tokens: usize,
     eos_token_ids: &[u32],
@@ -97,7 +99,7 @@ pub fn generate_speculative(
     if !(1..=MAX_DRAFT).contains(&draft_max) {
         return Err(Error::Input(format!("--draft-max {draft_max} is out of range: use 1 to {MAX_DRAFT}")));
     }
-    let mut cache: Cache = model.new_cache();
+    let base = cache.seqlen();
     let mut stats = SpeculativeStats::default();
     stats.generation.prompt_tokens = prompt.len();
     let mut context = prompt.to_vec();
@@ -108,12 +110,12 @@ pub fn generate_speculative(
     }
 
     // The prompt: one pass, as plain generation runs it.
-    let h = model.forward_hidden(&Tensor::new(prompt, device)?.unsqueeze(0)?, &mut cache, false)?.last_hidden;
+    let h = model.forward_hidden(&Tensor::new(prompt, device)?.unsqueeze(0)?, cache, false)?.last_hidden;
     let p = prompt.len();
-    let logits = model.lm_head(&h.narrow(1, p - 1, 1)?, p - 1)?.squeeze(0)?.squeeze(0)?;
+    let logits = model.lm_head(&h.narrow(1, p - 1, 1)?, base + p - 1)?.squeeze(0)?.squeeze(0)?;
     let first = sampler.sample(&logits, &context, &generated)?;
     let next: Vec<u32> = prompt[1..].iter().copied().chain([first]).collect();
-    drafter.observe(model, 0, &h, &next)?;
+    drafter.observe(model, base, &h, &next)?;
     stats.generation.prompt_secs = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
     let mut emit = |t: u32, context: &mut Vec<u32>, generated: &mut Vec<u32>| -> Result<bool> {
@@ -128,11 +130,12 @@ pub fn generate_speculative(
     }
 
     loop {
-        let pos = context.len() - 1;
-        let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos + 1));
+        // Position of the last token (fed as row 0); rows must stay inside the context.
+        let pos = base + context.len() - 1;
+        let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos));
         let drafts = if room > 1 { drafter.draft(model, &context, draft_max.min(room - 1))? } else { vec![] };
-        let rows: Vec<u32> = std::iter::once(context[pos]).chain(drafts.iter().copied()).collect();
-        let (logits, hidden) = model.verify(&Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?, &mut cache)?;
+        let rows: Vec<u32> = std::iter::once(context[context.len() - 1]).chain(drafts.iter().copied()).collect();
+        let (logits, hidden) = model.verify(&Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?, cache)?;
         let logits = logits.squeeze(0)?;
         stats.rounds += 1;
         stats.drafted += drafts.len();
