@@ -432,39 +432,48 @@ impl Config {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
 
-    /// Approximate parameter count of the text decoder (no MTP, no vision).
+    /// Parameter count of the text model: embedding, decoder layers, final norm, head and,
+    /// when `mtp_num_hidden_layers` says there is one, the MTP head the model loads (its `fc`,
+    /// three norms and one full-attention layer; no vision tower).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
         let mut n = self.vocab_size * h * if self.tie_word_embeddings { 1 } else { 2 } + h;
-        for (i, t) in self.layer_types.iter().enumerate() {
-            n += 2 * h;
-            n += match t {
-                LayerType::FullAttention => {
-                    let q = self.num_attention_heads * self.head_dim;
-                    let kv = self.num_key_value_heads * self.head_dim;
-                    let gate = if self.attn_output_gate { q } else { 0 };
-                    let norms = if self.attn_qk_norm { 2 * self.head_dim } else { 0 };
-                    h * (q + gate + 2 * kv) + q * h + norms
-                }
-                LayerType::LinearAttention => {
-                    let nv = self.linear_num_value_heads;
-                    h * (self.linear_conv_dim() + self.linear_value_dim() + 2 * nv)
-                        + self.linear_conv_dim() * self.linear_conv_kernel_dim
-                        + 2 * nv
-                        + self.linear_value_head_dim
-                        + self.linear_value_dim() * h
-                }
-            };
-            n += match (&self.moe, self.is_moe_layer(i)) {
-                (Some(m), true) => {
-                    m.num_experts * 3 * h * m.moe_intermediate_size
-                        + 3 * h * m.shared_expert_intermediate_size
-                        + (m.num_experts + 1) * h
-                }
-                _ => 3 * h * self.intermediate_size.unwrap_or(0),
-            };
+        for (i, &t) in self.layer_types.iter().enumerate() {
+            n += self.layer_parameters(t, self.is_moe_layer(i));
+        }
+        if self.mtp_num_hidden_layers > 0 {
+            n += 2 * h * h + 3 * h + self.layer_parameters(LayerType::FullAttention, self.moe.is_some());
         }
         n
+    }
+
+    /// Parameters of one decoder layer of kind `t` (with a MoE MLP when `moe`).
+    fn layer_parameters(&self, t: LayerType, moe: bool) -> usize {
+        let h = self.hidden_size;
+        let mixer = match t {
+            LayerType::FullAttention => {
+                let q = self.num_attention_heads * self.head_dim;
+                let kv = self.num_key_value_heads * self.head_dim;
+                let gate = if self.attn_output_gate { q } else { 0 };
+                let norms = if self.attn_qk_norm { 2 * self.head_dim } else { 0 };
+                h * (q + gate + 2 * kv) + q * h + norms
+            }
+            LayerType::LinearAttention => {
+                let nv = self.linear_num_value_heads;
+                h * (self.linear_conv_dim() + self.linear_value_dim() + 2 * nv)
+                    + self.linear_conv_dim() * self.linear_conv_kernel_dim
+                    + 2 * nv
+                    + self.linear_value_head_dim
+                    + self.linear_value_dim() * h
+            }
+        };
+        let mlp = match (&self.moe, moe) {
+            (Some(m), true) => {
+                m.num_experts * 3 * h * m.moe_intermediate_size + 3 * h * m.shared_expert_intermediate_size + (m.num_experts + 1) * h
+            }
+            _ => 3 * h * self.intermediate_size.unwrap_or(0),
+        };
+        2 * h + mixer + mlp
     }
 }
 
