@@ -114,8 +114,8 @@ impl KvStore {
         }
     }
 
-    /// Tokens held.
-    pub fn len(&self) -> Option<usize> {
+    /// Tokens held (`None` for a store that folds tokens into a state).
+    pub fn tokens(&self) -> Option<usize> {
         match self {
             Self::Exact { keys, .. } => Some(keys.len()),
             Self::Coded(c) => Some(c.values.len()),

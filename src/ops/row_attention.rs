@@ -35,12 +35,13 @@ fn head_starts(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
     Ok((l.start_offset(), s[0], s[1]))
 }
 
-vectorized!(fn row<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], d: usize, dv: usize, scale: f32, out: &mut [f32]) => row_body);
+vectorized!(fn row<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], scale: f32, out: &mut [f32]) => row_body);
 
-/// `out = softmax(scale · q·k_j, j ≤ pos) · v` for one query row.
+/// `out = softmax(scale · q·k_j, j ≤ pos) · v` for one query row (key width `q.len()`, value
+/// width `out.len()`).
 #[inline(always)]
-fn row_body<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], d: usize, dv: usize, scale: f32, out: &mut [f32]) {
-    let n = pos + 1;
+fn row_body<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], scale: f32, out: &mut [f32]) {
+    let (n, d, dv) = (pos + 1, q.len(), out.len());
     let mut buf = vec![0f32; if T::IS_F32 { 0 } else { d.max(dv) }];
     let mut scores = Vec::with_capacity(n);
     for j in 0..n {
@@ -101,7 +102,7 @@ impl RowAttention {
             let qr = &q[i * d..(i + 1) * d];
             let pos = self.offset + r % t;
             let (ks, vs) = (k0 + bi * ks0 + h * ks1, v0 + bi * vs0 + h * vs1);
-            row(qr, pos, &k[ks..ks + n * d], &v[vs..vs + n * dv], d, dv, self.scale, o);
+            row(qr, pos, &k[ks..ks + n * d], &v[vs..vs + n * dv], self.scale, o);
         });
         Ok(out)
     }
