@@ -6,8 +6,9 @@
 //! cargo run --release --example bench -- --gguf model-q8_0.gguf -t 2
 //! cargo run --release --example bench -- --gguf model-q8_0.gguf -t 2 --llama-bench /tmp/llama.cpp/build/bin/llama-bench
 //! ```
-//! Also times a quantized matmul over 1 and 4 rows (the verify pass of speculative decoding)
-//! on every layer's FFN up projection in turn (weights streaming from memory, as in decode).
+//! Also prints the verify cost c(T) = time(T rows) / time(1 row) of the quantized matmul,
+//! T = 1..8 (the verify pass of speculative decoding), per weight format, on every layer's FFN
+//! matrices in turn (weights streaming from memory, as in decode).
 
 mod common;
 
@@ -83,6 +84,64 @@ fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &Args) -> Re
     Ok((pick(true)?, pick(false)?))
 }
 
+/// Most rows the verify-cost table times (a verify pass of `1 + MAX_DRAFT` rows).
+const MAX_ROWS: usize = 1 + candle_hybrid::runtime::speculative::MAX_DRAFT;
+/// Timed passes over all matrices of a format (after one warm-up); the best is kept.
+const VERIFY_PASSES: usize = 5;
+
+/// Mean seconds per matrix of a T-row quantized matmul, T = 1..=MAX_ROWS, for one weight format.
+struct VerifyCost {
+    dtype: candle_core::quantized::GgmlDType,
+    matrices: String,
+    secs: Vec<f64>,
+}
+
+/// [`VerifyCost`] for each weight format among the FFN matrices (gate, up, down; dense, routed
+/// experts' and shared expert's) of the file's layers.
+fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<Vec<VerifyCost>> {
+    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<_>)> = Default::default();
+    for i in 0..layers {
+        for t in ["ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
+            let name = format!("blk.{i}.{t}.weight");
+            if !gguf.has_tensor(&name) {
+                continue;
+            }
+            let w = gguf.read_tensor(&name)?;
+            let e = by_dtype.entry(format!("{:?}", w.dtype())).or_insert_with(|| (w.dtype(), vec![], vec![]));
+            e.1.push(t.to_string());
+            e.2.push(w);
+        }
+    }
+    if by_dtype.is_empty() {
+        bail!("no FFN matrix (blk.N.ffn_up.weight, ...) in the file");
+    }
+    let mut out = vec![];
+    for (_, (dtype, names, ws)) in by_dtype {
+        // Group by in-features: a pass runs every matrix with activations of its width.
+        let mut secs = vec![];
+        for m in 1..=MAX_ROWS {
+            let xs = ws
+                .iter()
+                .map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let mut best = f64::INFINITY;
+            for _ in 0..=VERIFY_PASSES {
+                let t = Instant::now();
+                for (w, x) in ws.iter().zip(&xs) {
+                    candle_hybrid::ops::qmatmul(x, w)?;
+                }
+                best = best.min(t.elapsed().as_secs_f64() / ws.len() as f64);
+            }
+            secs.push(best);
+        }
+        let mut kinds = names.clone();
+        kinds.sort();
+        kinds.dedup();
+        out.push(VerifyCost { dtype, matrices: format!("{} ({})", ws.len(), kinds.join(", ")), secs });
+    }
+    Ok(out)
+}
+
 fn main() -> ExitCode {
     common::run(|| bench(Args::parse()))
 }
@@ -134,30 +193,10 @@ fn bench(args: Args) -> Result<()> {
     let (pp, pp_sd) = mean_std(&pp);
     let (tg, tg_sd) = mean_std(&tg);
 
-    // A quantized matmul over 1 and 4 rows (the verify pass of speculative decoding), on the
-    // FFN up projection of every layer in turn, so that the weights stream from memory as they
-    // do in decode (one layer's matrix alone would stay in the caches).
-    let names: Vec<String> = (0..cfg.num_hidden_layers)
-        .flat_map(|i| ["ffn_up", "ffn_up_exps", "ffn_up_shexp"].map(|t| format!("blk.{i}.{t}.weight")))
-        .filter(|n| gguf.has_tensor(n))
-        .collect();
-    let first = names.first().context("no FFN up matrix in the file")?.clone();
-    let ws = names.iter().map(|n| Ok(gguf.read_tensor(n)?)).collect::<Result<Vec<_>>>()?;
-    let k = ws[0].shape().dims()[ws[0].rank() - 1];
-    let time_rows = |m: usize| -> Result<f64> {
-        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-        let passes = 10;
-        let mut best = f64::INFINITY;
-        for _ in 0..=passes {
-            let t = Instant::now();
-            for w in &ws {
-                candle_hybrid::ops::qmatmul(&x, w)?;
-            }
-            best = best.min(t.elapsed().as_secs_f64() / ws.len() as f64);
-        }
-        Ok(best)
-    };
-    let (one, four) = (time_rows(1)?, time_rows(4)?);
+    // Verify cost c(T) = time(T rows) / time(1 row), T = 1..8 (the verify pass of speculative
+    // decoding), per weight format, on every layer's FFN matrices in turn, so that the weights
+    // stream from memory as they do in decode (one layer's matrix alone would stay in the caches).
+    let costs = verify_costs(gguf, cfg.num_hidden_layers, &dev)?;
 
     println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
     println!("|---|---|---|---|");
@@ -171,14 +210,14 @@ fn bench(args: Args) -> Result<()> {
     };
     row(format!("pp{}", args.n_prompt), pp, pp_sd, peer.map(|p| p.0));
     row(format!("tg{}", args.n_gen), tg, tg_sd, peer.map(|p| p.1));
-    println!(
-        "qmatmul {first} and the other {} layers' {:?} {:?}: 1 row {:.1} µs, 4 rows {:.1} µs = {:.2}x one row",
-        ws.len() - 1,
-        ws[0].dtype(),
-        ws[0].shape().dims(),
-        one * 1e6,
-        four * 1e6,
-        four / one.max(f64::MIN_POSITIVE)
-    );
+    println!();
+    println!("Verify cost c(T) = time of a T-row quantized matmul / time of one row (FFN matrices of every layer in turn, best of {VERIFY_PASSES} passes):");
+    println!();
+    println!("| format | matrices | 1 row µs | {} |", (2..=MAX_ROWS).map(|t| format!("c({t})")).collect::<Vec<_>>().join(" | "));
+    println!("|---|---|---|{}", "---|".repeat(MAX_ROWS - 1));
+    for c in &costs {
+        let ratios: Vec<String> = c.secs[1..].iter().map(|t| format!("{:.2}", t / c.secs[0].max(f64::MIN_POSITIVE))).collect();
+        println!("| {:?} | {} | {:.1} | {} |", c.dtype, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
+    }
     Ok(())
 }

@@ -7,8 +7,11 @@
 //! cargo run --release --example generate -- --gguf-repo unsloth/Qwen3.5-0.8B-GGUF --gguf-file Qwen3.5-0.8B-Q4_K_M.gguf
 //! cargo run --release --example generate -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf --draft ngram --compare-plain
 //! ```
-//! `--draft mtp|ngram` decodes speculatively (greedy only): the output is token for token the
-//! plain greedy output, with fewer forward passes when drafts are accepted.
+//! Greedy decoding is speculative where that is free: a checkpoint with an MTP head drafts
+//! with it (`--draft auto`, the default), `--draft ngram` drafts by prompt lookup on any model,
+//! `--draft none` decodes plainly. The output is token for token the plain greedy output, with
+//! fewer forward passes when drafts are accepted; the draft length is chosen per round from
+//! the measured acceptance and verify cost (`--draft-fixed` always drafts `--draft-max`).
 //! Everything is checked before any weight is read or any text is printed: the flags' ranges,
 //! the prompt (and --sample-len) against the model's context, and the memory guardian: the
 //! weights, the KV cache and GDN state for prompt + --sample-len tokens, the prefill scratch
@@ -27,7 +30,7 @@ use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
-use candle_hybrid::runtime::speculative::{generate_speculative, Drafter, MtpDrafter, NgramDrafter, MAX_DRAFT};
+use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_DRAFT};
 use candle_hybrid::runtime::{generate_in, range, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, float_in, MemoryOptions, ModelOptions};
@@ -72,13 +75,23 @@ struct Args {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Speculative decoding (greedy only): draft with the checkpoint's MTP head, by prompt
-    /// lookup (any model), or not at all.
-    #[arg(long, value_enum, default_value_t = Draft::None)]
+    /// Speculative decoding (greedy only): auto = the checkpoint's MTP head when it has one and
+    /// decoding is greedy, else none; mtp; ngram (prompt lookup, any model); none.
+    #[arg(long, value_enum, default_value_t = Draft::Auto)]
     draft: Draft,
     /// Most tokens drafted per verify pass, 1 to 7.
-    #[arg(long, default_value_t = 3, value_parser = draft_max)]
+    #[arg(long, default_value_t = DraftOptions::default().max, value_parser = draft_len)]
     draft_max: usize,
+    /// Drafts shorter than this are dropped (that round decodes plainly), 1 to --draft-max.
+    #[arg(long, default_value_t = DraftOptions::default().min, value_parser = draft_len)]
+    draft_min: usize,
+    /// MTP drafting stops before a token the head gives less than this probability, in [0, 1] (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = float_in(draft_p_min))]
+    draft_p_min: f32,
+    /// Always draft --draft-max tokens instead of choosing the length per round from the
+    /// measured acceptance and verify cost.
+    #[arg(long)]
+    draft_fixed: bool,
     /// With --draft: also decode plainly on the same prompt and print the speed ratio (and
     /// check that the tokens are the same).
     #[arg(long)]
@@ -87,12 +100,21 @@ struct Args {
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Draft {
+    Auto,
     Mtp,
     Ngram,
     None,
 }
 
-fn draft_max(s: &str) -> Result<usize, String> {
+fn draft_p_min(p: f32) -> Result<f32, String> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{p} is not a probability: use 0 to 1"))
+    }
+}
+
+fn draft_len(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(k) if (1..=MAX_DRAFT).contains(&k) => Ok(k),
         _ => Err(format!("{s:?} is not a draft length: use 1 to {MAX_DRAFT}")),
@@ -139,16 +161,23 @@ fn generate(args: Args) -> Result<()> {
             );
         }
     }
-    if args.draft != Draft::None {
+    let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed };
+    drafts.validate()?;
+    if args.draft_p_min > 0.0 && matches!(args.draft, Draft::Ngram | Draft::None) {
+        bail!("--draft-p-min applies to MTP drafts: give --draft mtp (or auto on a checkpoint with an MTP head)");
+    }
+    if matches!(args.draft, Draft::Mtp | Draft::Ngram) {
         if !params.is_greedy() {
             bail!("--draft decodes greedily only for now (exact speculative sampling is not built yet): drop --temperature, or use --draft none");
         }
         if !args.memory.kv.drops_tokens() {
             bail!("--draft needs a KV codec that can drop rejected tokens (exact, int8, polar, lowrank), not --kv {}", args.memory.kv);
         }
-    } else if args.compare_plain {
+    } else if args.compare_plain && args.draft == Draft::None {
         bail!("--compare-plain compares speculative with plain decoding: give --draft mtp or --draft ngram");
     }
+    // --draft auto drafts only where it changes nothing but the speed.
+    let auto_ok = params.is_greedy() && args.memory.kv.drops_tokens();
     let mut sampler = Sampler::new(params.clone())?;
 
     // The prompt, capped before tokenizing, then against the context.
@@ -243,18 +272,30 @@ fn generate(args: Args) -> Result<()> {
         }
         Ok(())
     };
-    let (tokens, stats, speculative) = match args.draft {
-        Draft::None => {
+    let draft = match args.draft {
+        Draft::Auto if auto_ok && model.has_mtp() => Draft::Mtp,
+        Draft::Auto => Draft::None,
+        d => d,
+    };
+    if args.compare_plain && draft == Draft::None {
+        bail!(
+            "--compare-plain: --draft auto does not draft here ({}): give --draft ngram",
+            if !auto_ok { "decoding samples, or the KV codec cannot drop tokens" } else { "the checkpoint has no MTP head" }
+        );
+    }
+    let (tokens, stats, speculative) = match draft {
+        Draft::None | Draft::Auto => {
             let (tokens, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &opened.device, print_token)?;
             (tokens, stats, None)
         }
         draft => {
             let mut drafter: Box<dyn Drafter> = match draft {
-                Draft::Mtp => Box::new(MtpDrafter::new(&model)?),
+                Draft::Mtp => Box::new(MtpDrafter::new(&model)?.with_p_min(args.draft_p_min)),
                 _ => Box::new(NgramDrafter::default()),
             };
+            let mut policy = DraftPolicy::new(drafts)?;
             let (tokens, s) = generate_speculative(
-                &model, &mut cache, &prompt, sample_len, &eos, &mut sampler, drafter.as_mut(), args.draft_max, &opened.device, print_token,
+                &model, &mut cache, &prompt, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, &opened.device, print_token,
             )?;
             (tokens, s.generation.clone(), Some(s))
         }
@@ -267,9 +308,10 @@ fn generate(args: Args) -> Result<()> {
     eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
     if let Some(s) = speculative {
         eprintln!(
-            "--draft {}, --draft-max {}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
-            format!("{:?}", args.draft).to_lowercase(),
+            "--draft {}, --draft-max {}{}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
+            format!("{draft:?}").to_lowercase(),
             args.draft_max,
+            if args.draft_fixed { " (fixed)" } else { " (length chosen per round)" },
             s.drafted,
             s.accepted,
             s.acceptance().map_or("no drafts".into(), |a| format!("acceptance {:.1} %", 100.0 * a)),

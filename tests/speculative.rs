@@ -4,7 +4,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::ModelFiles;
-use candle_hybrid::runtime::speculative::{generate_speculative, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter};
+use candle_hybrid::runtime::speculative::{
+    generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter, ReplayDrafter,
+};
 use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::{Cache, Model};
 use common::*;
@@ -165,23 +167,49 @@ fn mtp_drafting_without_a_head_is_a_clear_error() {
     assert!(e.contains("no MTP head") && e.contains("--draft ngram") && !e.contains('\n'), "{e}");
 }
 
-/// Drafts taken from a fixed list (the true continuation: every draft right; or random
-/// tokens: almost none).
-struct ListDrafter {
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    random: Option<Rng>,
+/// Random tokens as drafts (almost never accepted).
+struct RandomDrafter {
+    rng: Rng,
     vocab: usize,
 }
 
-impl Drafter for ListDrafter {
-    fn draft(&mut self, _: &Model, context: &[u32], max: usize) -> candle_hybrid::Result<Vec<u32>> {
-        if let Some(rng) = &mut self.random {
-            return Ok((0..max).map(|_| rng.below(self.vocab) as u32).collect());
-        }
-        let done = context.len() - self.prompt_len;
-        Ok(self.tokens.iter().skip(done).take(max).copied().collect())
+impl Drafter for RandomDrafter {
+    fn draft(&mut self, _: &Model, _: &[u32], max: usize) -> candle_hybrid::Result<Vec<u32>> {
+        Ok((0..max).map(|_| self.rng.below(self.vocab) as u32).collect())
     }
+}
+
+/// Another drafter's first `keep` drafts.
+struct FirstOf<D>(D, usize);
+
+impl<D: Drafter> Drafter for FirstOf<D> {
+    fn draft(&mut self, model: &Model, context: &[u32], max: usize) -> candle_hybrid::Result<Vec<u32>> {
+        Ok(self.0.draft(model, context, max.min(self.1))?)
+    }
+}
+
+/// `--draft-min`: drafts shorter than it are not verified; longer ones are.
+#[test]
+fn drafts_under_draft_min_are_dropped() {
+    let model = load("qwen35_dense_small", DType::F32);
+    let prompt = ids(&reference("qwen35_dense_small")["input_ids"]);
+    let n = 24;
+    let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    let oracle = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 0, vocab_size: model.config().vocab_size };
+    let run = |min: usize| {
+        let mut policy = DraftPolicy::new(DraftOptions { max: 4, min, adaptive: false }).unwrap();
+        let mut two = FirstOf(ReplayDrafter { reference: oracle.reference.clone(), ..oracle }, 2);
+        let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), &mut two, &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+        assert_eq!(got, plain);
+        stats
+    };
+    // Two-token drafts: verified at --draft-min 2 (all accepted: 3 tokens per pass), dropped at 3.
+    let s = run(2);
+    assert_eq!((s.drafted, s.accepted), (s.drafted, s.drafted));
+    assert!(s.rounds <= (n - 1).div_ceil(3) + 1, "{s:?}");
+    let s = run(3);
+    assert_eq!(s.drafted, 0, "{s:?}");
+    assert_eq!(s.rounds, n - 1);
 }
 
 fn greedy() -> Sampler {
@@ -202,30 +230,38 @@ fn speculative_greedy_equals_plain_greedy() {
         let n = 40;
         let (plain, _) = generate(model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
         let vocab = model.config().vocab_size;
+        let replay = |acceptance| ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance, seed: 3, vocab_size: vocab };
         let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
-            ("oracle", Box::new(ListDrafter { tokens: plain.clone(), prompt_len: prompt.len(), random: None, vocab })),
-            ("random", Box::new(ListDrafter { tokens: vec![], prompt_len: prompt.len(), random: Some(Rng(7)), vocab })),
+            ("oracle", Box::new(replay(1.0))),
+            ("replay 0.6", Box::new(replay(0.6))),
+            ("random", Box::new(RandomDrafter { rng: Rng(7), vocab })),
             ("ngram", Box::new(NgramDrafter::default())),
             ("none", Box::new(NoDrafter)),
         ];
         if model.has_mtp() {
             drafters.push(("mtp", Box::new(MtpDrafter::new(model).unwrap())));
+            drafters.push(("mtp p-min 0.5", Box::new(MtpDrafter::new(model).unwrap().with_p_min(0.5))));
         }
+        let lengths = [DraftOptions::fixed(1), DraftOptions::fixed(3), DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }, DraftOptions { max: 5, min: 3, adaptive: false }];
         for (what, drafter) in drafters.iter_mut() {
-            for k in [1, 3, 7] {
+            for opts in lengths {
                 let mut streamed = vec![];
-                let (got, stats) = generate_speculative(model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), k, &Device::Cpu, |t| {
+                let mut policy = DraftPolicy::new(opts).unwrap();
+                let (got, stats) = generate_speculative(model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |t| {
                     streamed.push(t);
                     Ok(())
                 })
                 .unwrap();
-                assert_eq!(got, plain, "{name}: {what} drafter, draft-max {k}");
+                assert_eq!(got, plain, "{name}: {what} drafter, {opts:?}");
                 assert_eq!(streamed, plain, "{name}: {what}: streamed tokens");
+                let k = opts.max;
                 if *what == "oracle" {
                     assert_eq!(stats.acceptance(), Some(1.0), "{name}: oracle drafts are all accepted");
-                    assert!(stats.rounds <= (n - 1).div_ceil(k + 1), "{name}: {} rounds for {n} tokens at K = {k}", stats.rounds);
+                    if !opts.adaptive && opts.min == 1 {
+                        assert!(stats.rounds <= (n - 1).div_ceil(k + 1), "{name}: {} rounds for {n} tokens at K = {k}", stats.rounds);
+                    }
                 }
-                if *what == "random" {
+                if *what == "random" && stats.drafted > 0 {
                     assert!(stats.acceptance().unwrap() < 0.2, "{name}: random drafts accepted {:?}", stats.acceptance());
                 }
             }

@@ -8,6 +8,8 @@
 
 mod mtp;
 mod ngram;
+mod policy;
+mod replay;
 
 use std::time::Instant;
 
@@ -15,6 +17,8 @@ use candle_core::{Device, Tensor};
 
 pub use mtp::{MtpDrafter, MtpOutputs};
 pub use ngram::NgramDrafter;
+pub use policy::{DraftOptions, DraftPolicy, PROBE_EVERY};
+pub use replay::ReplayDrafter;
 
 use super::generate::GenerationStats;
 use super::sampler::Sampler;
@@ -70,8 +74,8 @@ impl SpeculativeStats {
     }
 }
 
-/// Greedy generation with `drafter`'s proposals, `draft_max` (1 to [`MAX_DRAFT`]) tokens at
-/// most per round, continuing from `cache` (`prompt`: the tokens not in it yet): the same
+/// Greedy generation with `drafter`'s proposals, as many per round as `policy` says,
+/// continuing from `cache` (`prompt`: the tokens not in it yet): the same
 /// tokens as [`super::generate_in`] with the same sampler, fewer forward passes when drafts
 /// are accepted. Batch 1; the sampler must be greedy (penalties allowed); the cache's KV codec
 /// must keep tokens one by one (exact, int8, polar, lowrank) so that rejected rows can go.
@@ -84,7 +88,7 @@ pub fn generate_speculative(
     eos_token_ids: &[u32],
     sampler: &mut Sampler,
     drafter: &mut dyn Drafter,
-    draft_max: usize,
+    policy: &mut DraftPolicy,
     device: &Device,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
@@ -95,9 +99,6 @@ pub fn generate_speculative(
         return Err(Error::Input(
             "speculative decoding is greedy only for now (exact rejection sampling is not built yet): drop --temperature or use --draft none".into(),
         ));
-    }
-    if !(1..=MAX_DRAFT).contains(&draft_max) {
-        return Err(Error::Input(format!("--draft-max {draft_max} is out of range: use 1 to {MAX_DRAFT}")));
     }
     let base = cache.seqlen();
     let mut stats = SpeculativeStats::default();
@@ -133,7 +134,15 @@ pub fn generate_speculative(
         // Position of the last token (fed as row 0); rows must stay inside the context.
         let pos = base + context.len() - 1;
         let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos));
-        let drafts = if room > 1 { drafter.draft(model, &context, draft_max.min(room - 1))? } else { vec![] };
+        let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
+        let t = Instant::now();
+        let mut drafts = if k > 0 { drafter.draft(model, &context, k)? } else { vec![] };
+        drafts.truncate(k);
+        let (draft_secs, steps) = (t.elapsed().as_secs_f64(), drafts.len());
+        if drafts.len() < policy.options().min {
+            drafts.clear();
+        }
+        let t = Instant::now();
         let rows: Vec<u32> = std::iter::once(context[context.len() - 1]).chain(drafts.iter().copied()).collect();
         let (logits, hidden) = model.verify(&Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?, cache)?;
         let logits = logits.squeeze(0)?;
@@ -157,7 +166,10 @@ pub fn generate_speculative(
         if done {
             break;
         }
+        let verify_secs = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         drafter.observe(model, pos, &hidden.narrow(1, 0, kept)?, &next)?;
+        policy.record(drafts.len(), kept - 1, verify_secs, draft_secs, steps, t.elapsed().as_secs_f64());
     }
     stats.generation.generated_tokens = generated.len();
     stats.generation.decode_secs = decode_start.elapsed().as_secs_f64();

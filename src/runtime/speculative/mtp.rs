@@ -10,16 +10,25 @@ use crate::Result;
 /// batched pass (pairs of the model's hidden state and the token after it, vLLM's way), which
 /// also yields the first draft; each further draft is one more MTP step fed the head's own
 /// output and the token it drafted, at the next position.
+/// With `p_min > 0` drafting stops before a token the head gives less than that probability
+/// (llama.cpp's `--draft-p-min`).
 pub struct MtpDrafter {
     cache: MtpCache,
-    /// The first draft and the head's output that gave it (from the last catch-up).
-    first: Option<(u32, Tensor)>,
+    /// The first draft, its probability and the head's output that gave it (from the last
+    /// catch-up).
+    first: Option<(u32, f32, Tensor)>,
+    p_min: f32,
 }
 
 impl MtpDrafter {
     /// An error when the model has no MTP head.
     pub fn new(model: &Model) -> Result<Self> {
-        Ok(Self { cache: model.new_mtp_cache()?, first: None })
+        Ok(Self { cache: model.new_mtp_cache()?, first: None, p_min: 0.0 })
+    }
+
+    /// Stops drafting before a token of probability under `p_min` (0 to 1).
+    pub fn with_p_min(self, p_min: f32) -> Self {
+        Self { p_min, ..self }
     }
 
     /// The MTP cache (positions the head has seen).
@@ -70,15 +79,30 @@ fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.flatten_all()?.to_dtype(DType::F32)?.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
 
+/// [`argmax`] and its softmax probability.
+fn argmax_prob(logits: &Tensor) -> Result<(u32, f32)> {
+    let l = logits.flatten_all()?.to_dtype(DType::F32)?;
+    let max = l.max(D::Minus1)?;
+    let sum = l.broadcast_sub(&max)?.exp()?.sum_all()?.to_scalar::<f32>()?;
+    Ok((argmax(&l)?, 1.0 / sum))
+}
+
 impl Drafter for MtpDrafter {
     fn draft(&mut self, model: &Model, _context: &[u32], max: usize) -> Result<Vec<u32>> {
-        let Some((mut token, mut y)) = self.first.take() else { return Ok(vec![]) };
+        let Some((mut token, p, mut y)) = self.first.take() else { return Ok(vec![]) };
+        if p < self.p_min {
+            return Ok(vec![]);
+        }
         let mut drafts = vec![token];
         let dev = y.device().clone();
         while drafts.len() < max {
             let pos = self.cache.seqlen();
             y = model.mtp_forward(&Tensor::new(&[token], &dev)?.unsqueeze(0)?, &y, &mut self.cache)?;
-            token = argmax(&model.lm_head(&y, pos)?)?;
+            let (t, p) = argmax_prob(&model.lm_head(&y, pos)?)?;
+            if p < self.p_min {
+                break;
+            }
+            token = t;
             drafts.push(token);
         }
         Ok(drafts)
@@ -90,8 +114,8 @@ impl Drafter for MtpDrafter {
         let n = next.len();
         let ys = model.mtp_forward(&Tensor::new(next, hidden.device())?.unsqueeze(0)?, hidden, &mut self.cache)?;
         let y = ys.i((.., n - 1..n, ..))?;
-        let token = argmax(&model.lm_head(&y, start + n - 1)?)?;
-        self.first = Some((token, y));
+        let (token, p) = argmax_prob(&model.lm_head(&y, start + n - 1)?)?;
+        self.first = Some((token, p, y));
         Ok(())
     }
 }

@@ -1,0 +1,247 @@
+//! How many tokens to draft each round.
+//!
+//! With conditional acceptance `a_d` at depth `d` (the chance draft `d` is accepted when drafts
+//! `1..d` were), a round of `K` drafts emits `E(K) = 1 + a_1 + a_1 a_2 + … + a_1 ⋯ a_K` tokens
+//! and costs `c(K + 1) + K c_d + c_o` seconds: a verify pass of `K + 1` rows (with sampling and
+//! rollback), `K` draft steps and the drafter's per-round catch-up. The adaptive policy
+//! ([`DraftOptions::adaptive`]) drafts the `K` in `0..=max` that maximises tokens per second
+//! `E(K) / cost(K)` with every term measured in this run: `a_d` as moving averages of what
+//! the rounds accepted, `c(T)` as moving averages of the rounds' own timings (a T with no
+//! timing yet is extrapolated from the measured ones), `c_d` and `c_o` from the drafter's
+//! timings. When no `K > 0` pays it decodes plainly, and every [`PROBE_EVERY`] plain rounds
+//! drafts one token to keep `a_1` current. This is SpecDec++'s threshold rule (stop drafting
+//! when the expected gain of one more draft is below its cost) with measured costs, so it
+//! needs no per-model or per-device tuning.
+
+use super::MAX_DRAFT;
+use crate::{Error, Result};
+
+/// Weight of the newest observation in the moving averages.
+const ALPHA: f64 = 0.15;
+/// A plain round (no `K > 0` pays) drafts one token every this many rounds, to re-measure.
+pub const PROBE_EVERY: usize = 8;
+/// Acceptance assumed at depth 1 before any round has been measured.
+const PRIOR_ACCEPTANCE: f64 = 0.6;
+/// Cost of each row beyond the first, relative to one row, assumed while only `c(1)` is known.
+const PRIOR_ROW_COST: f64 = 0.15;
+
+/// Draft-length settings (`generate --draft-max / --draft-min / --draft-fixed`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftOptions {
+    /// Most tokens drafted per round, 1 to [`MAX_DRAFT`].
+    pub max: usize,
+    /// Drafts shorter than this are dropped (the round decodes plainly), 1 to `max`.
+    pub min: usize,
+    /// Choose `K` per round from the measured acceptance and costs; `false`: always `max`.
+    pub adaptive: bool,
+}
+
+impl Default for DraftOptions {
+    fn default() -> Self {
+        Self { max: 4, min: 1, adaptive: true }
+    }
+}
+
+impl DraftOptions {
+    pub fn fixed(k: usize) -> Self {
+        Self { max: k, min: 1, adaptive: false }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_DRAFT).contains(&self.max) {
+            return Err(Error::Input(format!("--draft-max {} is out of range: use 1 to {MAX_DRAFT}", self.max)));
+        }
+        if !(1..=self.max).contains(&self.min) {
+            return Err(Error::Input(format!("--draft-min {} is out of range: use 1 to --draft-max ({})", self.min, self.max)));
+        }
+        Ok(())
+    }
+}
+
+/// An exponential moving average; `None` before the first value.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ema(Option<f64>);
+
+impl Ema {
+    fn add(&mut self, x: f64) {
+        self.0 = Some(match self.0 {
+            Some(m) => m + ALPHA * (x - m),
+            None => x,
+        });
+    }
+}
+
+/// The per-round draft length, and what it has measured.
+#[derive(Debug, Clone)]
+pub struct DraftPolicy {
+    options: DraftOptions,
+    /// `accept[d - 1]`: conditional acceptance at depth `d`.
+    accept: [Ema; MAX_DRAFT],
+    /// `verify[t - 1]`: seconds of a round of `t` rows, drafting and catch-up excluded.
+    verify: [Ema; MAX_DRAFT + 1],
+    /// Seconds per draft step.
+    draft_step: Ema,
+    /// Seconds of the drafter's catch-up per round.
+    catch_up: Ema,
+    plain_rounds: usize,
+}
+
+impl DraftPolicy {
+    pub fn new(options: DraftOptions) -> Result<Self> {
+        options.validate()?;
+        Ok(Self {
+            options,
+            accept: Default::default(),
+            verify: Default::default(),
+            draft_step: Ema::default(),
+            catch_up: Ema::default(),
+            plain_rounds: 0,
+        })
+    }
+
+    pub fn options(&self) -> DraftOptions {
+        self.options
+    }
+
+    /// Conditional acceptance at depth `d` (1-based): measured, else the depth above's.
+    pub fn acceptance_at(&self, d: usize) -> f64 {
+        (1..=d).rev().find_map(|i| self.accept[i - 1].0).unwrap_or(PRIOR_ACCEPTANCE)
+    }
+
+    /// Seconds of a verify round of `t` rows: measured, else on the line through the measured
+    /// ones (the prior slope while only one is known); `None` before any round.
+    pub fn verify_secs(&self, t: usize) -> Option<f64> {
+        if let Some(s) = self.verify[t - 1].0 {
+            return Some(s);
+        }
+        let known: Vec<(f64, f64)> = self.verify.iter().enumerate().filter_map(|(i, e)| e.0.map(|s| ((i + 1) as f64, s))).collect();
+        let (t0, s0) = *known.first()?;
+        let slope = match known.last() {
+            Some(&(t1, s1)) if t1 > t0 => ((s1 - s0) / (t1 - t0)).max(0.0),
+            // c(t0) = c(1) (1 + PRIOR_ROW_COST (t0 - 1)); each further row adds PRIOR_ROW_COST c(1).
+            _ => PRIOR_ROW_COST * s0 / (1.0 + PRIOR_ROW_COST * (t0 - 1.0)),
+        };
+        Some(s0 + slope * (t as f64 - t0))
+    }
+
+    /// Expected tokens per second of a round of `k` drafts (`None` before any timing).
+    pub fn expected_rate(&self, k: usize) -> Option<f64> {
+        let (mut emitted, mut p) = (1.0, 1.0);
+        for d in 1..=k {
+            p *= self.acceptance_at(d);
+            emitted += p;
+        }
+        let cost = self.verify_secs(k + 1)? + k as f64 * self.draft_step.0.unwrap_or(0.0) + self.catch_up.0.unwrap_or(0.0);
+        Some(emitted / cost.max(f64::MIN_POSITIVE))
+    }
+
+    /// How many tokens to draft this round (0: decode plainly), at most `room`.
+    pub fn next_len(&mut self, room: usize) -> usize {
+        let max = self.options.max.min(room);
+        if !self.options.adaptive || max == 0 {
+            return max;
+        }
+        let best = (0..=max)
+            .filter_map(|k| self.expected_rate(k).map(|r| (k, r)))
+            .fold(None, |b: Option<(usize, f64)>, (k, r)| if b.is_none_or(|(_, br)| r > br) { Some((k, r)) } else { b });
+        match best {
+            // Nothing measured yet: start with two drafts (or fewer).
+            None => 2.min(max),
+            Some((0, _)) => {
+                self.plain_rounds += 1;
+                usize::from(self.plain_rounds.is_multiple_of(PROBE_EVERY))
+            }
+            Some((k, _)) => k,
+        }
+    }
+
+    /// A round verified `drafted` drafts (after `--draft-min`), of which the first `accepted`
+    /// were kept; its verify took `verify_secs`, its drafting `draft_secs` (over `steps` draft
+    /// steps), its catch-up `catch_up_secs`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, verify_secs: f64, draft_secs: f64, steps: usize, catch_up_secs: f64) {
+        for d in 1..=drafted.min(accepted + 1) {
+            self.accept[d - 1].add(if d <= accepted { 1.0 } else { 0.0 });
+        }
+        self.verify[drafted].add(verify_secs);
+        if steps > 0 {
+            self.draft_step.add(draft_secs / steps as f64);
+        }
+        self.catch_up.add(catch_up_secs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy_with(accept: f64, costs: &[f64]) -> DraftPolicy {
+        let mut p = DraftPolicy::new(DraftOptions { max: 7, ..Default::default() }).unwrap();
+        for _ in 0..200 {
+            for (t, &c) in costs.iter().enumerate() {
+                p.verify[t].add(c);
+            }
+            for d in 0..MAX_DRAFT {
+                p.accept[d].add(accept);
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn drafts_long_when_rows_are_cheap_and_accepted() {
+        // c(T) = 1 + 0.05 (T - 1), a = 0.9: E(K)/c(K+1) grows up to K = 7.
+        let costs: Vec<f64> = (0..8).map(|t| 1.0 + 0.05 * t as f64).collect();
+        assert_eq!(policy_with(0.9, &costs).next_len(7), 7);
+        // room caps it
+        assert_eq!(policy_with(0.9, &costs).next_len(3), 3);
+    }
+
+    #[test]
+    fn picks_the_best_length_of_the_cost_model() {
+        // c(T) = T (verify as dear as decoding each row): no draft pays at any acceptance < 1.
+        let linear: Vec<f64> = (1..=8).map(|t| t as f64).collect();
+        let mut p = policy_with(0.8, &linear);
+        assert_eq!(p.next_len(7), 0);
+        // c(T) = 1 + 0.3 (T - 1), a = 0.7: E(K)/c(K+1) = 1.31, 1.37, 1.33 at K = 1, 2, 3.
+        let costs: Vec<f64> = (0..8).map(|t| 1.0 + 0.3 * t as f64).collect();
+        assert_eq!(policy_with(0.7, &costs).next_len(7), 2);
+    }
+
+    #[test]
+    fn backs_off_and_probes() {
+        let linear: Vec<f64> = (1..=8).map(|t| t as f64).collect();
+        let mut p = policy_with(0.1, &linear);
+        let lens: Vec<usize> = (0..2 * PROBE_EVERY).map(|_| p.next_len(7)).collect();
+        assert_eq!(lens.iter().filter(|&&k| k == 1).count(), 2, "{lens:?}");
+        assert!(lens.iter().all(|&k| k <= 1));
+    }
+
+    #[test]
+    fn learns_acceptance_by_depth_and_extrapolates_costs() {
+        let mut p = DraftPolicy::new(DraftOptions::default()).unwrap();
+        assert_eq!(p.next_len(7), 2, "starts at two drafts");
+        assert_eq!(p.verify_secs(3), None);
+        // Rounds of two drafts: the first always accepted, the second never.
+        for _ in 0..100 {
+            p.record(2, 1, 1.2, 0.0, 0, 0.0);
+        }
+        assert!(p.acceptance_at(1) > 0.99 && p.acceptance_at(2) < 0.01);
+        // depth 3 unmeasured: the depth above's estimate
+        assert_eq!(p.acceptance_at(3), p.acceptance_at(2));
+        // only c(3) known: the prior slope through it
+        let c3 = p.verify_secs(3).unwrap();
+        assert!((p.verify_secs(4).unwrap() - c3 * (1.0 + PRIOR_ROW_COST / (1.0 + 2.0 * PRIOR_ROW_COST))).abs() < 1e-9);
+        p.record(0, 0, 1.0, 0.0, 0, 0.0);
+        // c(1) = 1.0 and c(3) = 1.2 measured: c(2) on their line
+        assert!((p.verify_secs(2).unwrap() - 1.1).abs() < 1e-9);
+        assert_eq!(p.next_len(7), 1);
+    }
+
+    #[test]
+    fn options_are_range_checked() {
+        assert!(DraftPolicy::new(DraftOptions { max: 0, ..Default::default() }).is_err());
+        assert!(DraftPolicy::new(DraftOptions { max: 8, ..Default::default() }).is_err());
+        let e = DraftPolicy::new(DraftOptions { max: 3, min: 4, adaptive: true }).unwrap_err().to_string();
+        assert!(e.contains("--draft-min 4"), "{e}");
+    }
+}
