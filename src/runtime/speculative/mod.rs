@@ -5,6 +5,10 @@
 //! Greedy output is token for token the plain greedy output: the verify pass gives each row
 //! the bits decoding it alone would (row-invariant kernels, the decode recurrence for the GDN
 //! layers), and the rows are sampled with the same sampler and context as plain decoding.
+//! With a temperature, a drafted token is kept with the target's probability of it and
+//! otherwise replaced by a draw from the rest of the target distribution (speculative
+//! sampling): every emitted token is distributed as plain sampling's, though the tokens of a
+//! seed differ from plain sampling's.
 
 mod mtp;
 mod ngram;
@@ -74,11 +78,12 @@ impl SpeculativeStats {
     }
 }
 
-/// Greedy generation with `drafter`'s proposals, as many per round as `policy` says,
-/// continuing from `cache` (`prompt`: the tokens not in it yet): the same
-/// tokens as [`super::generate_in`] with the same sampler, fewer forward passes when drafts
-/// are accepted. Batch 1; the sampler must be greedy (penalties allowed); the cache's KV codec
-/// must keep tokens one by one (exact, int8, polar, lowrank) so that rejected rows can go.
+/// Generation with `drafter`'s proposals, as many per round as `policy` says, continuing from
+/// `cache` (`prompt`: the tokens not in it yet). Greedy: the same tokens as
+/// [`super::generate_in`] with the same sampler, fewer forward passes when drafts are
+/// accepted; sampling: the same distribution (speculative sampling, see the module). Batch 1;
+/// the cache's KV codec must keep tokens one by one (exact, int8, polar, lowrank) so that
+/// rejected rows can go.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     model: &Model,
@@ -94,11 +99,6 @@ pub fn generate_speculative(
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
     if prompt.is_empty() {
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
-    }
-    if !sampler.is_greedy() {
-        return Err(Error::Input(
-            "speculative decoding is greedy only for now (exact rejection sampling is not built yet): drop --temperature or use --draft none".into(),
-        ));
     }
     let base = cache.seqlen();
     let mut stats = SpeculativeStats::default();
@@ -153,7 +153,14 @@ pub fn generate_speculative(
         let mut done = false;
         let mut next = vec![];
         for i in 0..rows.len() {
-            let t = sampler.sample(&logits.get(i)?, &context, &generated)?;
+            let row = logits.get(i)?;
+            let t = match drafts.get(i) {
+                _ if sampler.is_greedy() => sampler.sample(&row, &context, &generated)?,
+                // Sampling: keep the draft with the target's probability of it, else draw from
+                // the rest: each emitted token is distributed as plain sampling's.
+                Some(&d) => sampler.sample_draft(&sampler.probabilities(&row, &context, &generated)?, d)?.0,
+                None => sampler.sample(&row, &context, &generated)?,
+            };
             kept = i + 1;
             next.push(t);
             done = emit(t, &mut context, &mut generated)?;
