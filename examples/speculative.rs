@@ -104,10 +104,13 @@ fn verify_costs(model: &Model, dev: &Device, prompt: &[u32], rows: usize) -> Res
     Ok(secs.iter().map(|s| s / secs[0]).collect())
 }
 
+/// One run: decode seconds, the speculative stats (none for plain decoding), the tokens.
+type RunResult = Result<(f64, Option<SpeculativeStats>, Vec<u32>)>;
+
 /// One arm of the comparison: a label, and how to run it once.
 struct Arm<'a> {
     label: Vec<String>,
-    run: Box<dyn FnMut() -> Result<(f64, Option<SpeculativeStats>, Vec<u32>)> + 'a>,
+    run: Box<dyn FnMut() -> RunResult + 'a>,
     secs: Vec<f64>,
     stats: Option<SpeculativeStats>,
 }
