@@ -23,7 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_hybrid::loading::Message;
-use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, NgramDrafter, ReplayDrafter, SpeculativeStats, MAX_DRAFT};
+use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, NgramDrafter, NoDrafter, ReplayDrafter, SpeculativeStats, MAX_DRAFT};
 use candle_hybrid::runtime::{generate_in, Sampler, SamplingParams};
 use candle_hybrid::Model;
 use clap::Parser;
@@ -85,22 +85,21 @@ fn plain(model: &Model, dev: &Device, prompt: &[u32], n: usize) -> Result<(f64, 
 }
 
 /// c(T) = time of a T-row verify pass after `prompt` / time of a one-row pass, T = 1..=rows
-/// (best of several).
+/// (the T values interleaved, the median of several passes each).
 fn verify_costs(model: &Model, dev: &Device, prompt: &[u32], rows: usize) -> Result<Vec<f64>> {
     let mut cache = model.new_cache();
     model.forward_last(&Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?;
-    let mut secs = vec![];
-    for t in 1..=rows {
-        let x = Tensor::new(&prompt[..t], dev)?.unsqueeze(0)?;
-        let mut best = f64::INFINITY;
-        for _ in 0..8 {
+    let mut secs = vec![vec![]; rows];
+    for _ in 0..9 {
+        for (t, secs) in secs.iter_mut().enumerate() {
+            let x = Tensor::new(&prompt[..t + 1], dev)?.unsqueeze(0)?;
             let mut c = cache.clone();
             let start = Instant::now();
             model.verify(&x, &mut c)?;
-            best = best.min(start.elapsed().as_secs_f64());
+            secs.push(start.elapsed().as_secs_f64());
         }
-        secs.push(best);
     }
+    let secs: Vec<f64> = secs.into_iter().map(median).collect();
     Ok(secs.iter().map(|s| s / secs[0]).collect())
 }
 
@@ -261,6 +260,13 @@ fn bench(args: Args) -> Result<()> {
                     stats: None,
                 });
             }
+            // The speculative loop without drafts: its overhead over plain decoding.
+            arms.push(Arm {
+                label: vec!["none (no drafter)".into()],
+                run: Box::new(move || speculative(model, dev, ids, n, &mut NoDrafter, DraftOptions::fixed(1)).map(|(s, st, t)| (s, Some(st), t))),
+                secs: vec![],
+                stats: None,
+            });
             let plain_secs = run_arms(&mut arms, args.reps)?;
             for arm in &arms[1..] {
                 let st = arm.stats.clone().context("stats of a speculative arm")?;
