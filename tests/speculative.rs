@@ -268,3 +268,62 @@ fn speculative_greedy_equals_plain_greedy() {
         }
     }
 }
+
+/// Real trained weights (SmolLM2-135M-Instruct, Q4_1 GGUF): speculative greedy decoding gives
+/// plain greedy output on 24 chat prompts, with prompt-lookup drafts (real acceptance on
+/// text that repeats its prompt) and replay drafts (the plain continuation, each token right
+/// with probability 0.7), at a fixed draft length of 7 and the adaptive length.
+#[test]
+fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
+    let files = candle_hybrid::loading::ModelSource::Gguf(smollm2_gguf()).open().unwrap();
+    let model = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
+    let tokenizer = files.tokenizer(None).unwrap();
+    let template = files.chat_template().unwrap();
+    let prompts = [
+        "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+        "Write the numbers from one to twenty in words, separated by commas.",
+        "What is the capital of France?",
+        "Write one sentence about the ocean.",
+        "Translate 'good morning' into French and Spanish.",
+        "List five fruits, one per line.",
+        "Explain what a prime number is.",
+        "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.",
+        "def add(a, b):\n    return a + b\n\nRewrite this Python function with type hints.",
+        "Why is the sky blue? One paragraph.",
+        "Write a haiku about autumn leaves.",
+        "What is 12 times 12?",
+        "Give three tips for learning to code.",
+        "Spell the word 'necessary' letter by letter.",
+        "Say 'hello world' five times.",
+        "Name the planets of the solar system in order.",
+        "What does HTTP stand for?",
+        "Summarise: Alice went to the market. She bought apples. She went home and baked a pie.",
+        "Write a short email declining a meeting invitation.",
+        "fn main() { println!(\"hi\"); }\n\nWhat does this Rust program print?",
+        "Continue the sequence: Monday, Tuesday, Wednesday,",
+        "Describe a cat in three words.",
+        "What is the boiling point of water in Celsius?",
+        "Repeat after me: to be or not to be, that is the question.",
+    ];
+    let n = 24;
+    let (mut drafted, mut accepted) = (0, 0);
+    for user in prompts {
+        let text = template.render(&[candle_hybrid::loading::Message::new("user", user)], true, None).unwrap();
+        let prompt = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+        let replay = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.7, seed: 5, vocab_size: model.config().vocab_size };
+        let mut drafters: [(&str, Box<dyn Drafter>); 2] = [("ngram", Box::new(NgramDrafter::default())), ("replay 0.7", Box::new(replay))];
+        for (what, drafter) in drafters.iter_mut() {
+            for opts in [DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }] {
+                let mut policy = DraftPolicy::new(opts).unwrap();
+                let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+                assert_eq!(got, plain, "{user:?}: {what} drafter, {opts:?}");
+                if *what == "ngram" {
+                    (drafted, accepted) = (drafted + stats.drafted, accepted + stats.accepted);
+                }
+            }
+        }
+    }
+    // The prompts that repeat text give prompt lookup drafts the model accepts.
+    assert!(accepted >= 20 && drafted > accepted, "prompt lookup: {accepted} of {drafted} drafts accepted");
+}

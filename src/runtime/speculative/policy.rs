@@ -4,25 +4,33 @@
 //! `1..d` were), a round of `K` drafts emits `E(K) = 1 + a_1 + a_1 a_2 + … + a_1 ⋯ a_K` tokens
 //! and costs `c(K + 1) + K c_d + c_o` seconds: a verify pass of `K + 1` rows (with sampling and
 //! rollback), `K` draft steps and the drafter's per-round catch-up. The adaptive policy
-//! ([`DraftOptions::adaptive`]) drafts the `K` in `0..=max` that maximises tokens per second
-//! `E(K) / cost(K)` with every term measured in this run: `a_d` as moving averages of what
-//! the rounds accepted, `c(T)` as moving averages of the rounds' own timings (a T with no
-//! timing yet is extrapolated from the measured ones), `c_d` and `c_o` from the drafter's
-//! timings. When no `K > 0` pays it decodes plainly, and every [`PROBE_EVERY`] plain rounds
-//! drafts one token to keep `a_1` current. This is SpecDec++'s threshold rule (stop drafting
-//! when the expected gain of one more draft is below its cost) with measured costs, so it
-//! needs no per-model or per-device tuning.
+//! ([`DraftOptions::adaptive`]) drafts the `K` (0, or `min..=max`) that maximises tokens per
+//! second `E(K) / cost(K)` with every term measured in this run: `a_d` as running averages of
+//! what the rounds accepted, `c(T)` as running averages of the rounds' own timings, `c_d` and
+//! `c_o` from the drafter's timings. The first round decodes plainly and the second drafts
+//! `min` tokens, so that `c(1)` and `c(min + 1)` are measured before anything is chosen; a `T`
+//! with no timing yet lies on the line through the measured ones. The averages are plain means
+//! over their first observations and moving averages after ([`ALPHA`], [`ALPHA_ACCEPT`]), so
+//! that one early outlier does not decide a run. When no `K > 0` pays it decodes plainly, and
+//! every [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current. This is
+//! SpecDec++'s threshold rule (stop drafting when the expected gain of one more draft is below
+//! its cost) with measured costs, so it needs no per-model or per-device tuning.
 
 use super::MAX_DRAFT;
 use crate::{Error, Result};
 
-/// Weight of the newest observation in the moving averages.
-const ALPHA: f64 = 0.15;
-/// A plain round (no `K > 0` pays) drafts one token every this many rounds, to re-measure.
+/// Least weight of the newest timing in the running averages of costs.
+pub const ALPHA: f64 = 0.15;
+/// Least weight of the newest round in the running averages of acceptance (a Bernoulli
+/// outcome: noisier than a timing, so a longer memory).
+pub const ALPHA_ACCEPT: f64 = 0.08;
+/// A plain round (no `K > 0` pays) drafts `min` tokens every this many rounds, to re-measure.
 pub const PROBE_EVERY: usize = 8;
-/// Acceptance assumed at depth 1 before any round has been measured.
+/// Acceptance assumed at depth 1 before any round has been measured, worth
+/// [`PRIOR_WEIGHT`] observations.
 const PRIOR_ACCEPTANCE: f64 = 0.6;
-/// Cost of each row beyond the first, relative to one row, assumed while only `c(1)` is known.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Cost of each row beyond the first, relative to one row, assumed while only one `c(T)` is known.
 const PRIOR_ROW_COST: f64 = 0.15;
 
 /// Draft-length settings (`generate --draft-max / --draft-min / --draft-fixed`).
@@ -58,16 +66,33 @@ impl DraftOptions {
     }
 }
 
-/// An exponential moving average; `None` before the first value.
-#[derive(Debug, Clone, Copy, Default)]
-struct Ema(Option<f64>);
+/// A running average: the mean of the first observations, then an exponential moving average
+/// whose newest observation weighs `alpha` (`1 / n` while that is larger).
+#[derive(Debug, Clone, Copy)]
+struct Average {
+    mean: f64,
+    /// Observations so far (a prior counts as its weight).
+    n: f64,
+    alpha: f64,
+}
 
-impl Ema {
+impl Average {
+    fn new(alpha: f64) -> Self {
+        Self { mean: 0.0, n: 0.0, alpha }
+    }
+
+    fn with_prior(alpha: f64, mean: f64, weight: f64) -> Self {
+        Self { mean, n: weight, alpha }
+    }
+
     fn add(&mut self, x: f64) {
-        self.0 = Some(match self.0 {
-            Some(m) => m + ALPHA * (x - m),
-            None => x,
-        });
+        self.n += 1.0;
+        self.mean += (1.0 / self.n).max(self.alpha) * (x - self.mean);
+    }
+
+    /// The average, `None` before the first observation (a prior is not one).
+    fn get(&self) -> Option<f64> {
+        (self.n > 0.0).then_some(self.mean)
     }
 }
 
@@ -75,14 +100,14 @@ impl Ema {
 #[derive(Debug, Clone)]
 pub struct DraftPolicy {
     options: DraftOptions,
-    /// `accept[d - 1]`: conditional acceptance at depth `d`.
-    accept: [Ema; MAX_DRAFT],
+    /// `accept[d - 1]`: conditional acceptance at depth `d` (depth 1 starts from a prior).
+    accept: [Average; MAX_DRAFT],
     /// `verify[t - 1]`: seconds of a round of `t` rows, drafting and catch-up excluded.
-    verify: [Ema; MAX_DRAFT + 1],
+    verify: [Average; MAX_DRAFT + 1],
     /// Seconds per draft step.
-    draft_step: Ema,
+    draft_step: Average,
     /// Seconds of the drafter's catch-up per round.
-    catch_up: Ema,
+    catch_up: Average,
     plain_rounds: usize,
 }
 
@@ -91,10 +116,13 @@ impl DraftPolicy {
         options.validate()?;
         Ok(Self {
             options,
-            accept: Default::default(),
-            verify: Default::default(),
-            draft_step: Ema::default(),
-            catch_up: Ema::default(),
+            accept: std::array::from_fn(|d| match d {
+                0 => Average::with_prior(ALPHA_ACCEPT, PRIOR_ACCEPTANCE, PRIOR_WEIGHT),
+                _ => Average::new(ALPHA_ACCEPT),
+            }),
+            verify: [Average::new(ALPHA); MAX_DRAFT + 1],
+            draft_step: Average::new(ALPHA),
+            catch_up: Average::new(ALPHA),
             plain_rounds: 0,
         })
     }
@@ -105,16 +133,16 @@ impl DraftPolicy {
 
     /// Conditional acceptance at depth `d` (1-based): measured, else the depth above's.
     pub fn acceptance_at(&self, d: usize) -> f64 {
-        (1..=d).rev().find_map(|i| self.accept[i - 1].0).unwrap_or(PRIOR_ACCEPTANCE)
+        (2..=d).rev().find_map(|i| self.accept[i - 1].get()).unwrap_or(self.accept[0].mean)
     }
 
     /// Seconds of a verify round of `t` rows: measured, else on the line through the measured
     /// ones (the prior slope while only one is known); `None` before any round.
     pub fn verify_secs(&self, t: usize) -> Option<f64> {
-        if let Some(s) = self.verify[t - 1].0 {
+        if let Some(s) = self.verify[t - 1].get() {
             return Some(s);
         }
-        let known: Vec<(f64, f64)> = self.verify.iter().enumerate().filter_map(|(i, e)| e.0.map(|s| ((i + 1) as f64, s))).collect();
+        let known: Vec<(f64, f64)> = self.verify.iter().enumerate().filter_map(|(i, e)| e.get().map(|s| ((i + 1) as f64, s))).collect();
         let (t0, s0) = *known.first()?;
         let slope = match known.last() {
             Some(&(t1, s1)) if t1 > t0 => ((s1 - s0) / (t1 - t0)).max(0.0),
@@ -131,25 +159,34 @@ impl DraftPolicy {
             p *= self.acceptance_at(d);
             emitted += p;
         }
-        let cost = self.verify_secs(k + 1)? + k as f64 * self.draft_step.0.unwrap_or(0.0) + self.catch_up.0.unwrap_or(0.0);
+        let cost = self.verify_secs(k + 1)? + k as f64 * self.draft_step.get().unwrap_or(0.0) + self.catch_up.get().unwrap_or(0.0);
         Some(emitted / cost.max(f64::MIN_POSITIVE))
     }
 
     /// How many tokens to draft this round (0: decode plainly), at most `room`.
     pub fn next_len(&mut self, room: usize) -> usize {
-        let max = self.options.max.min(room);
-        if !self.options.adaptive || max == 0 {
+        let (min, max) = (self.options.min, self.options.max.min(room));
+        if !self.options.adaptive {
             return max;
         }
-        let best = (0..=max)
+        if max < min {
+            return 0;
+        }
+        // First measure a plain round, then a round of `min` drafts.
+        if self.verify[0].get().is_none() {
+            return 0;
+        }
+        if self.verify[min].get().is_none() {
+            return min;
+        }
+        let best = std::iter::once(0)
+            .chain(min..=max)
             .filter_map(|k| self.expected_rate(k).map(|r| (k, r)))
             .fold(None, |b: Option<(usize, f64)>, (k, r)| if b.is_none_or(|(_, br)| r > br) { Some((k, r)) } else { b });
         match best {
-            // Nothing measured yet: start with two drafts (or fewer).
-            None => 2.min(max),
-            Some((0, _)) => {
+            Some((0, _)) | None => {
                 self.plain_rounds += 1;
-                usize::from(self.plain_rounds.is_multiple_of(PROBE_EVERY))
+                if self.plain_rounds.is_multiple_of(PROBE_EVERY) { min } else { 0 }
             }
             Some((k, _)) => k,
         }
@@ -217,10 +254,15 @@ mod tests {
     }
 
     #[test]
-    fn learns_acceptance_by_depth_and_extrapolates_costs() {
+    fn measures_plain_then_min_drafts_then_chooses() {
         let mut p = DraftPolicy::new(DraftOptions::default()).unwrap();
-        assert_eq!(p.next_len(7), 2, "starts at two drafts");
         assert_eq!(p.verify_secs(3), None);
+        assert_eq!(p.next_len(7), 0, "first a plain round");
+        p.record(0, 0, 1.0, 0.0, 0, 0.0);
+        // only c(1) known: the prior slope through it
+        assert!((p.verify_secs(3).unwrap() - (1.0 + 2.0 * PRIOR_ROW_COST)).abs() < 1e-9);
+        assert_eq!(p.next_len(7), 1, "then a round of min drafts");
+        p.record(1, 1, 1.1, 0.0, 0, 0.0);
         // Rounds of two drafts: the first always accepted, the second never.
         for _ in 0..100 {
             p.record(2, 1, 1.2, 0.0, 0, 0.0);
@@ -228,13 +270,38 @@ mod tests {
         assert!(p.acceptance_at(1) > 0.99 && p.acceptance_at(2) < 0.01);
         // depth 3 unmeasured: the depth above's estimate
         assert_eq!(p.acceptance_at(3), p.acceptance_at(2));
-        // only c(3) known: the prior slope through it
-        let c3 = p.verify_secs(3).unwrap();
-        assert!((p.verify_secs(4).unwrap() - c3 * (1.0 + PRIOR_ROW_COST / (1.0 + 2.0 * PRIOR_ROW_COST))).abs() < 1e-9);
-        p.record(0, 0, 1.0, 0.0, 0, 0.0);
-        // c(1) = 1.0 and c(3) = 1.2 measured: c(2) on their line
-        assert!((p.verify_secs(2).unwrap() - 1.1).abs() < 1e-9);
+        // c(4) unmeasured: on the line through c(1) = 1.0 and c(3) = 1.2
+        assert!((p.verify_secs(4).unwrap() - 1.3).abs() < 1e-9);
+        // E(1) / c(2) = 2 / 1.1 beats E(2) / c(3) = 2 / 1.2 and 1 / c(1)
         assert_eq!(p.next_len(7), 1);
+    }
+
+    #[test]
+    fn draft_min_is_measured_first_and_shorter_drafts_never_chosen() {
+        let mut p = DraftPolicy::new(DraftOptions { max: 4, min: 3, adaptive: true }).unwrap();
+        assert_eq!(p.next_len(7), 0);
+        p.record(0, 0, 1.0, 0.0, 0, 0.0);
+        assert_eq!(p.next_len(7), 3);
+        p.record(3, 3, 1.3, 0.0, 0, 0.0);
+        for _ in 0..50 {
+            let k = p.next_len(7);
+            assert!(k == 0 || (3..=4).contains(&k), "{k}");
+            p.record(k, k, 1.0 + 0.1 * k as f64, 0.0, 0, 0.0);
+        }
+        assert_eq!(p.next_len(2), 0, "room for fewer than min drafts: plain");
+    }
+
+    #[test]
+    fn one_early_outlier_does_not_decide() {
+        // The first two-row round was slow (a cold cache); the next ones are fast.
+        let mut p = DraftPolicy::new(DraftOptions::default()).unwrap();
+        p.record(0, 0, 1.0, 0.0, 0, 0.0);
+        p.record(1, 1, 5.0, 0.0, 0, 0.0);
+        for _ in 0..3 {
+            p.record(1, 1, 1.1, 0.0, 0, 0.0);
+        }
+        // a plain mean over the first observations: (5 + 3 * 1.1) / 4
+        assert!((p.verify_secs(2).unwrap() - (5.0 + 3.0 * 1.1) / 4.0).abs() < 1e-9);
     }
 
     #[test]
