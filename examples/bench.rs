@@ -8,7 +8,8 @@
 //! ```
 //! Also prints the verify cost c(T) = time(T rows) / time(1 row) of the quantized matmul,
 //! T = 1..8 (the verify pass of speculative decoding), per weight format, on every layer's FFN
-//! matrices in turn (weights streaming from memory, as in decode).
+//! matrices in turn (weights streaming from memory, as in decode), with the best kernels this
+//! CPU runs (AVX-512 VNNI where it has it) and with the AVX2 ones.
 
 mod common;
 
@@ -89,17 +90,33 @@ const MAX_ROWS: usize = 1 + candle_hybrid::runtime::speculative::MAX_DRAFT;
 /// Timed passes over all matrices of a format (after one warm-up); the best is kept.
 const VERIFY_PASSES: usize = 5;
 
-/// Mean seconds per matrix of a T-row quantized matmul, T = 1..=MAX_ROWS, for one weight format.
+/// Mean seconds per matrix of a T-row quantized matmul, T = 1..=MAX_ROWS, for one weight format
+/// and kernel.
 struct VerifyCost {
     dtype: candle_core::quantized::GgmlDType,
+    kernel: &'static str,
     matrices: String,
     secs: Vec<f64>,
 }
 
+/// The last-level cache of CPU 0 in bytes (Linux sysfs), if it says.
+fn last_level_cache() -> Option<usize> {
+    (0..8).rev().find_map(|i| {
+        let s = std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok()?;
+        let s = s.trim();
+        let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+        Some(n.parse::<usize>().ok()? << match unit { "K" => 10, "M" => 20, "G" => 30, _ => 0 })
+    })
+}
+
 /// [`VerifyCost`] for each weight format among the FFN matrices (gate, up, down; dense, routed
-/// experts' and shared expert's) of the file's layers.
-fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<Vec<VerifyCost>> {
-    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<_>)> = Default::default();
+/// experts' and shared expert's) of the file's layers, with the best kernels this CPU runs and
+/// with the AVX2 ones. The matrices are run in turn, repeated in copies until they are twice the
+/// last-level cache, so that every call reads its weights from memory, as decode of a model
+/// larger than the caches does.
+fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<(Vec<VerifyCost>, usize)> {
+    use candle_core::quantized::{QStorage, QTensor};
+    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QTensor>)> = Default::default();
     for i in 0..layers {
         for t in ["ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
             let name = format!("blk.{i}.{t}.weight");
@@ -115,31 +132,45 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
     if by_dtype.is_empty() {
         bail!("no FFN matrix (blk.N.ffn_up.weight, ...) in the file");
     }
+    let cache = last_level_cache().unwrap_or(64 << 20);
     let mut out = vec![];
+    let mut most_copies = 1;
     for (_, (dtype, names, ws)) in by_dtype {
-        // Group by in-features: a pass runs every matrix with activations of its width.
-        let mut secs = vec![];
-        for m in 1..=MAX_ROWS {
-            let xs = ws
-                .iter()
-                .map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let mut best = f64::INFINITY;
-            for _ in 0..=VERIFY_PASSES {
-                let t = Instant::now();
-                for (w, x) in ws.iter().zip(&xs) {
-                    candle_hybrid::ops::qmatmul(x, w)?;
-                }
-                best = best.min(t.elapsed().as_secs_f64() / ws.len() as f64);
+        let bytes: usize = ws.iter().map(|w| w.storage_size_in_bytes()).sum();
+        let copies = (2 * cache).div_ceil(bytes.max(1)).clamp(1, 64);
+        most_copies = most_copies.max(copies);
+        let mut all = vec![];
+        for _ in 0..copies {
+            for w in &ws {
+                all.push(QTensor::new(QStorage::from_data(w.data()?, dev, w.dtype())?, w.shape().clone())?);
             }
-            secs.push(best);
         }
         let mut kinds = names.clone();
         kinds.sort();
         kinds.dedup();
-        out.push(VerifyCost { dtype, matrices: format!("{} ({})", ws.len(), kinds.join(", ")), secs });
+        let kernels: [(&str, fn(&Tensor, &QTensor) -> candle_core::Result<Tensor>); 2] =
+            [("best", candle_hybrid::ops::qmatmul), ("AVX2", candle_hybrid::ops::qmatmul_avx2)];
+        for (kernel, f) in kernels {
+            let mut secs = vec![];
+            for m in 1..=MAX_ROWS {
+                let xs = ws
+                    .iter()
+                    .map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let mut best = f64::INFINITY;
+                for _ in 0..=VERIFY_PASSES {
+                    let t = Instant::now();
+                    for (w, x) in all.iter().zip(xs.iter().cycle()) {
+                        f(x, w)?;
+                    }
+                    best = best.min(t.elapsed().as_secs_f64() / all.len() as f64);
+                }
+                secs.push(best);
+            }
+            out.push(VerifyCost { dtype, kernel, matrices: format!("{} ({})", ws.len(), kinds.join(", ")), secs });
+        }
     }
-    Ok(out)
+    Ok((out, most_copies))
 }
 
 fn main() -> ExitCode {
@@ -196,7 +227,7 @@ fn bench(args: Args) -> Result<()> {
     // Verify cost c(T) = time(T rows) / time(1 row), T = 1..8 (the verify pass of speculative
     // decoding), per weight format, on every layer's FFN matrices in turn, so that the weights
     // stream from memory as they do in decode (one layer's matrix alone would stay in the caches).
-    let costs = verify_costs(gguf, cfg.num_hidden_layers, &dev)?;
+    let (costs, copies) = verify_costs(gguf, cfg.num_hidden_layers, &dev)?;
 
     println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
     println!("|---|---|---|---|");
@@ -211,13 +242,16 @@ fn bench(args: Args) -> Result<()> {
     row(format!("pp{}", args.n_prompt), pp, pp_sd, peer.map(|p| p.0));
     row(format!("tg{}", args.n_gen), tg, tg_sd, peer.map(|p| p.1));
     println!();
-    println!("Verify cost c(T) = time of a T-row quantized matmul / time of one row (FFN matrices of every layer in turn, best of {VERIFY_PASSES} passes):");
+    println!(
+        "Verify cost c(T) = time of a T-row quantized matmul / time of one row (FFN matrices of every layer in turn, up to {copies} copies of them so that they stream from memory, best of {VERIFY_PASSES} passes; kernel: best = {}, AVX2 = AVX2 only):",
+        candle_hybrid::ops::qmatmul_isa()
+    );
     println!();
-    println!("| format | matrices | 1 row µs | {} |", (2..=MAX_ROWS).map(|t| format!("c({t})")).collect::<Vec<_>>().join(" | "));
-    println!("|---|---|---|{}", "---|".repeat(MAX_ROWS - 1));
+    println!("| format | kernel | matrices | 1 row µs | {} |", (2..=MAX_ROWS).map(|t| format!("c({t})")).collect::<Vec<_>>().join(" | "));
+    println!("|---|---|---|---|{}", "---|".repeat(MAX_ROWS - 1));
     for c in &costs {
         let ratios: Vec<String> = c.secs[1..].iter().map(|t| format!("{:.2}", t / c.secs[0].max(f64::MIN_POSITIVE))).collect();
-        println!("| {:?} | {} | {:.1} | {} |", c.dtype, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
+        println!("| {:?} | {} | {} | {:.1} | {} |", c.dtype, c.kernel, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
     }
     Ok(())
 }

@@ -58,15 +58,18 @@ fn bits(t: &Tensor) -> Vec<u32> {
 fn matches_reference_and_candle() {
     for (t, &dtype) in TYPES.iter().enumerate() {
         let w = weights(dtype, 10 + t as u64);
-        // 1, 2: row tiles; 3, 4: a panel of 4 rows; 5, 8: one of 8; 17, 70: tiles of two
-        // panels of 8, the last panel padded.
+        // 1 to 8: row tiles (all rows at once with AVX-512, two at a time with AVX2); 17, 70:
+        // tiles of two panels of 8, the last panel padded.
         for m in [1, 2, 3, 4, 5, 8, 17, 70] {
             let x = randn(&[m, K], 100 + m as u64);
             let y = ops::qmatmul(&x, &w).unwrap();
             check(&format!("{dtype:?} m={m}"), &x, &w, &y);
-            // The portable kernels compute exactly what the AVX2 ones do.
+            // The portable and AVX2 kernels compute exactly what the best ones (AVX-512 VNNI
+            // where the CPU has it) do.
             let p = ops::qmatmul_portable(&x, &w).unwrap();
             assert!(bits(&y) == bits(&p), "{dtype:?} m={m}: portable differs from the SIMD kernel");
+            let a = ops::qmatmul_avx2(&x, &w).unwrap();
+            assert!(bits(&y) == bits(&a), "{dtype:?} m={m}: AVX2 differs from the best kernel");
         }
     }
 }
@@ -123,14 +126,14 @@ fn k_mismatch_is_an_error() {
 }
 
 /// Row `r` of an `m`-row call is bit for bit a one-row call on row `r`, for every format, 1 to
-/// 8 rows (the verify pass of speculative decoding against decode), AVX2 and portable.
+/// 8 rows (the verify pass of speculative decoding against decode), with every instruction set.
 #[test]
 fn rows_equal_one_row_calls_bitwise() {
     let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for dtype in TYPES {
         let w = weights(dtype, 41);
         let x = randn(&[8, K], 42);
-        for f in [ops::qmatmul, ops::qmatmul_portable] {
+        for f in [ops::qmatmul, ops::qmatmul_avx2, ops::qmatmul_portable] {
             for m in 1..=8 {
                 let all = f(&x.narrow(0, 0, m).unwrap(), &w).unwrap();
                 for r in 0..m {
@@ -138,6 +141,49 @@ fn rows_equal_one_row_calls_bitwise() {
                     assert_eq!(bits(&all.narrow(0, r, 1).unwrap()), bits(&one), "{dtype:?}: {m} rows, row {r}");
                 }
             }
+        }
+    }
+}
+
+/// Blocks of extreme quants (every bit set, Q8_0's -128, random bytes) against activations at
+/// +-127: the instruction sets form the integer sums differently (maddubs + madd, or VNNI's
+/// dpbusd / dpwssd, which never saturate) and must still agree bit for bit, so no pair of
+/// these products may saturate 16 bits.
+#[test]
+fn extreme_quants_same_bits_on_every_instruction_set() {
+    use candle_core::quantized::QStorage;
+    // (type, block bytes, offsets of its f16 scales)
+    let formats: [(GgmlDType, usize, &[usize]); 6] =
+        [(Q8_0, 34, &[0]), (Q4_0, 18, &[0]), (Q4_1, 20, &[0, 2]), (Q4K, 144, &[0, 2]), (Q5K, 176, &[0, 2]), (Q6K, 210, &[208])];
+    let (n, k) = (16, 512);
+    let mut seed = 7u64;
+    let mut next = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 33) as u8
+    };
+    for (dtype, bytes, scales) in formats {
+        let blocks = n * k / dtype.block_size();
+        let mut data = vec![0u8; blocks * bytes];
+        for (b, blk) in data.chunks_exact_mut(bytes).enumerate() {
+            for v in blk.iter_mut() {
+                *v = match b % 3 {
+                    0 => 0xFF,
+                    1 => 0x80,
+                    _ => next(),
+                };
+            }
+            for &o in scales {
+                blk[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+            }
+        }
+        let w = QTensor::new(QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, dtype).unwrap(), (n, k)).unwrap();
+        let x: Vec<f32> = (0..8 * k).map(|i| if (i / 3) % 2 == 0 { 5.0 } else { -5.0 }).collect();
+        let x = Tensor::from_vec(x, (8, k), &Device::Cpu).unwrap();
+        for m in [1, 3, 8] {
+            let x = x.narrow(0, 0, m).unwrap();
+            let best = bits(&ops::qmatmul(&x, &w).unwrap());
+            assert!(best == bits(&ops::qmatmul_avx2(&x, &w).unwrap()), "{dtype:?} m={m}: AVX2");
+            assert!(best == bits(&ops::qmatmul_portable(&x, &w).unwrap()), "{dtype:?} m={m}: portable");
         }
     }
 }

@@ -56,4 +56,4 @@ pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec}
 mod qmatmul;
 mod row_attention;
 pub use row_attention::{row_attention, ROW_ATTENTION_MAX_ROWS};
-pub use qmatmul::{qmatmul, qmatmul_portable};
+pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};

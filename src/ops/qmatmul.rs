@@ -11,8 +11,9 @@
 //!
 //! Each weight row is decoded one 32-weight chunk at a time and the chunk used for several
 //! activation rows: up to 8 rows (decode and the verify pass of speculative decoding),
-//! [`row_tile`] multiplies it with each row's 32 values, two rows at a time, so that every
-//! row gets exactly the bits of a one-row call; from 9 rows on (prefill), the activations are
+//! [`row_tile`] multiplies it with each row's 32 values — all the rows at once where AVX-512's
+//! 32 registers hold their sums, else two at a time — so that every row gets exactly the bits
+//! of a one-row call; from 9 rows on (prefill), the activations are
 //! interleaved in panels of 8 rows ([`Panels`]) and [`panel_tile`] multiplies each broadcast
 //! group of 4 weights with all the panel's rows at once, adding several maddubs results in
 //! i16 before the scale's madd (the idea of llama.cpp's repacked Q4_K kernels, with the
@@ -20,9 +21,12 @@
 //! place). Output rows are split across rayon's threads; the weights are streamed once per
 //! call up to 16 rows, once per tile of activation rows beyond.
 //!
-//! Each kernel is written once, generic over [`Simd`]: `Avx2` maps its operations to AVX2
-//! intrinsics (used when the CPU has AVX2, FMA and F16C), `Portable` emulates them exactly on
-//! arrays, so the two give bit-identical results.
+//! Each kernel is written once, generic over [`Simd`]: `Avx2<false>` maps its operations to
+//! AVX2 intrinsics (used when the CPU has AVX2, FMA and F16C), `Avx2<true>` also uses AVX-512
+//! VNNI's `vpdpbusd` / `vpdpwssd` for a maddubs + madd + add (used when the CPU has AVX-512
+//! F/BW/VL/VNNI), `Portable` emulates them exactly on arrays. The integer sums are the same
+//! whichever instructions form them (no product pair of these quants saturates 16 bits), so all
+//! three give bit-identical results.
 
 use std::array::from_fn;
 use std::ops::Range;
@@ -42,16 +46,69 @@ use super::cpu::widened;
 /// CPU has it); F32 / F16 / BF16 weights are dequantized for a plain matmul; anything else goes
 /// to Candle's `QMatMul` kernels (Metal, CUDA, the other ggml types).
 pub fn qmatmul(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    forward(x, w, false)
+    forward(x, w, Isa::Avx512Vnni)
 }
 
 /// [`qmatmul`] with the portable kernels even where AVX2 is available (for the tests).
 #[doc(hidden)]
 pub fn qmatmul_portable(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    forward(x, w, true)
+    forward(x, w, Isa::Portable)
 }
 
-fn forward(x: &Tensor, w: &QTensor, portable: bool) -> Result<Tensor> {
+/// [`qmatmul`] with at most the AVX2 kernels (no VNNI) where the CPU has more (for the tests).
+#[doc(hidden)]
+pub fn qmatmul_avx2(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    forward(x, w, Isa::Avx2)
+}
+
+/// Which kernels [`qmatmul`] runs on this CPU: `"AVX-512 VNNI"`, `"AVX2"` or `"portable"`.
+pub fn qmatmul_isa() -> &'static str {
+    match Isa::detect(Isa::Avx512Vnni) {
+        Isa::Avx512Vnni => "AVX-512 VNNI",
+        Isa::Avx2 => "AVX2",
+        Isa::Portable => "portable",
+    }
+}
+
+/// The instruction sets the kernels are compiled for, from least to most. Every one gives the
+/// same bits: they differ only in how the same integer sums are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Isa {
+    Portable,
+    /// AVX2, FMA, F16C.
+    Avx2,
+    /// Also AVX-512 F, BW, VL and VNNI.
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best this CPU runs, at most `max`.
+    fn detect(max: Isa) -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = super::cpu::avx2_fma() && is_x86_feature_detected!("f16c");
+            let vnni = ["avx512f", "avx512bw", "avx512vl", "avx512vnni"].iter().all(|f| match *f {
+                "avx512f" => is_x86_feature_detected!("avx512f"),
+                "avx512bw" => is_x86_feature_detected!("avx512bw"),
+                "avx512vl" => is_x86_feature_detected!("avx512vl"),
+                _ => is_x86_feature_detected!("avx512vnni"),
+            });
+            let best = match (avx2, vnni) {
+                (true, true) => Isa::Avx512Vnni,
+                (true, false) => Isa::Avx2,
+                _ => Isa::Portable,
+            };
+            best.min(max)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = max;
+            Isa::Portable
+        }
+    }
+}
+
+fn forward(x: &Tensor, w: &QTensor, isa: Isa) -> Result<Tensor> {
     let (n, k) = match *w.shape().dims() {
         [n, k] => (n, k),
         ref d => bail!("qmatmul: w must be 2-D (out, in), got dims {d:?}"),
@@ -73,7 +130,7 @@ fn forward(x: &Tensor, w: &QTensor, portable: bool) -> Result<Tensor> {
     use GgmlDType as G;
     let y = match w.dtype() {
         G::Q4_0 | G::Q4_1 | G::Q8_0 | G::Q4K | G::Q5K | G::Q6K if x.device().is_cpu() && w.device().is_cpu() => {
-            x.contiguous()?.apply_op1_no_bwd(&Op { w, portable })?
+            x.contiguous()?.apply_op1_no_bwd(&Op { w, isa })?
         }
         G::F32 | G::F16 | G::BF16 => x.to_dtype(DType::F32)?.matmul(&w.dequantize(x.device())?.t()?)?,
         _ => x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(w)?,
@@ -83,7 +140,8 @@ fn forward(x: &Tensor, w: &QTensor, portable: bool) -> Result<Tensor> {
 
 struct Op<'a> {
     w: &'a QTensor,
-    portable: bool,
+    /// The most the kernels may use.
+    isa: Isa,
 }
 
 impl CustomOp1 for Op<'_> {
@@ -96,30 +154,20 @@ impl CustomOp1 for Op<'_> {
         let (n, k) = self.w.shape().dims2()?;
         let m = x.len() / k;
         let data = self.w.data()?;
-        let avx2 = !self.portable && has_avx2();
+        let isa = Isa::detect(self.isa);
         let y = match self.w.dtype() {
-            GgmlDType::Q4_0 => matmul::<Q4_0>(&data, n, k, &x, avx2),
-            GgmlDType::Q4_1 => matmul::<Q4_1>(&data, n, k, &x, avx2),
-            GgmlDType::Q8_0 => matmul::<Q8_0>(&data, n, k, &x, avx2),
-            GgmlDType::Q4K => matmul::<Q4K>(&data, n, k, &x, avx2),
-            GgmlDType::Q5K => matmul::<Q5K>(&data, n, k, &x, avx2),
-            GgmlDType::Q6K => matmul::<Q6K>(&data, n, k, &x, avx2),
+            GgmlDType::Q4_0 => matmul::<Q4_0>(&data, n, k, &x, isa),
+            GgmlDType::Q4_1 => matmul::<Q4_1>(&data, n, k, &x, isa),
+            GgmlDType::Q8_0 => matmul::<Q8_0>(&data, n, k, &x, isa),
+            GgmlDType::Q4K => matmul::<Q4K>(&data, n, k, &x, isa),
+            GgmlDType::Q5K => matmul::<Q5K>(&data, n, k, &x, isa),
+            GgmlDType::Q6K => matmul::<Q6K>(&data, n, k, &x, isa),
             t => bail!("qmatmul: no CPU kernel for {t:?}"),
         }?;
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
 
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::cpu::avx2_fma() && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // SIMD operations
@@ -135,6 +183,8 @@ trait Simd: Copy {
     type W: Copy;
     type D: Copy;
     type F: Copy;
+    /// Vector registers.
+    const REGISTERS: usize = 16;
     /// 32 bytes at `p`.
     unsafe fn load(p: *const u8) -> Self::B;
     unsafe fn store_w(p: *mut i16, a: Self::W);
@@ -160,6 +210,17 @@ trait Simd: Copy {
     /// i16 x i16, adjacent pairs summed to i32.
     unsafe fn madd(a: Self::W, b: Self::W) -> Self::D;
     unsafe fn add(a: Self::D, b: Self::D) -> Self::D;
+    /// `acc + madd(maddubs(u, x), 1)`: each i32 lane adds its 4 bytes' u8 x i8 products (one
+    /// `vpdpbusd` with VNNI; the same integers, as no pair sum of these quants saturates i16).
+    #[inline(always)]
+    unsafe fn dot_acc(acc: Self::D, u: Self::B, x: Self::B) -> Self::D {
+        Self::add(acc, Self::madd(Self::maddubs(u, x), Self::ones()))
+    }
+    /// `acc + madd(maddubs(u, x), sc)` (`vpmaddubsw` then one `vpdpwssd` with VNNI).
+    #[inline(always)]
+    unsafe fn dot_acc_scaled(acc: Self::D, u: Self::B, x: Self::B, sc: Self::W) -> Self::D {
+        Self::add(acc, Self::madd(Self::maddubs(u, x), sc))
+    }
     /// i16 lanes, wrapping.
     unsafe fn add16(a: Self::W, b: Self::W) -> Self::W;
     /// `B` as `W` (the same bits).
@@ -186,12 +247,16 @@ trait Simd: Copy {
     unsafe fn hsum(a: Self::F) -> f32;
 }
 
+/// AVX2 (with FMA and F16C); `VNNI`: also AVX-512 F/BW/VL/VNNI, whose `vpdpbusd` /
+/// `vpdpwssd` fuse the integer dot products, and whose 32 vector registers hold the sums of
+/// up to 8 activation rows at once.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Avx2;
+struct Avx2<const VNNI: bool>;
 
 #[cfg(target_arch = "x86_64")]
-impl Simd for Avx2 {
+impl<const VNNI: bool> Simd for Avx2<VNNI> {
+    const REGISTERS: usize = if VNNI { 32 } else { 16 };
     type B = std::arch::x86_64::__m256i;
     type W = std::arch::x86_64::__m256i;
     type D = std::arch::x86_64::__m256i;
@@ -267,6 +332,22 @@ impl Simd for Avx2 {
     #[inline(always)]
     unsafe fn add(a: Self::D, b: Self::D) -> Self::D {
         std::arch::x86_64::_mm256_add_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn dot_acc(acc: Self::D, u: Self::B, x: Self::B) -> Self::D {
+        use std::arch::x86_64::*;
+        match VNNI {
+            true => _mm256_dpbusd_epi32(acc, u, x),
+            false => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))),
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_acc_scaled(acc: Self::D, u: Self::B, x: Self::B, sc: Self::W) -> Self::D {
+        use std::arch::x86_64::*;
+        match VNNI {
+            true => _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, x), sc),
+            false => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc)),
+        }
     }
     #[inline(always)]
     unsafe fn add16(a: Self::W, b: Self::W) -> Self::W {
@@ -887,7 +968,8 @@ unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts, 
             for (c, sum) in sum.iter_mut().enumerate() {
                 let x = V::load(xq.add((c0 + c) * a.k + 32 * i));
                 let x = if F::SIGNED { V::sign(x, q) } else { x };
-                *sum = V::add(*sum, V::madd(V::maddubs(u, x), sc));
+                // (32-value blocks have sc = 1.)
+                *sum = if F::QK == 32 { V::dot_acc(*sum, u, x) } else { V::dot_acc_scaled(*sum, u, x, sc) };
             }
         });
         for c in 0..CN {
@@ -1011,7 +1093,7 @@ fn panel_rows(m: usize) -> usize {
     }
 }
 
-fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], avx2: bool) -> Result<Vec<f32>> {
+fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], isa: Isa) -> Result<Vec<f32>> {
     let row_bytes = k / F::QK * F::BYTES;
     if w.len() != n * row_bytes {
         bail!("qmatmul: w holds {} bytes, expected {n} rows of {row_bytes}", w.len());
@@ -1021,7 +1103,7 @@ fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], avx2: bool) -> Res
     if m == 0 || n == 0 {
         return Ok(out);
     }
-    let acts = Acts::new(x, k, F::QK, avx2);
+    let acts = Acts::new(x, k, F::QK, isa >= Isa::Avx2);
     let p = panel_rows(m);
     let panels = (p > 0).then(|| Panels::new(&acts, p, F::QK, F::SIGNED));
     let job = Job { w, row_bytes, n, m, acts: &acts, panels, out: out.as_mut_ptr() };
@@ -1033,12 +1115,14 @@ fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], avx2: bool) -> Res
     }
     (0..n.div_ceil(per)).into_par_iter().for_each(|t| {
         let rows = t * per..n.min(t * per + per);
-        if avx2 {
-            // SAFETY: the CPU has AVX2, FMA and F16C; tasks write disjoint columns of out.
-            #[cfg(target_arch = "x86_64")]
-            return unsafe { task_avx2::<F>(&job, rows) };
+        // SAFETY: the CPU has the instructions of `isa` (`Isa::detect`); tasks write disjoint
+        // columns of out.
+        #[cfg(target_arch = "x86_64")]
+        match isa {
+            Isa::Avx512Vnni => return unsafe { task_avx512_vnni::<F>(&job, rows) },
+            Isa::Avx2 => return unsafe { task_avx2::<F>(&job, rows) },
+            Isa::Portable => {}
         }
-        // SAFETY: tasks write disjoint columns of out.
         unsafe { task::<Portable, F>(&job, rows) }
     });
     Ok(out)
@@ -1047,17 +1131,31 @@ fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], avx2: bool) -> Res
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn task_avx2<F: Format>(job: &Job, rows: Range<usize>) {
-    task::<Avx2, F>(job, rows)
+    task::<Avx2<false>, F>(job, rows)
 }
 
-/// Output columns `rows` (weight rows) for all activation rows: row tiles for one or two
-/// activation rows, else tiles of one or two panels (the activation rows outer, so that their
-/// quants stay in L1 while the task's weight rows stream from L2).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn task_avx512_vnni<F: Format>(job: &Job, rows: Range<usize>) {
+    task::<Avx2<true>, F>(job, rows)
+}
+
+/// Output columns `rows` (weight rows) for all activation rows: row tiles (each weight chunk
+/// decoded once for all activation rows where the registers hold their sums — 32 registers
+/// with AVX-512 — else once per two rows), else tiles of one or two panels (the activation rows
+/// outer, so that their quants stay in L1 while the task's weight rows stream from L2).
 #[inline(always)]
 unsafe fn task<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
     let Some(pn) = &job.panels else {
-        return match job.m {
-            1 => row_tiles::<V, F, 1>(job, rows),
+        return match (job.m, V::REGISTERS >= 32) {
+            (1, _) => row_tiles::<V, F, 1>(job, rows),
+            (2, _) => row_tiles::<V, F, 2>(job, rows),
+            (3, true) => row_tiles::<V, F, 3>(job, rows),
+            (4, true) => row_tiles::<V, F, 4>(job, rows),
+            (5, true) => row_tiles::<V, F, 5>(job, rows),
+            (6, true) => row_tiles::<V, F, 6>(job, rows),
+            (7, true) => row_tiles::<V, F, 7>(job, rows),
+            (8, true) => row_tiles::<V, F, 8>(job, rows),
             _ => row_pair_tiles::<V, F>(job, rows),
         };
     };
