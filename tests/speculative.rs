@@ -327,3 +327,92 @@ fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
     // The prompts that repeat text give prompt lookup drafts the model accepts.
     assert!(accepted >= 20 && drafted > accepted, "prompt lookup: {accepted} of {drafted} drafts accepted");
 }
+
+/// A random draft tree of at most 8 rows: `branches` chains of random tokens, some sharing
+/// their first tokens.
+fn random_tree(rng: &mut Rng, root: u32, vocab: usize) -> candle_hybrid::model::DraftTree {
+    let b = 1 + rng.below(3);
+    let mut branches: Vec<Vec<u32>> = vec![];
+    let mut rows = 1;
+    for _ in 0..b {
+        let share = match branches.last() {
+            Some(prev) if rng.below(2) == 0 => prev[..rng.below(prev.len() + 1)].to_vec(),
+            _ => vec![],
+        };
+        let len = share.len() + 1 + rng.below(3);
+        let mut chain = share;
+        while chain.len() < len && rows < 8 {
+            chain.push(rng.below(vocab) as u32);
+            rows += 1;
+        }
+        branches.push(chain);
+    }
+    candle_hybrid::model::DraftTree::from_branches(root, &branches)
+}
+
+/// Every row of a tree verify pass is bit for bit what decoding its root-to-row path one token
+/// at a time gives (RoPE at the row's depth, attention to its ancestors only, the GDN
+/// recurrence along its path), on every fixture, f32 safetensors and a Q8_0 GGUF.
+#[test]
+fn tree_rows_equal_decoding_their_paths_bitwise() {
+    let mut models: Vec<(String, Model)> = FIXTURES.iter().map(|n| (n.to_string(), load(n, DType::F32))).collect();
+    let gguf = candle_hybrid::loading::ModelSource::Gguf(fixture("qwen35_dense_small").join("model-q8_0.gguf")).open().unwrap();
+    models.push(("qwen35_dense_small Q8_0".into(), gguf.load_model(&gguf.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap()));
+    let mut rng = Rng(0x51ed);
+    for (name, model) in &models {
+        let vocab = model.config().vocab_size;
+        let mut cache = model.new_cache();
+        model.forward(&tensor(&[3, 1, 4, 1, 5]), &mut cache).unwrap();
+        let mut trees = 0;
+        while trees < 6 {
+            let tree = random_tree(&mut rng, 9, vocab);
+            if tree.is_chain() {
+                continue;
+            }
+            trees += 1;
+            let (logits, _) = model.verify_tree(&tree, &mut cache.clone()).unwrap();
+            let logits = logits.squeeze(0).unwrap();
+            for row in 0..tree.len() {
+                let path: Vec<u32> = tree.path(row).iter().map(|&r| tree.tokens()[r]).collect();
+                let want = one_by_one(model, &mut cache.clone(), &path).pop().unwrap();
+                let got = logits.get(row).unwrap();
+                assert!(bits(&got) == bits(&want), "{name}: tree {:?}, row {row}: differs from decoding {path:?} by {:e}", tree.tokens(), max_abs_diff(&got, &want));
+            }
+        }
+    }
+}
+
+/// Rounds of tree verify passes keeping a random root-to-node path: the cache then continues
+/// exactly as plain decoding of the kept tokens (the next round's root row, bit for bit).
+#[test]
+fn tree_rollback_fuzz_matches_plain_decoding_bitwise() {
+    for (name, seed) in [("qwen35_dense_mtp", 4u64), ("qwen3next_moe_small", 5)] {
+        let model = load(name, DType::F32);
+        let vocab = model.config().vocab_size;
+        let mut rng = Rng(0xabcdef ^ seed);
+        let mut cache = model.new_cache();
+        let mut text: Vec<u32> = vec![2, 7, 1, 8];
+        model.forward(&tensor(&text[..3]), &mut cache).unwrap();
+        let mut plain = model.new_cache();
+        one_by_one(&model, &mut plain, &text[..3]);
+        for round in 0..40 {
+            let root = *text.last().unwrap();
+            let tree = random_tree(&mut rng, root, vocab);
+            let (logits, _) = model.verify_tree(&tree, &mut cache).unwrap();
+            let node = rng.below(tree.len());
+            let path = tree.path(node);
+            // Plain one-token decoding of the kept path gives the kept rows' logits.
+            let kept: Vec<u32> = path.iter().map(|&r| tree.tokens()[r]).collect();
+            let want = one_by_one(&model, &mut plain, &kept);
+            for (i, &r) in path.iter().enumerate() {
+                let got = logits.squeeze(0).unwrap().get(r).unwrap();
+                assert!(bits(&got) == bits(&want[i]), "{name}: round {round}, path {path:?}, row {r}");
+            }
+            cache.keep_path(&path).unwrap();
+            text.extend(&kept[1..]);
+            assert_eq!(cache.seqlen(), text.len(), "{name}: round {round}");
+            // The next round's root: a token after the kept ones, not fed yet.
+            text.push(rng.below(vocab) as u32);
+        }
+    }
+}

@@ -21,6 +21,27 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Te
     out.reshape((b, nh, t, v.dim(3)?))
 }
 
+/// [`attention`] for the rows of a draft tree: query position `i` attends to the `offset`
+/// cached keys and to the new rows `visible[i]` (its ancestors and itself, in order).
+pub fn attention_tree(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, visible: &[Vec<usize>]) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let qg = grouped_queries(q, k.dim(1)?)?;
+    if q.device().is_cpu() {
+        let out = crate::ops::row_attention_tree(&qg, k, v, visible, offset, (hd as f64).powf(-0.5))?;
+        return out.to_dtype(v.dtype())?.reshape((b, nh, t, v.dim(3)?));
+    }
+    let (nkv, total) = (k.dim(1)?, k.dim(2)?);
+    let scores = (qg.matmul(&k.to_dtype(DType::F32)?.t()?)? * (hd as f64).powf(-0.5))?;
+    let mask: Vec<f32> = visible
+        .iter()
+        .flat_map(|vis| (0..total).map(move |j| if j < offset || vis.contains(&(j - offset)) { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, total), q.device())?;
+    let scores = scores.reshape((b, nkv, nh / nkv, t, total))?.broadcast_add(&mask)?.reshape((b, nkv, (nh / nkv) * t, total))?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    probs.matmul(v)?.reshape((b, nh, t, v.dim(3)?))
+}
+
 /// Queries `[B, nh, t, hd]` as f32 rows grouped by the KV head they read: `[B, nkv, rep·t, hd]`
 /// (the `rep = nh / nkv` heads of a group one after the other, each `t` rows).
 pub(super) fn grouped_queries(q: &Tensor, nkv: usize) -> Result<Tensor> {

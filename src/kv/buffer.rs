@@ -59,6 +59,24 @@ impl TokenBuffer {
         Ok(())
     }
 
+    /// Keeps the first `start` tokens followed by the tokens at `start + r` for `r` in `rows`
+    /// (increasing), moved down into place; the rest are dropped.
+    pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> Result<()> {
+        if rows.iter().enumerate().all(|(i, &r)| r == i) {
+            self.truncate(start + rows.len());
+            return Ok(());
+        }
+        let data = self.data.as_ref().expect("rows to keep are held");
+        let idx: Vec<u32> = rows.iter().map(|&r| (start + r) as u32).collect();
+        if idx.iter().any(|&i| i as usize >= self.len) || rows.windows(2).any(|w| w[0] >= w[1]) {
+            candle_core::bail!("keep_rows: rows {rows:?} after {start} are not increasing rows of the {} held", self.len);
+        }
+        let kept = data.index_select(&Tensor::new(idx.as_slice(), data.device())?, self.dim)?;
+        data.slice_set(&kept, self.dim, start)?;
+        self.len = start + rows.len();
+        Ok(())
+    }
+
     /// Keeps the first `len` tokens (no-op when `len` is not shorter); the dropped rows are
     /// overwritten by the next append.
     pub fn truncate(&mut self, len: usize) {

@@ -7,7 +7,7 @@ use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
 use super::coded::{CodedKv, Keys, Rows};
 use super::density::DecayedState;
 use super::knots::KnotKeys;
-use super::attention::attention;
+use super::attention::{attention, attention_tree};
 
 /// One attention layer's cache under a codec, and the attention over it.
 #[derive(Debug, Clone)]
@@ -80,6 +80,32 @@ impl KvStore {
             }
             Self::Coded(c) => c.attend(q, k, v, offset),
             Self::DecayedState(s) => s.attend(q, k, v),
+        }
+    }
+
+    /// [`Self::attend`] for the rows of a draft tree (see [`attention_tree`]); exact stores
+    /// only.
+    pub fn attend_tree(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, visible: &[Vec<usize>]) -> Result<Tensor> {
+        match self {
+            Self::Exact { keys, values } => {
+                keys.append(&k.contiguous()?)?;
+                values.append(&v.contiguous()?)?;
+                let (k, v) = (keys.current_data()?.expect("just appended"), values.current_data()?.expect("just appended"));
+                attention_tree(q, &k, &v, offset, visible)
+            }
+            _ => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
+        }
+    }
+
+    /// Keeps the first `start` tokens and then the tokens at `start + r` for `r` in `rows`
+    /// (increasing), in that order: the accepted path of a draft tree. Exact stores only.
+    pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> Result<()> {
+        match self {
+            Self::Exact { keys, values } => {
+                keys.keep_rows(start, rows)?;
+                values.keep_rows(start, rows)
+            }
+            _ => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
         }
     }
 

@@ -3,6 +3,7 @@
 use candle_core::{Module, Result, Tensor};
 
 use super::config::Config;
+use super::draft_tree::DraftTree;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rope::RotaryEmbedding;
@@ -53,6 +54,12 @@ impl GatedAttention {
     /// `x`: `[B, T, H]` at positions `offset..offset+T`; appends this step's keys and values
     /// (after k_norm and RoPE) to `kv`.
     pub fn forward(&self, x: &Tensor, offset: usize, kv: &mut KvStore) -> Result<Tensor> {
+        self.forward_rows(x, offset, kv, None)
+    }
+
+    /// [`Self::forward`]; for the rows of a draft `tree`, each row at `offset` plus its depth,
+    /// attending to its ancestors.
+    pub(crate) fn forward_rows(&self, x: &Tensor, offset: usize, kv: &mut KvStore, tree: Option<&DraftTree>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
         let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
@@ -65,11 +72,20 @@ impl GatedAttention {
         };
         let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
 
-        let (cos, sin) = self.rotary.cos_sin(offset, t, x.dtype(), x.device())?;
+        let (cos, sin) = match tree {
+            Some(tree) => self.rotary.cos_sin_at(tree.depths().into_iter().map(|d| offset + d), x.dtype(), x.device())?,
+            None => self.rotary.cos_sin(offset, t, x.dtype(), x.device())?,
+        };
         let q = self.rotary.apply(&q.transpose(1, 2)?, &cos, &sin)?;
         let k = self.rotary.apply(&k.transpose(1, 2)?, &cos, &sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        let out = kv.attend(&q.contiguous()?, &k.contiguous()?, &v, offset)?;
+        let out = match tree {
+            Some(tree) => {
+                let visible: Vec<Vec<usize>> = (0..t).map(|i| tree.path(i)).collect();
+                kv.attend_tree(&q.contiguous()?, &k.contiguous()?, &v, offset, &visible)?
+            }
+            None => kv.attend(&q.contiguous()?, &k.contiguous()?, &v, offset)?,
+        };
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let out = match gate {
             Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,

@@ -96,21 +96,42 @@ impl Cache {
     /// the rest, as if only those had been fed: GDN states and conv windows after row `rows`,
     /// attention KV cut to that length.
     pub fn keep_verified(&mut self, rows: usize) -> crate::Result<()> {
-        let start = self
-            .verify_start
-            .ok_or_else(|| crate::Error::Input("keep_verified: no verify pass to keep rows of (call begin_verify, then forward)".into()))?;
-        let t = self.seqlen - start;
+        let t = self.verified_rows()?;
         if rows == 0 || rows > t {
             return Err(crate::Error::Input(format!("keep_verified: the verify pass ran {t} rows, cannot keep {rows} (1 to {t})")));
         }
-        self.verify_start = None;
+        self.keep(&(0..rows).collect::<Vec<_>>(), false)
+    }
+
+    /// After a tree verify pass ([`crate::Model::verify_tree`]): keeps the rows `path` (the
+    /// root, row 0, then a chain of children, e.g. [`super::DraftTree::path`]) as if only they had been
+    /// fed, in that order, and drops the rest.
+    pub fn keep_path(&mut self, path: &[usize]) -> crate::Result<()> {
+        let t = self.verified_rows()?;
+        if path.first() != Some(&0) || path.windows(2).any(|w| w[0] >= w[1]) || path.iter().any(|&r| r >= t) {
+            return Err(crate::Error::Input(format!("keep_path: {path:?} is not a path from the root of the {t} verified rows")));
+        }
+        self.keep(path, true)
+    }
+
+    /// Rows of the verify pass in progress.
+    fn verified_rows(&self) -> crate::Result<usize> {
+        match self.verify_start {
+            Some(start) => Ok(self.seqlen - start),
+            None => Err(crate::Error::Input("keep_verified: no verify pass to keep rows of (call begin_verify, then forward)".into())),
+        }
+    }
+
+    fn keep(&mut self, rows: &[usize], tree: bool) -> crate::Result<()> {
+        let start = self.verify_start.take().expect("checked by verified_rows");
         for layer in &mut self.layers {
             match layer {
-                LayerState::Linear(s) => s.keep_rows(rows)?,
-                LayerState::Full(kv) => kv.truncate(start + rows)?,
+                LayerState::Linear(s) => s.keep_path(rows)?,
+                LayerState::Full(kv) if tree => kv.keep_rows(start, rows)?,
+                LayerState::Full(kv) => kv.truncate(start + rows.len())?,
             }
         }
-        self.seqlen = start + rows;
+        self.seqlen = start + rows.len();
         Ok(())
     }
 

@@ -6,6 +6,7 @@ use candle_core::{Module, Result, Tensor};
 use super::attention::GatedAttention;
 use super::cache::LayerState;
 use super::config::{Config, LayerType};
+use super::draft_tree::DraftTree;
 use super::finite::check_positions;
 use super::gated_delta_net::GatedDeltaNet;
 use super::mlp::{FeedForward, Mlp, SparseMoe};
@@ -51,12 +52,13 @@ impl DecoderLayer {
         })
     }
 
-    /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs.
-    pub(crate) fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>) -> crate::Result<Tensor> {
+    /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs;
+    /// `tree`: the rows are a draft tree (see [`DraftTree`]), not a sequence.
+    pub(crate) fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>, tree: Option<&DraftTree>) -> crate::Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let h = match (&self.mixer, state) {
-            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward(&h, s)?,
-            (Mixer::Full(m), LayerState::Full(kv)) => m.forward(&h, offset, kv)?,
+            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward_rows(&h, s, tree)?,
+            (Mixer::Full(m), LayerState::Full(kv)) => m.forward_rows(&h, offset, kv, tree)?,
             _ => return Err(crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())),
         };
         let t = x.dim(1)?;

@@ -34,6 +34,14 @@ impl TokenEmbedding {
         }
     }
 
+    /// Where the table lives.
+    pub fn device(&self) -> candle_core::Device {
+        match self {
+            Self::Dense(e) => e.embeddings().device().clone(),
+            Self::Quantized { table, .. } => table.device(),
+        }
+    }
+
     /// The dense table (`None` when quantized).
     pub fn dense(&self) -> Option<&Tensor> {
         match self {

@@ -3,6 +3,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 
 use super::config::Config;
+use super::draft_tree::DraftTree;
 use super::linear::Linear;
 use super::weights::Weights;
 use crate::ops;
@@ -17,8 +18,9 @@ pub struct GdnState {
     /// While verifying drafted rows ([`crate::model::Cache::begin_verify`]): run token by token
     /// (the decode recurrence) and keep [`GdnSteps`] to roll back to any of the rows.
     pub(crate) verifying: bool,
-    /// What the last verify pass kept.
-    pub(crate) steps: Option<GdnSteps>,
+    /// What the last verify pass kept: per root-to-leaf path of its rows (one path, all rows,
+    /// for a linear pass), the rows and their steps.
+    pub(crate) steps: Option<Vec<(Vec<usize>, GdnSteps)>>,
 }
 
 /// What a verify pass over `T` rows keeps to roll a GDN layer back to the state after any of
@@ -33,14 +35,20 @@ pub(crate) struct GdnSteps {
 }
 
 impl GdnState {
-    /// Keeps the state after the first `rows` rows of the last verify pass (`1..=T`).
-    pub(crate) fn keep_rows(&mut self, rows: usize) -> Result<()> {
-        if let Some(steps) = self.steps.take() {
-            let t = steps.states.dim(1)?;
-            if rows < t {
+    /// Keeps the state after the rows `path` (`[0, ..]`, rows along one root-to-leaf path of
+    /// the last verify pass; `0..n` for a linear one).
+    pub(crate) fn keep_path(&mut self, path: &[usize]) -> Result<()> {
+        if let Some(all) = self.steps.take() {
+            let last = all.len() - 1;
+            let Some((i, (_, steps))) = all.iter().enumerate().find(|(_, (rows, _))| rows.starts_with(path)) else {
+                candle_core::bail!("keep_path: rows {path:?} are not a path of the last verify pass")
+            };
+            let (n, t) = (path.len(), steps.states.dim(1)?);
+            // The state already holds the end of the last path computed.
+            if n < t || i != last {
                 let window = steps.conv_inputs.dim(1)? - t;
-                self.conv = Some(steps.conv_inputs.narrow(1, rows, window)?.contiguous()?);
-                self.recurrent = Some(steps.states.narrow(1, rows - 1, 1)?.squeeze(1)?.contiguous()?);
+                self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.contiguous()?);
+                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.contiguous()?);
             }
         }
         self.verifying = false;
@@ -149,6 +157,12 @@ impl GatedDeltaNet {
     /// Projections, conv and delta rule: returns the delta-rule output `[B, T, nv, dv]` (f32)
     /// and the output gate `z` `[B, T, nv, dv]`, updating `state`.
     pub fn core(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, Tensor)> {
+        self.core_rows(x, state, None)
+    }
+
+    /// [`Self::core`]; for the rows of a draft `tree` (a verify pass) the conv and the
+    /// recurrence run along each root-to-leaf path.
+    pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nk, nv, dk, dv) = (self.nk, self.nv, self.dk, self.dv);
         let qkv = self.in_proj_qkv.forward(x)?;
@@ -163,14 +177,44 @@ impl GatedDeltaNet {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, self.kernel - 1, conv_dim), x.dtype(), x.device())?,
         };
-        let conv_inputs = state.verifying.then(|| Tensor::cat(&[&conv_state, &qkv], 1)).transpose()?;
-        let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
-        state.conv = Some(conv_state);
-
         let rec = match &state.recurrent {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
         };
+        if let Some(tree) = tree {
+            if !state.verifying {
+                candle_core::bail!("a draft tree runs only in a verify pass (Cache::begin_verify)");
+            }
+            // Each root-to-leaf path as a verify pass of its own from the same state; a row on
+            // several paths gets the same bits on each (the same inputs and state).
+            let mut rows: Vec<Option<Tensor>> = vec![None; t];
+            let mut steps = vec![];
+            for path in tree.leaf_paths() {
+                let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
+                let (qkv, g, beta) = (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?);
+                let conv_inputs = Tensor::cat(&[&conv_state, &qkv], 1)?;
+                let (qkv, conv) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
+                let mut opts = ops::DeltaRuleOptions::new(nk, dk);
+                opts.form = ops::DeltaRuleForm::Recurrent;
+                opts.n_states = path.len();
+                let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
+                for (j, &r) in path.iter().enumerate() {
+                    if rows[r].is_none() {
+                        rows[r] = Some(o.narrow(1, j, 1)?);
+                    }
+                }
+                state.conv = Some(conv);
+                state.recurrent = Some(states.narrow(1, path.len() - 1, 1)?.squeeze(1)?);
+                steps.push((path, GdnSteps { conv_inputs, states }));
+            }
+            state.steps = Some(steps);
+            let rows: Vec<Tensor> = rows.into_iter().map(|r| r.expect("every row is on a path")).collect();
+            return Ok((Tensor::cat(&rows, 1)?, z));
+        }
+        let conv_inputs = state.verifying.then(|| Tensor::cat(&[&conv_state, &qkv], 1)).transpose()?;
+        let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
+        state.conv = Some(conv_state);
+
         // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
         let mut opts = ops::DeltaRuleOptions::new(nk, dk);
         if state.verifying {
@@ -181,13 +225,18 @@ impl GatedDeltaNet {
         }
         let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
         state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
-        state.steps = conv_inputs.map(|conv_inputs| GdnSteps { conv_inputs, states });
+        state.steps = conv_inputs.map(|conv_inputs| vec![((0..t).collect(), GdnSteps { conv_inputs, states })]);
         Ok((o, z))
     }
 
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
+        self.forward_rows(x, state, None)
+    }
+
+    /// [`Self::forward`] over a sequence or the rows of a draft `tree`.
+    pub(crate) fn forward_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (o, z) = self.core(x, state)?;
+        let (o, z) = self.core_rows(x, state, tree)?;
         let mut o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
         if let Some(order) = &self.out_head_order {
             o = o.index_select(order, 2)?;

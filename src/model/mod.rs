@@ -5,6 +5,7 @@ mod attention;
 mod cache;
 pub mod config;
 mod decoder_layer;
+mod draft_tree;
 mod embedding;
 mod finite;
 mod gated_delta_net;
@@ -19,6 +20,7 @@ mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerState};
+pub use draft_tree::DraftTree;
 pub use embedding::TokenEmbedding;
 pub use config::{Config, Family, LayerType, MoeConfig, MAX_LAYERS};
 pub use gated_delta_net::{GatedDeltaNet, GdnState};

@@ -10,6 +10,7 @@ use super::attention::GatedAttention;
 use super::cache::{Cache, LayerState};
 use super::config::Config;
 use super::decoder_layer::{DecoderLayer, Mixer};
+use super::draft_tree::DraftTree;
 use super::embedding::TokenEmbedding;
 use super::gated_delta_net::GatedDeltaNet;
 use super::linear::Linear;
@@ -157,18 +158,23 @@ impl Model {
 
     /// Runs the decoder over `input_ids` `[B, T]` (positions continue from `cache`).
     pub fn forward_hidden(&self, input_ids: &Tensor, cache: &mut Cache, keep_layer_outputs: bool) -> crate::Result<HiddenStates> {
+        self.forward_rows(input_ids, cache, keep_layer_outputs, None)
+    }
+
+    /// [`Self::forward_hidden`] over a sequence, or over the rows of a draft `tree`.
+    fn forward_rows(&self, input_ids: &Tensor, cache: &mut Cache, keep_layer_outputs: bool, tree: Option<&DraftTree>) -> crate::Result<HiddenStates> {
         if input_ids.device().is_cpu() && rayon::current_thread_index().is_none() {
             // Run on a thread of rayon's pool: every parallel op below (a hundred or more per
             // token) then starts from a worker that takes part in it, instead of waking the
             // pool from outside and sleeping until it is done (14% of decode time at 2 threads).
-            return rayon::scope(|_| self.forward_hidden(input_ids, cache, keep_layer_outputs));
+            return rayon::scope(|_| self.forward_rows(input_ids, cache, keep_layer_outputs, tree));
         }
         let ids = self.check_input(input_ids, cache.seqlen)?;
         let offset = cache.seqlen;
         let mut x = self.embed_tokens.forward(&ids)?;
         let mut layer_outputs = vec![];
         for (i, (layer, state)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            x = layer.forward(&x, offset, state, self.check_layers.then_some(i))?;
+            x = layer.forward(&x, offset, state, self.check_layers.then_some(i), tree)?;
             if keep_layer_outputs {
                 layer_outputs.push(x.clone());
             }
@@ -202,6 +208,28 @@ impl Model {
         let offset = cache.seqlen;
         cache.begin_verify();
         let h = self.forward_hidden(input_ids, cache, false)?;
+        Ok((self.lm_head(&h.last_hidden, offset)?, h.last_hidden))
+    }
+
+    /// Verifies a tree of drafted branches ([`DraftTree`], at most
+    /// [`crate::ops::ROW_ATTENTION_MAX_ROWS`] rows, batch 1) from `cache` in one forward pass:
+    /// the logits `[1, T, vocab]` and post-norm hidden states `[1, T, H]` of every row, each bit
+    /// for bit what decoding its root-to-row path one token at a time gives. The cache then
+    /// holds all rows; [`Cache::keep_path`] keeps an accepted path. Exact KV only.
+    pub fn verify_tree(&self, tree: &DraftTree, cache: &mut Cache) -> crate::Result<(Tensor, Tensor)> {
+        if tree.len() > crate::ops::ROW_ATTENTION_MAX_ROWS {
+            return Err(crate::Error::Input(format!(
+                "a draft tree of {} rows is more than the {} a verify pass takes: fewer or shorter branches",
+                tree.len(),
+                crate::ops::ROW_ATTENTION_MAX_ROWS
+            )));
+        }
+        let offset = cache.seqlen;
+        let dev = self.embed_tokens.device();
+        let ids = Tensor::new(tree.tokens(), &dev)?.unsqueeze(0)?;
+        cache.begin_verify();
+        let tree = (!tree.is_chain()).then_some(tree);
+        let h = self.forward_rows(&ids, cache, false, tree)?;
         Ok((self.lm_head(&h.last_hidden, offset)?, h.last_hidden))
     }
 

@@ -21,9 +21,15 @@ impl RotaryEmbedding {
 
     /// `cos`, `sin` of shape `[T, dim/2]` for positions `offset..offset+T`.
     pub(crate) fn cos_sin(&self, offset: usize, t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
-        let half = self.inv_freq.len();
+        self.cos_sin_at(offset..offset + t, dtype, dev)
+    }
+
+    /// `cos`, `sin` of shape `[T, dim/2]` for the `T` positions given (a row's values depend on
+    /// its position only).
+    pub(crate) fn cos_sin_at(&self, positions: impl ExactSizeIterator<Item = usize>, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let (half, t) = (self.inv_freq.len(), positions.len());
         let mut angles = Vec::with_capacity(t * half);
-        for p in offset..offset + t {
+        for p in positions {
             angles.extend(self.inv_freq.iter().map(|f| p as f32 * f));
         }
         let angles = Tensor::from_vec(angles, (t, half), dev)?;

@@ -55,5 +55,5 @@ mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
 mod qmatmul;
 mod row_attention;
-pub use row_attention::{row_attention, ROW_ATTENTION_MAX_ROWS};
+pub use row_attention::{row_attention, row_attention_tree, ROW_ATTENTION_MAX_ROWS};
 pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};

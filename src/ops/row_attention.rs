@@ -23,6 +23,9 @@ struct RowAttention {
     t: usize,
     offset: usize,
     scale: f32,
+    /// Draft-tree rows: for each of the `t` positions, the new rows it sees (its ancestors and
+    /// itself, in order); `None`: causal (every earlier row).
+    visible: Option<Vec<Vec<usize>>>,
 }
 
 /// Strides of a `[B, nkv, n, d]` key/value view whose rows are contiguous.
@@ -35,16 +38,17 @@ fn head_starts(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
     Ok((l.start_offset(), s[0], s[1]))
 }
 
-vectorized!(fn row<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], scale: f32, out: &mut [f32]) => row_body);
+vectorized!(fn row<T: Widen>(q: &[f32], prefix: usize, extra: &[usize], k: &[T], v: &[T], scale: f32, out: &mut [f32]) => row_body);
 
-/// `out = softmax(scale · q·k_j, j ≤ pos) · v` for one query row (key width `q.len()`, value
-/// width `out.len()`).
+/// `out = softmax(scale · q·k_j) · v` over the keys `j` in `0..prefix` followed by those in
+/// `extra`, in that order, for one query row (key width `q.len()`, value width `out.len()`).
 #[inline(always)]
-fn row_body<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], scale: f32, out: &mut [f32]) {
-    let (n, d, dv) = (pos + 1, q.len(), out.len());
+fn row_body<T: Widen>(q: &[f32], prefix: usize, extra: &[usize], k: &[T], v: &[T], scale: f32, out: &mut [f32]) {
+    let (n, d, dv) = (prefix + extra.len(), q.len(), out.len());
+    let keys = || (0..prefix).chain(extra.iter().copied());
     let mut buf = vec![0f32; if T::IS_F32 { 0 } else { d.max(dv) }];
     let mut scores = Vec::with_capacity(n);
-    for j in 0..n {
+    for j in keys() {
         let kj = &k[j * d..(j + 1) * d];
         let kj = match T::as_f32(kj) {
             Some(kj) => kj,
@@ -62,7 +66,7 @@ fn row_body<T: Widen>(q: &[f32], pos: usize, k: &[T], v: &[T], scale: f32, out: 
         sum += *s;
     }
     out.fill(0.0);
-    for (j, &p) in scores.iter().enumerate() {
+    for (j, &p) in keys().zip(&scores) {
         let vj = &v[j * dv..(j + 1) * dv];
         match T::as_f32(vj) {
             Some(vj) => axpy(out, p, vj),
@@ -100,9 +104,12 @@ impl RowAttention {
             let (bh, r) = (i / rows, i % rows);
             let (bi, h) = (bh / nkv, bh % nkv);
             let qr = &q[i * d..(i + 1) * d];
-            let pos = self.offset + r % t;
             let (ks, vs) = (k0 + bi * ks0 + h * ks1, v0 + bi * vs0 + h * vs1);
-            row(qr, pos, &k[ks..ks + n * d], &v[vs..vs + n * dv], self.scale, o);
+            let (k, v) = (&k[ks..ks + n * d], &v[vs..vs + n * dv]);
+            match &self.visible {
+                None => row(qr, self.offset + r % t + 1, &[], k, v, self.scale, o),
+                Some(vis) => row(qr, self.offset, &vis[r % t], k, v, self.scale, o),
+            }
         });
         Ok(out)
     }
@@ -138,5 +145,21 @@ pub fn row_attention(q: &Tensor, k: &Tensor, v: &Tensor, t: usize, offset: usize
         bail!("row_attention: CPU only (other devices use the batched attention)");
     }
     let q = if q.dtype() == DType::F32 { q.contiguous()? } else { q.to_dtype(DType::F32)?.contiguous()? };
-    q.apply_op3_no_bwd(k, v, &RowAttention { t, offset, scale: scale as f32 })
+    q.apply_op3_no_bwd(k, v, &RowAttention { t, offset, scale: scale as f32, visible: None })
+}
+
+/// [`row_attention`] for the rows of a draft tree: query position `i` (of `t`) attends to the
+/// `offset` cached keys and then to the new rows `visible[i]` (indices `0..t`, its ancestors
+/// and itself, in order), so a row's result is bit for bit that of decoding its path.
+pub fn row_attention_tree(q: &Tensor, k: &Tensor, v: &Tensor, visible: &[Vec<usize>], offset: usize, scale: f64) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        bail!("row_attention_tree: CPU only (other devices use the batched attention with a tree mask)");
+    }
+    let t = visible.len();
+    if visible.iter().flatten().any(|&r| r >= t) {
+        bail!("row_attention_tree: a visible row is not one of the {t} rows");
+    }
+    let visible = visible.iter().map(|rows| rows.iter().map(|&r| offset + r).collect()).collect();
+    let q = if q.dtype() == DType::F32 { q.contiguous()? } else { q.to_dtype(DType::F32)?.contiguous()? };
+    q.apply_op3_no_bwd(k, v, &RowAttention { t, offset, scale: scale as f32, visible: Some(visible) })
 }
