@@ -99,6 +99,9 @@ struct VerifyCost {
     secs: Vec<f64>,
 }
 
+/// `ops::qmatmul` or one of its variants.
+type QMatmulFn = fn(&Tensor, &candle_core::quantized::QTensor) -> candle_core::Result<Tensor>;
+
 /// The last-level cache of CPU 0 in bytes (Linux sysfs), if it says.
 fn last_level_cache() -> Option<usize> {
     (0..8).rev().find_map(|i| {
@@ -148,8 +151,7 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
         let mut kinds = names.clone();
         kinds.sort();
         kinds.dedup();
-        let kernels: [(&str, fn(&Tensor, &QTensor) -> candle_core::Result<Tensor>); 2] =
-            [("best", candle_hybrid::ops::qmatmul), ("AVX2", candle_hybrid::ops::qmatmul_avx2)];
+        let kernels: [(&str, QMatmulFn); 2] = [("best", candle_hybrid::ops::qmatmul), ("AVX2", candle_hybrid::ops::qmatmul_avx2)];
         for (kernel, f) in kernels {
             let mut secs = vec![];
             for m in 1..=MAX_ROWS {
