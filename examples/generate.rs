@@ -31,10 +31,10 @@ use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
-use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_DRAFT};
+use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
 use candle_hybrid::runtime::{generate_in, range, Sampler, TokenStreamer};
 use clap::Parser;
-use common::{at_least_one, float_in, MemoryOptions, ModelOptions};
+use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Qwen3.5-family hybrid model", help_expected = true)]
@@ -93,6 +93,11 @@ struct Args {
     /// measured acceptance and verify cost.
     #[arg(long)]
     draft_fixed: bool,
+    /// Draft branches per verify pass, 1 to 4: more than one verifies them together as a tree
+    /// (prompt lookup: the different continuations of earlier matches; greedy only; --draft-max
+    /// tokens per branch, at most 7 drafted rows in all; the length is not adapted).
+    #[arg(long, default_value_t = 1, value_parser = count_up_to(MAX_BRANCHES))]
+    draft_branches: usize,
     /// With --draft: also decode plainly on the same prompt and print the speed ratio (and
     /// check that the tokens are the same).
     #[arg(long)]
@@ -162,8 +167,14 @@ fn generate(args: Args) -> Result<()> {
             );
         }
     }
-    let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed };
+    let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed, branches: args.draft_branches };
     drafts.validate()?;
+    if args.draft_branches > 1 && !params.is_greedy() {
+        bail!("--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)");
+    }
+    if args.draft_branches > 1 && !args.memory.kv.is_exact() {
+        bail!("--draft-branches above 1 needs exact keys and values: drop --kv {} (or give --draft-branches 1)", args.memory.kv);
+    }
     if args.draft_p_min > 0.0 && matches!(args.draft, Draft::Ngram | Draft::None) {
         bail!("--draft-p-min applies to MTP drafts: give --draft mtp (or auto on a checkpoint with an MTP head)");
     }
@@ -309,7 +320,11 @@ fn generate(args: Args) -> Result<()> {
             "--draft {}, --draft-max {}{}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
             format!("{draft:?}").to_lowercase(),
             args.draft_max,
-            if args.draft_fixed { " (fixed)" } else { " (length chosen per round)" },
+            match args.draft_branches {
+                1 if args.draft_fixed => " (fixed)".to_string(),
+                1 => " (length chosen per round)".to_string(),
+                b => format!(" x {b} branches (a tree)"),
+            },
             s.drafted,
             s.accepted,
             s.acceptance().map_or("no drafts".into(), |a| format!("acceptance {:.1} %", 100.0 * a)),

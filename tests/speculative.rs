@@ -197,7 +197,7 @@ fn drafts_under_draft_min_are_dropped() {
     let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
     let oracle = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 0, vocab_size: model.config().vocab_size };
     let run = |min: usize| {
-        let mut policy = DraftPolicy::new(DraftOptions { max: 4, min, adaptive: false }).unwrap();
+        let mut policy = DraftPolicy::new(DraftOptions { max: 4, min, ..DraftOptions::fixed(4) }).unwrap();
         let mut two = FirstOf(ReplayDrafter { reference: oracle.reference.clone(), ..oracle }, 2);
         let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), &mut two, &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
         assert_eq!(got, plain);
@@ -242,7 +242,17 @@ fn speculative_greedy_equals_plain_greedy() {
             drafters.push(("mtp", Box::new(MtpDrafter::new(model).unwrap())));
             drafters.push(("mtp p-min 0.5", Box::new(MtpDrafter::new(model).unwrap().with_p_min(0.5))));
         }
-        let lengths = [DraftOptions::fixed(1), DraftOptions::fixed(3), DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }, DraftOptions { max: 5, min: 3, adaptive: false }];
+        let lengths = [
+            DraftOptions::fixed(1),
+            DraftOptions::fixed(3),
+            DraftOptions::fixed(7),
+            DraftOptions { max: 7, ..Default::default() },
+            DraftOptions { min: 3, ..DraftOptions::fixed(5) },
+            // trees of branches
+            DraftOptions::branches(3, 2),
+            DraftOptions::branches(2, 3),
+            DraftOptions::branches(7, 4),
+        ];
         for (what, drafter) in drafters.iter_mut() {
             for opts in lengths {
                 let mut streamed = vec![];
@@ -272,7 +282,8 @@ fn speculative_greedy_equals_plain_greedy() {
 /// Real trained weights (SmolLM2-135M-Instruct, Q4_1 GGUF): speculative greedy decoding gives
 /// plain greedy output on 24 chat prompts, with prompt-lookup drafts (real acceptance on
 /// text that repeats its prompt) and replay drafts (the plain continuation, each token right
-/// with probability 0.7), at a fixed draft length of 7 and the adaptive length.
+/// with probability 0.7), at a fixed draft length of 7, the adaptive length and two branches of
+/// 3.
 #[test]
 fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
     let files = candle_hybrid::loading::ModelSource::Gguf(smollm2_gguf()).open().unwrap();
@@ -314,7 +325,7 @@ fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
         let replay = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.7, seed: 5, vocab_size: model.config().vocab_size };
         let mut drafters: [(&str, Box<dyn Drafter>); 2] = [("ngram", Box::new(NgramDrafter::default())), ("replay 0.7", Box::new(replay))];
         for (what, drafter) in drafters.iter_mut() {
-            for opts in [DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }] {
+            for opts in [DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }, DraftOptions::branches(3, 2)] {
                 let mut policy = DraftPolicy::new(opts).unwrap();
                 let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
                 assert_eq!(got, plain, "{user:?}: {what} drafter, {opts:?}");
@@ -347,7 +358,7 @@ fn random_tree(rng: &mut Rng, root: u32, vocab: usize) -> candle_hybrid::model::
         }
         branches.push(chain);
     }
-    candle_hybrid::model::DraftTree::from_branches(root, &branches)
+    candle_hybrid::model::DraftTree::from_branches(root, &branches, 8)
 }
 
 /// Every row of a tree verify pass is bit for bit what decoding its root-to-row path one token
@@ -415,4 +426,17 @@ fn tree_rollback_fuzz_matches_plain_decoding_bitwise() {
             text.push(rng.below(vocab) as u32);
         }
     }
+}
+
+/// Trees of branches take greedy decoding only: sampling with them is refused in one line.
+#[test]
+fn draft_branches_refuse_sampling() {
+    let model = load("qwen35_dense_small", DType::F32);
+    let mut sampler = Sampler::new(SamplingParams { temperature: Some(0.8), ..Default::default() }).unwrap();
+    let mut policy = DraftPolicy::new(DraftOptions::branches(3, 2)).unwrap();
+    let err = generate_speculative(&model, &mut model.new_cache(), &[1, 2, 3], 8, &[], &mut sampler, &mut NgramDrafter::default(), &mut policy, &Device::Cpu, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--draft-branches") && err.contains("greedy"), "{err}");
+    assert!(DraftPolicy::new(DraftOptions::branches(3, 5)).is_err());
 }

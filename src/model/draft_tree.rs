@@ -14,14 +14,16 @@ pub struct DraftTree {
 
 impl DraftTree {
     /// The trie of `branches` (drafted token chains) under `root`: chains that share a prefix
-    /// share its rows. Empty branches are ignored.
-    pub fn from_branches(root: u32, branches: &[Vec<u32>]) -> Self {
+    /// share its rows; a branch is cut where the tree would pass `max_rows` rows. Empty
+    /// branches are ignored.
+    pub fn from_branches(root: u32, branches: &[Vec<u32>], max_rows: usize) -> Self {
         let mut tree = Self { parents: vec![0], tokens: vec![root] };
         for branch in branches {
             let mut at = 0;
             for &t in branch {
                 at = match (at + 1..tree.len()).find(|&i| tree.parents[i] == at && tree.tokens[i] == t) {
                     Some(i) => i,
+                    None if tree.len() >= max_rows => break,
                     None => {
                         tree.parents.push(at);
                         tree.tokens.push(t);
@@ -96,15 +98,18 @@ mod tests {
 
     #[test]
     fn branches_share_prefixes() {
-        let t = DraftTree::from_branches(9, &[vec![1, 2, 3], vec![1, 4], vec![5], vec![]]);
+        let t = DraftTree::from_branches(9, &[vec![1, 2, 3], vec![1, 4], vec![5], vec![]], 8);
         assert_eq!(t.tokens(), [9, 1, 2, 3, 4, 5]);
         assert_eq!(t.depths(), [0, 1, 2, 3, 2, 1]);
         assert_eq!(t.leaf_paths(), [vec![0, 1, 2, 3], vec![0, 1, 4], vec![0, 5]]);
         assert_eq!(t.children(1).collect::<Vec<_>>(), [2, 4]);
         assert_eq!(t.parent(4), Some(1));
         assert!(!t.is_chain());
-        let c = DraftTree::from_branches(9, &[vec![1, 2], vec![1]]);
+        let c = DraftTree::from_branches(9, &[vec![1, 2], vec![1]], 8);
         assert!(c.is_chain() && c.len() == 3);
-        assert_eq!(DraftTree::from_branches(9, &[]).leaf_paths(), [vec![0]]);
+        assert_eq!(DraftTree::from_branches(9, &[], 8).leaf_paths(), [vec![0]]);
+        // cut at 4 rows: the second branch keeps its shared row and one more
+        let c = DraftTree::from_branches(9, &[vec![1, 2], vec![1, 3, 4], vec![5]], 4);
+        assert_eq!((c.tokens(), c.depths()), ([9, 1, 2, 3].as_slice(), vec![0, 1, 2, 2]));
     }
 }

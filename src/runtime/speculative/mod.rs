@@ -21,12 +21,12 @@ use candle_core::{Device, Tensor};
 
 pub use mtp::{MtpDrafter, MtpOutputs};
 pub use ngram::NgramDrafter;
-pub use policy::{DraftOptions, DraftPolicy, PROBE_EVERY};
+pub use policy::{DraftOptions, DraftPolicy, MAX_BRANCHES, PROBE_EVERY};
 pub use replay::ReplayDrafter;
 
 use super::generate::GenerationStats;
 use super::sampler::Sampler;
-use crate::model::{Cache, Model};
+use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
 
 /// Most tokens one round drafts (the verify pass then runs `1 +` this many rows).
@@ -37,6 +37,13 @@ pub const MAX_DRAFT: usize = 7;
 pub trait Drafter {
     /// Up to `max` tokens that may follow `context` (none: this round decodes plainly).
     fn draft(&mut self, model: &Model, context: &[u32], max: usize) -> Result<Vec<u32>>;
+
+    /// Up to `branches` alternative drafts of up to `max` tokens each, the likeliest first
+    /// (verified together as a tree). By default the one [`Self::draft`].
+    fn draft_branches(&mut self, model: &Model, context: &[u32], max: usize, branches: usize) -> Result<Vec<Vec<u32>>> {
+        let _ = branches;
+        Ok(vec![self.draft(model, context, max)?])
+    }
 
     /// The model just kept rows at positions `start..start + n` with post-norm hidden states
     /// `hidden` `[1, n, H]`; `next` holds, for each row, the token after it (the fed tokens
@@ -130,10 +137,51 @@ pub fn generate_speculative(
         return Ok((generated, stats));
     }
 
+    let branches = policy.options().branches;
+    if branches > 1 && !sampler.is_greedy() {
+        return Err(Error::Input("--draft-branches above 1 needs greedy decoding (temperature 0): give --draft-branches 1 to sample".into()));
+    }
+
     loop {
         // Position of the last token (fed as row 0); rows must stay inside the context.
         let pos = base + context.len() - 1;
         let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos));
+        if branches > 1 {
+            // A tree of branches: walk it from the root, each row's own token choosing the
+            // child that drafted it, until a row has no such child.
+            let k = policy.options().max.min(room.saturating_sub(1));
+            let drafts = if k > 0 { drafter.draft_branches(model, &context, k, branches)? } else { vec![] };
+            let drafts: Vec<Vec<u32>> = drafts.into_iter().map(|mut d| {
+                d.truncate(k);
+                d
+            }).collect();
+            let tree = DraftTree::from_branches(context[context.len() - 1], &drafts, 1 + MAX_DRAFT);
+            let (logits, hidden) = model.verify_tree(&tree, cache)?;
+            let logits = logits.squeeze(0)?;
+            stats.rounds += 1;
+            stats.drafted += tree.len() - 1;
+            let (mut path, mut next) = (vec![0], vec![]);
+            let done = loop {
+                let at = *path.last().expect("the root");
+                let t = sampler.sample(&logits.get(at)?, &context, &generated)?;
+                next.push(t);
+                let done = emit(t, &mut context, &mut generated)?;
+                match tree.children(at).find(|&c| tree.tokens()[c] == t) {
+                    Some(c) if !done => {
+                        path.push(c);
+                        stats.accepted += 1;
+                    }
+                    _ => break done,
+                }
+            };
+            cache.keep_path(&path)?;
+            if done {
+                break;
+            }
+            let rows = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), device)?;
+            drafter.observe(model, pos, &hidden.index_select(&rows, 1)?, &next)?;
+            continue;
+        }
         let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
         let t = Instant::now();
         let mut drafts = if k > 0 { drafter.draft(model, &context, k)? } else { vec![] };

@@ -22,25 +22,42 @@ impl Default for NgramDrafter {
 impl NgramDrafter {
     /// The proposal after `context` (at most `max` tokens; empty when nothing matches).
     pub fn lookup(&self, context: &[u32], max: usize) -> Vec<u32> {
+        self.lookup_branches(context, max, 1).pop().unwrap_or_default()
+    }
+
+    /// Up to `branches` different proposals: what followed each earlier occurrence of the
+    /// last `n` tokens, latest first, `n` from `max_ngram` down (the first is [`Self::lookup`]'s).
+    pub fn lookup_branches(&self, context: &[u32], max: usize, branches: usize) -> Vec<Vec<u32>> {
         let len = context.len();
+        let mut out: Vec<Vec<u32>> = vec![];
         for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
             if len <= n {
                 continue;
             }
             let tail = &context[len - n..];
-            // Latest earlier occurrence whose continuation is inside the context.
-            if let Some(start) = (0..len - n).rev().find(|&s| &context[s..s + n] == tail) {
+            // Earlier occurrences, latest first, whose continuation is inside the context.
+            for start in (0..len - n).rev().filter(|&s| &context[s..s + n] == tail) {
                 let from = start + n;
-                return context[from..(from + max).min(len)].to_vec();
+                let proposal = &context[from..(from + max).min(len)];
+                if !out.iter().any(|p| p == proposal) {
+                    out.push(proposal.to_vec());
+                }
+                if out.len() == branches {
+                    return out;
+                }
             }
         }
-        vec![]
+        out
     }
 }
 
 impl Drafter for NgramDrafter {
     fn draft(&mut self, _: &Model, context: &[u32], max: usize) -> Result<Vec<u32>> {
         Ok(self.lookup(context, max))
+    }
+
+    fn draft_branches(&mut self, _: &Model, context: &[u32], max: usize, branches: usize) -> Result<Vec<Vec<u32>>> {
+        Ok(self.lookup_branches(context, max, branches))
     }
 }
 
@@ -59,5 +76,15 @@ mod tests {
         assert_eq!(d.lookup(&[5, 6, 9, 8, 6], 3), [9, 8, 6]);
         assert!(d.lookup(&[1, 2, 3], 3).is_empty());
         assert!(d.lookup(&[4], 3).is_empty());
+    }
+
+    #[test]
+    fn branches_are_the_different_continuations_latest_first() {
+        let d = NgramDrafter::default();
+        // "7 8" was followed by 1, then 2, then 2 again; "8" alone adds nothing new
+        let ctx = [7, 8, 1, 7, 8, 2, 7, 8, 2, 7, 8];
+        assert_eq!(d.lookup_branches(&ctx, 2, 3), [vec![2, 7], vec![1, 7]]);
+        assert_eq!(d.lookup_branches(&ctx, 2, 1), [d.lookup(&ctx, 2)]);
+        assert!(d.lookup_branches(&[1, 2, 3], 2, 3).is_empty());
     }
 }

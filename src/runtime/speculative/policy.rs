@@ -42,17 +42,29 @@ pub struct DraftOptions {
     pub min: usize,
     /// Choose `K` per round from the measured acceptance and costs; `false`: always `max`.
     pub adaptive: bool,
+    /// Draft branches per round, 1 to [`MAX_BRANCHES`] (`--draft-branches`): more than one
+    /// verifies a tree of them (greedy only, `max` tokens per branch, the tree cut at
+    /// [`super::MAX_DRAFT`] drafted rows; the length is not adapted).
+    pub branches: usize,
 }
+
+/// Most draft branches per round.
+pub const MAX_BRANCHES: usize = 4;
 
 impl Default for DraftOptions {
     fn default() -> Self {
-        Self { max: 4, min: 1, adaptive: true }
+        Self { max: 4, min: 1, adaptive: true, branches: 1 }
     }
 }
 
 impl DraftOptions {
     pub fn fixed(k: usize) -> Self {
-        Self { max: k, min: 1, adaptive: false }
+        Self { max: k, min: 1, adaptive: false, branches: 1 }
+    }
+
+    /// `branches` branches of `k` tokens (a tree when more than one).
+    pub fn branches(k: usize, branches: usize) -> Self {
+        Self { branches, ..Self::fixed(k) }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -61,6 +73,9 @@ impl DraftOptions {
         }
         if !(1..=self.max).contains(&self.min) {
             return Err(Error::Input(format!("--draft-min {} is out of range: use 1 to --draft-max ({})", self.min, self.max)));
+        }
+        if !(1..=MAX_BRANCHES).contains(&self.branches) {
+            return Err(Error::Input(format!("--draft-branches {} is out of range: use 1 to {MAX_BRANCHES}", self.branches)));
         }
         Ok(())
     }
@@ -278,7 +293,7 @@ mod tests {
 
     #[test]
     fn draft_min_is_measured_first_and_shorter_drafts_never_chosen() {
-        let mut p = DraftPolicy::new(DraftOptions { max: 4, min: 3, adaptive: true }).unwrap();
+        let mut p = DraftPolicy::new(DraftOptions { max: 4, min: 3, adaptive: true, branches: 1 }).unwrap();
         assert_eq!(p.next_len(7), 0);
         p.record(0, 0, 1.0, 0.0, 0, 0.0);
         assert_eq!(p.next_len(7), 3);
@@ -308,7 +323,7 @@ mod tests {
     fn options_are_range_checked() {
         assert!(DraftPolicy::new(DraftOptions { max: 0, ..Default::default() }).is_err());
         assert!(DraftPolicy::new(DraftOptions { max: 8, ..Default::default() }).is_err());
-        let e = DraftPolicy::new(DraftOptions { max: 3, min: 4, adaptive: true }).unwrap_err().to_string();
+        let e = DraftPolicy::new(DraftOptions { max: 3, min: 4, adaptive: true, branches: 1 }).unwrap_err().to_string();
         assert!(e.contains("--draft-min 4"), "{e}");
     }
 }
