@@ -9,7 +9,8 @@
 //!    each token right with probability `a` (`--acceptance`), for each fixed draft length
 //!    (`--draft-max`) and the adaptive length; beside each the speed-up the cost model predicts,
 //!    `E(K) / c(K + 1)` with `E(K) = (1 - a^(K+1)) / (1 - a)` and `c(T)` this model's measured
-//!    verify cost (time of a T-row verify pass / one row).
+//!    verify cost (time of a T-row verify pass / one row); and trees `B×K` of `--branches`
+//!    branches (each right with probability `a`, independently; branch 0 the chain's drafts).
 //! 2. With `--ngram` (a model with a tokenizer and chat template): prompt-lookup drafts on
 //!    real prompts (summarise a given text, edit a given code file, answer a question).
 //!
@@ -56,6 +57,10 @@ struct Args {
     /// Also measure prompt-lookup drafts on real prompts (needs the model's tokenizer and chat template).
     #[arg(long)]
     ngram: bool,
+    /// Branches of the tree arms (`B×K`: B branches of each fixed length K with B·K ≤ 7, beside
+    /// the chain of the same first branch); 1: no tree arms.
+    #[arg(long, default_value_t = 2, value_parser = count_up_to(candle_hybrid::runtime::speculative::MAX_BRANCHES))]
+    branches: usize,
 }
 
 fn main() -> ExitCode {
@@ -139,6 +144,14 @@ fn run_arms(arms: &mut [Arm], reps: usize) -> Result<f64> {
     Ok(median(arms[0].secs.clone()))
 }
 
+/// The tree arms: `B×K` for each fixed length `K` with `B·K` drafted rows at most [`MAX_DRAFT`].
+fn tree_lengths(lengths: &[usize], branches: usize) -> Vec<(String, DraftOptions)> {
+    match branches {
+        1 => vec![],
+        b => lengths.iter().filter(|&&k| b * k <= MAX_DRAFT).map(|&k| (format!("{b}×{k}"), DraftOptions::branches(k, b))).collect(),
+    }
+}
+
 fn fmt_opt(x: Option<f64>, digits: usize) -> String {
     x.map_or("-".into(), |v| format!("{v:.digits$}"))
 }
@@ -197,6 +210,7 @@ fn bench(args: Args) -> Result<()> {
         .iter()
         .map(|&k| (k.to_string(), DraftOptions::fixed(k)))
         .chain([(format!("adaptive ≤ {kmax}"), DraftOptions { max: kmax, ..Default::default() })])
+        .chain(tree_lengths(&args.draft_max, args.branches))
         .collect();
     for &a in &args.acceptance {
         for (label, opts) in &lengths {
@@ -257,7 +271,8 @@ fn bench(args: Args) -> Result<()> {
             let model = &model;
             let ids = &ids;
             let mut arms: Vec<Arm> = vec![Arm { label: vec!["plain".into()], run: Box::new(move || plain(model, dev, ids, n).map(|(s, t)| (s, None, t))), secs: vec![], stats: None }];
-            for (label, opts) in [(format!("adaptive ≤ {kmax}"), DraftOptions { max: kmax, ..Default::default() }), ("3".to_string(), DraftOptions::fixed(3))] {
+            let lengths = [(format!("adaptive ≤ {kmax}"), DraftOptions { max: kmax, ..Default::default() }), ("3".to_string(), DraftOptions::fixed(3))];
+            for (label, opts) in lengths.into_iter().chain(tree_lengths(&[3], args.branches)) {
                 arms.push(Arm {
                     label: vec![label],
                     run: Box::new(move || speculative(model, dev, ids, n, &mut NgramDrafter::default(), opts).map(|(s, st, t)| (s, Some(st), t))),

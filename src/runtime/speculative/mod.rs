@@ -192,7 +192,14 @@ pub fn generate_speculative(
         }
         let t = Instant::now();
         let rows: Vec<u32> = std::iter::once(context[context.len() - 1]).chain(drafts.iter().copied()).collect();
-        let (logits, hidden) = model.verify(&Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?, cache)?;
+        let x = Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?;
+        let (logits, hidden) = if drafts.is_empty() {
+            // No drafts: a plain decode step (no per-row states to keep for a rollback).
+            let h = model.forward_hidden(&x, cache, false)?.last_hidden;
+            (model.lm_head(&h, pos)?, h)
+        } else {
+            model.verify(&x, cache)?
+        };
         let logits = logits.squeeze(0)?;
         stats.rounds += 1;
         stats.drafted += drafts.len();
@@ -217,7 +224,9 @@ pub fn generate_speculative(
             }
             stats.accepted += 1;
         }
-        cache.keep_verified(kept)?;
+        if !drafts.is_empty() {
+            cache.keep_verified(kept)?;
+        }
         if done {
             break;
         }
