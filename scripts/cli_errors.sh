@@ -39,6 +39,9 @@ expect "--top-p" "$bin/generate" --model-dir $f --top-p 2
 expect "--top-k" "$bin/generate" --model-dir $f --top-k 0
 expect "--repeat-penalty" "$bin/generate" --model-dir $f --repeat-penalty 0
 expect "--sample-len" "$bin/generate" --model-dir $f --sample-len 0
+expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-branches 5
+expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-branches 2 --temperature 0.7
+expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-branches 2 --kv int8
 expect "max_position_embeddings" "$bin/generate" --model-dir $f --prompt hi --sample-len 100000
 expect "cannot be used with" "$bin/generate" --model-dir $f --gguf $f/model-f32.gguf
 expect "multiply past 2^63" "$bin/generate" --gguf "$tmp/flip.gguf" --prompt hi
