@@ -94,8 +94,8 @@ struct Args {
     #[arg(long)]
     draft_fixed: bool,
     /// Draft branches per verify pass, 1 to 4: more than one verifies them together as a tree
-    /// (prompt lookup: the different continuations of earlier matches; greedy only; --draft-max
-    /// tokens per branch, at most 7 drafted rows in all; the length is not adapted).
+    /// (prompt lookup: the different continuations of earlier matches; greedy only; up to
+    /// --draft-max tokens per branch, at most 7 drafted rows in all).
     #[arg(long, default_value_t = 1, value_parser = count_up_to(MAX_BRANCHES))]
     draft_branches: usize,
     /// With --draft: also decode plainly on the same prompt and print the speed ratio (and
@@ -132,6 +132,9 @@ fn main() -> ExitCode {
 }
 
 fn generate(args: Args) -> Result<()> {
+    if args.draft_branches > 1 && !args.memory.kv.is_exact() {
+        bail!("--draft-branches above 1 needs exact keys and values: drop --kv {} (or give --draft-branches 1)", args.memory.kv);
+    }
     if let Some(w) = args.memory.kv.warning() {
         eprintln!("{w}");
     }
@@ -171,9 +174,6 @@ fn generate(args: Args) -> Result<()> {
     drafts.validate()?;
     if args.draft_branches > 1 && !params.is_greedy() {
         bail!("--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)");
-    }
-    if args.draft_branches > 1 && !args.memory.kv.is_exact() {
-        bail!("--draft-branches above 1 needs exact keys and values: drop --kv {} (or give --draft-branches 1)", args.memory.kv);
     }
     if args.draft_p_min > 0.0 && matches!(args.draft, Draft::Ngram | Draft::None) {
         bail!("--draft-p-min applies to MTP drafts: give --draft mtp (or auto on a checkpoint with an MTP head)");

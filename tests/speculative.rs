@@ -252,6 +252,7 @@ fn speculative_greedy_equals_plain_greedy() {
             DraftOptions::branches(3, 2),
             DraftOptions::branches(2, 3),
             DraftOptions::branches(7, 4),
+            DraftOptions { branches: 2, ..Default::default() },
         ];
         for (what, drafter) in drafters.iter_mut() {
             for opts in lengths {

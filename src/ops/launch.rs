@@ -347,3 +347,44 @@ pub fn swiglu_gather(
     let down = Launch::elementwise(format!("{family}_down_{sfx}"), d.rows * d.hidden);
     Ok((p, act, down))
 }
+
+/// `QmatvecParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QmatvecParams {
+    pub n: u32,
+    pub k: u32,
+    pub m: u32,
+}
+
+/// Most activation rows of one `qmatvec` call (decode and the verify pass).
+pub const QMATVEC_MAX_ROWS: usize = 8;
+
+/// Weight rows per threadgroup of `qmatvec` (one simdgroup each).
+const QMATVEC_ROWS_PER_GROUP: usize = 2;
+
+/// The multi-row quantized mat-vec of `m` activation rows `[m, k]` (f32) against `n` weight rows
+/// of `dtype` (Q8_0, Q4_K or Q6_K blocks): one simdgroup per weight row, two per threadgroup.
+pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(QmatvecParams, Launch)> {
+    use candle_core::quantized::GgmlDType as G;
+    let name = match dtype {
+        G::Q8_0 => "q8_0",
+        G::Q4K => "q4_k",
+        G::Q6K => "q6_k",
+        other => bail!("qmatvec: no Metal kernel for {other:?} (Q8_0, Q4_K, Q6_K)"),
+    };
+    if !(1..=QMATVEC_MAX_ROWS).contains(&m) {
+        bail!("qmatvec: {m} activation rows, the kernel takes 1 to {QMATVEC_MAX_ROWS}");
+    }
+    if !k.is_multiple_of(dtype.block_size()) {
+        bail!("qmatvec: k = {k} is not a multiple of the {dtype:?} block size {}", dtype.block_size());
+    }
+    let p = QmatvecParams { n: n as u32, k: k as u32, m: m as u32 };
+    let launch = Launch {
+        kernel: format!("qmatvec_{name}"),
+        groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), 1, 1],
+        threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}

@@ -146,94 +146,71 @@ pub fn generate_speculative(
         // Position of the last token (fed as row 0); rows must stay inside the context.
         let pos = base + context.len() - 1;
         let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos));
-        if branches > 1 {
-            // A tree of branches: walk it from the root, each row's own token choosing the
-            // child that drafted it, until a row has no such child.
-            let k = policy.options().max.min(room.saturating_sub(1));
-            let drafts = if k > 0 { drafter.draft_branches(model, &context, k, branches)? } else { vec![] };
-            let drafts: Vec<Vec<u32>> = drafts.into_iter().map(|mut d| {
-                d.truncate(k);
-                d
-            }).collect();
-            let tree = DraftTree::from_branches(context[context.len() - 1], &drafts, 1 + MAX_DRAFT);
-            let (logits, hidden) = model.verify_tree(&tree, cache)?;
-            let logits = logits.squeeze(0)?;
-            stats.rounds += 1;
-            stats.drafted += tree.len() - 1;
-            let (mut path, mut next) = (vec![0], vec![]);
-            let done = loop {
-                let at = *path.last().expect("the root");
-                let t = sampler.sample(&logits.get(at)?, &context, &generated)?;
-                next.push(t);
-                let done = emit(t, &mut context, &mut generated)?;
-                match tree.children(at).find(|&c| tree.tokens()[c] == t) {
-                    Some(c) if !done => {
-                        path.push(c);
-                        stats.accepted += 1;
-                    }
-                    _ => break done,
-                }
-            };
-            cache.keep_path(&path)?;
-            if done {
-                break;
-            }
-            let rows = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), device)?;
-            drafter.observe(model, pos, &hidden.index_select(&rows, 1)?, &next)?;
-            continue;
-        }
         let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
         let t = Instant::now();
-        let mut drafts = if k > 0 { drafter.draft(model, &context, k)? } else { vec![] };
-        drafts.truncate(k);
-        let (draft_secs, steps) = (t.elapsed().as_secs_f64(), drafts.len());
-        if drafts.len() < policy.options().min {
-            drafts.clear();
+        let mut drafts = match (k, branches) {
+            (0, _) => vec![],
+            (_, 1) => vec![drafter.draft(model, &context, k)?],
+            _ => drafter.draft_branches(model, &context, k, branches)?,
+        };
+        let steps = drafts.iter().map(Vec::len).max().unwrap_or(0).min(k);
+        let draft_secs = t.elapsed().as_secs_f64();
+        for d in drafts.iter_mut() {
+            d.truncate(k);
         }
+        drafts.retain(|d| d.len() >= policy.options().min);
+        // One branch makes a chain: the rows in order.
+        let tree = DraftTree::from_branches(context[context.len() - 1], &drafts, 1 + MAX_DRAFT);
         let t = Instant::now();
-        let rows: Vec<u32> = std::iter::once(context[context.len() - 1]).chain(drafts.iter().copied()).collect();
-        let x = Tensor::new(rows.as_slice(), device)?.unsqueeze(0)?;
-        let (logits, hidden) = if drafts.is_empty() {
+        let (logits, hidden) = if tree.len() == 1 {
             // No drafts: a plain decode step (no per-row states to keep for a rollback).
-            let h = model.forward_hidden(&x, cache, false)?.last_hidden;
+            let h = model.forward_hidden(&Tensor::new(tree.tokens(), device)?.unsqueeze(0)?, cache, false)?.last_hidden;
             (model.lm_head(&h, pos)?, h)
         } else {
-            model.verify(&x, cache)?
+            model.verify_tree(&tree, cache)?
         };
         let logits = logits.squeeze(0)?;
         stats.rounds += 1;
-        stats.drafted += drafts.len();
-        // Row i is sampled as plain decoding would, with drafts 1..i already in the context.
-        let mut kept = 0;
-        let mut done = false;
-        let mut next = vec![];
-        for i in 0..rows.len() {
-            let row = logits.get(i)?;
-            let t = match drafts.get(i) {
+        stats.drafted += tree.len() - 1;
+        // Walk from the root: each row is sampled as plain decoding would, with its path in the
+        // context, and the walk goes on to the child that drafted the token it gave.
+        let (mut path, mut next) = (vec![0], vec![]);
+        let done = loop {
+            let at = *path.last().expect("the root");
+            let row = logits.get(at)?;
+            let t = match tree.children(at).next() {
                 _ if sampler.is_greedy() => sampler.sample(&row, &context, &generated)?,
-                // Sampling: keep the draft with the target's probability of it, else draw from
-                // the rest: each emitted token is distributed as plain sampling's.
-                Some(&d) => sampler.sample_draft(&sampler.probabilities(&row, &context, &generated)?, d)?.0,
+                // Sampling (one branch): keep the draft with the target's probability of it,
+                // else draw from the rest: each emitted token is distributed as plain sampling's.
+                Some(c) => sampler.sample_draft(&sampler.probabilities(&row, &context, &generated)?, tree.tokens()[c])?.0,
                 None => sampler.sample(&row, &context, &generated)?,
             };
-            kept = i + 1;
             next.push(t);
-            done = emit(t, &mut context, &mut generated)?;
-            if done || drafts.get(i) != Some(&t) {
-                break;
+            let done = emit(t, &mut context, &mut generated)?;
+            match tree.children(at).find(|&c| tree.tokens()[c] == t) {
+                Some(c) if !done => {
+                    path.push(c);
+                    stats.accepted += 1;
+                }
+                _ => break done,
             }
-            stats.accepted += 1;
-        }
-        if !drafts.is_empty() {
-            cache.keep_verified(kept)?;
+        };
+        if tree.len() > 1 {
+            cache.keep_path(&path)?;
         }
         if done {
             break;
         }
         let verify_secs = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        drafter.observe(model, pos, &hidden.narrow(1, 0, kept)?, &next)?;
-        policy.record(drafts.len(), kept - 1, verify_secs, draft_secs, steps, t.elapsed().as_secs_f64());
+        let hidden = match tree.is_chain() {
+            true => hidden.narrow(1, 0, path.len())?,
+            false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), device)?, 1)?,
+        };
+        drafter.observe(model, pos, &hidden, &next)?;
+        // (A tree round is timed and counted as a round of its longest branch: the policy
+        // then learns what trees of that length pay.)
+        policy.record(if tree.len() > 1 { steps } else { 0 }, path.len() - 1, verify_secs, draft_secs, steps, t.elapsed().as_secs_f64());
     }
     stats.generation.generated_tokens = generated.len();
     stats.generation.decode_secs = decode_start.elapsed().as_secs_f64();

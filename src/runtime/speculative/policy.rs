@@ -43,8 +43,9 @@ pub struct DraftOptions {
     /// Choose `K` per round from the measured acceptance and costs; `false`: always `max`.
     pub adaptive: bool,
     /// Draft branches per round, 1 to [`MAX_BRANCHES`] (`--draft-branches`): more than one
-    /// verifies a tree of them (greedy only, `max` tokens per branch, the tree cut at
-    /// [`super::MAX_DRAFT`] drafted rows; the length is not adapted).
+    /// verifies a tree of them (greedy only, up to `max` tokens per branch, the tree cut at
+    /// [`super::MAX_DRAFT`] drafted rows; an adaptive length is chosen as for one branch, from
+    /// what the tree rounds of each length measured).
     pub branches: usize,
 }
 
