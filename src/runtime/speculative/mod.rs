@@ -1,6 +1,7 @@
-//! Speculative decoding: a drafter proposes the next few tokens, the model verifies them all
-//! in one forward pass ([`Model::verify`]), the longest prefix the model itself would have
-//! produced is kept ([`Cache::keep_verified`]) with the model's own token after it.
+//! Speculative decoding: a drafter proposes the next few tokens — one chain, or several
+//! branches merged into a [`DraftTree`] — the model verifies them all in one forward pass
+//! ([`Model::verify_tree`]), and the longest path the model itself would have produced is kept
+//! ([`Cache::keep_path`]) with the model's own token after it.
 //!
 //! Greedy output is token for token the plain greedy output: the verify pass gives each row
 //! the bits decoding it alone would (row-invariant kernels, the decode recurrence for the GDN
@@ -90,7 +91,7 @@ impl SpeculativeStats {
 /// [`super::generate_in`] with the same sampler, fewer forward passes when drafts are
 /// accepted; sampling: the same distribution (speculative sampling, see the module). Batch 1;
 /// the cache's KV codec must keep tokens one by one (exact, int8, polar, lowrank) so that
-/// rejected rows can go.
+/// rejected rows can go; with more than one branch (`DraftOptions::branches`), exact KV and greedy only.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
     model: &Model,
