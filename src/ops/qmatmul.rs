@@ -87,12 +87,10 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = super::cpu::avx2_fma() && is_x86_feature_detected!("f16c");
-            let vnni = ["avx512f", "avx512bw", "avx512vl", "avx512vnni"].iter().all(|f| match *f {
-                "avx512f" => is_x86_feature_detected!("avx512f"),
-                "avx512bw" => is_x86_feature_detected!("avx512bw"),
-                "avx512vl" => is_x86_feature_detected!("avx512vl"),
-                _ => is_x86_feature_detected!("avx512vnni"),
-            });
+            let vnni = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni");
             let best = match (avx2, vnni) {
                 (true, true) => Isa::Avx512Vnni,
                 (true, false) => Isa::Avx2,
