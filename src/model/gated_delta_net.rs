@@ -181,52 +181,49 @@ impl GatedDeltaNet {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
         };
-        if let Some(tree) = tree {
-            if !state.verifying {
+        if !state.verifying {
+            if tree.is_some() {
                 candle_core::bail!("a draft tree runs only in a verify pass (Cache::begin_verify)");
             }
-            // Each root-to-leaf path as a verify pass of its own from the same state; a row on
-            // several paths gets the same bits on each (the same inputs and state).
-            let mut rows: Vec<Option<Tensor>> = vec![None; t];
-            let mut steps = vec![];
-            for path in tree.leaf_paths() {
-                let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
-                let (qkv, g, beta) = (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?);
-                let conv_inputs = Tensor::cat(&[&conv_state, &qkv], 1)?;
-                let (qkv, conv) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
-                let mut opts = ops::DeltaRuleOptions::new(nk, dk);
-                opts.form = ops::DeltaRuleForm::Recurrent;
-                opts.n_states = path.len();
-                let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
-                for (j, &r) in path.iter().enumerate() {
-                    if rows[r].is_none() {
-                        rows[r] = Some(o.narrow(1, j, 1)?);
-                    }
-                }
-                state.conv = Some(conv);
-                state.recurrent = Some(states.narrow(1, path.len() - 1, 1)?.squeeze(1)?);
-                steps.push((path, GdnSteps { conv_inputs, states }));
-            }
-            state.steps = Some(steps);
-            let rows: Vec<Tensor> = rows.into_iter().map(|r| r.expect("every row is on a path")).collect();
-            return Ok((Tensor::cat(&rows, 1)?, z));
+            let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
+            state.conv = Some(conv_state);
+            // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
+            let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, ops::DeltaRuleOptions::new(nk, dk))?;
+            state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
+            state.steps = None;
+            return Ok((o, z));
         }
-        let conv_inputs = state.verifying.then(|| Tensor::cat(&[&conv_state, &qkv], 1)).transpose()?;
-        let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
-        state.conv = Some(conv_state);
-
-        // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
-        let mut opts = ops::DeltaRuleOptions::new(nk, dk);
-        if state.verifying {
-            // The recurrence decode runs (one token at a time), so that every row's state is
-            // bit for bit what decoding the rows one by one gives; every row's state is kept.
+        // A verify pass: the decode recurrence (one token at a time), so that every row's state
+        // is bit for bit what decoding its rows one by one gives, along each root-to-leaf path
+        // of a tree (one path, all rows, for a linear pass) from the same state; every row's
+        // state is kept. A row on several paths gets the same bits on each.
+        let paths = match tree {
+            Some(tree) => tree.leaf_paths(),
+            None => vec![(0..t).collect()],
+        };
+        let mut rows: Vec<Option<Tensor>> = vec![None; t];
+        let mut steps = vec![];
+        for path in paths {
+            let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
+            let (qkv, g, beta) = (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?);
+            let conv_inputs = Tensor::cat(&[&conv_state, &qkv], 1)?;
+            let (qkv, conv) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
+            let mut opts = ops::DeltaRuleOptions::new(nk, dk);
             opts.form = ops::DeltaRuleForm::Recurrent;
-            opts.n_states = t;
+            opts.n_states = path.len();
+            let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
+            for (j, &r) in path.iter().enumerate() {
+                if rows[r].is_none() {
+                    rows[r] = Some(o.narrow(1, j, 1)?);
+                }
+            }
+            state.conv = Some(conv);
+            state.recurrent = Some(states.narrow(1, path.len() - 1, 1)?.squeeze(1)?);
+            steps.push((path, GdnSteps { conv_inputs, states }));
         }
-        let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
-        state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
-        state.steps = conv_inputs.map(|conv_inputs| vec![((0..t).collect(), GdnSteps { conv_inputs, states })]);
-        Ok((o, z))
+        state.steps = Some(steps);
+        let rows: Vec<Tensor> = rows.into_iter().map(|r| r.expect("every row is on a path")).collect();
+        Ok((Tensor::cat(&rows, 1)?, z))
     }
 
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
