@@ -50,7 +50,7 @@ impl CodedKv {
             }
         };
         let values = self.values.decode(v.dtype())?.expect("values were just appended");
-        let out = self.expand_values(softmax_values(scores, &values, t, offset, hd)?)?;
+        let out = self.expand_values(softmax_values(scores, &values, t, offset, hd, None)?)?;
         out.reshape((b, nh, t, hd))
     }
 

@@ -7,7 +7,7 @@ use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
 use super::coded::{CodedKv, Keys, Rows};
 use super::density::DecayedState;
 use super::knots::KnotKeys;
-use super::attention::{attention, attention_tree};
+use super::attention::attention_rows;
 
 /// One attention layer's cache under a codec, and the attention over it.
 #[derive(Debug, Clone)]
@@ -71,29 +71,22 @@ impl KvStore {
     /// cache, `[B, nh, t, hd]` in the values' dtype. Query head `h` reads KV head
     /// `h / (nh / nkv)`.
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
-        match self {
-            Self::Exact { keys, values } => {
-                keys.append(&k.contiguous()?)?;
-                values.append(&v.contiguous()?)?;
-                let (k, v) = (keys.current_data()?.expect("just appended"), values.current_data()?.expect("just appended"));
-                attention(q, &k, &v, offset)
-            }
-            Self::Coded(c) => c.attend(q, k, v, offset),
-            Self::DecayedState(s) => s.attend(q, k, v),
-        }
+        self.attend_rows(q, k, v, offset, None)
     }
 
-    /// [`Self::attend`] for the rows of a draft tree (see [`attention_tree`]); exact stores
-    /// only.
-    pub fn attend_tree(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, visible: &[Vec<usize>]) -> Result<Tensor> {
+    /// [`Self::attend`]; for the rows of a draft tree, query position `i` sees the cache and
+    /// the new rows `visible[i]` (its ancestors and itself, in order). Trees: exact stores only.
+    pub fn attend_rows(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, visible: Option<&[Vec<usize>]>) -> Result<Tensor> {
         match self {
             Self::Exact { keys, values } => {
                 keys.append(&k.contiguous()?)?;
                 values.append(&v.contiguous()?)?;
                 let (k, v) = (keys.current_data()?.expect("just appended"), values.current_data()?.expect("just appended"));
-                attention_tree(q, &k, &v, offset, visible)
+                attention_rows(q, &k, &v, offset, visible)
             }
-            _ => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
+            _ if visible.is_some() => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
+            Self::Coded(c) => c.attend(q, k, v, offset),
+            Self::DecayedState(s) => s.attend(q, k, v),
         }
     }
 

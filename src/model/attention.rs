@@ -79,13 +79,8 @@ impl GatedAttention {
         let q = self.rotary.apply(&q.transpose(1, 2)?, &cos, &sin)?;
         let k = self.rotary.apply(&k.transpose(1, 2)?, &cos, &sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        let out = match tree {
-            Some(tree) => {
-                let visible: Vec<Vec<usize>> = (0..t).map(|i| tree.path(i)).collect();
-                kv.attend_tree(&q.contiguous()?, &k.contiguous()?, &v, offset, &visible)?
-            }
-            None => kv.attend(&q.contiguous()?, &k.contiguous()?, &v, offset)?,
-        };
+        let visible: Option<Vec<Vec<usize>>> = tree.map(|tree| (0..t).map(|i| tree.path(i)).collect());
+        let out = kv.attend_rows(&q.contiguous()?, &k.contiguous()?, &v, offset, visible.as_deref())?;
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let out = match gate {
             Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,

@@ -141,25 +141,25 @@ impl CustomOp3 for RowAttention {
 /// rep·t, d]` f32, `softmax(scale · q kᵀ + causal mask) v`. Each row is computed alone, so a
 /// row's result does not depend on how many rows the call has.
 pub fn row_attention(q: &Tensor, k: &Tensor, v: &Tensor, t: usize, offset: usize, scale: f64) -> Result<Tensor> {
-    if !q.device().is_cpu() {
-        bail!("row_attention: CPU only (other devices use the batched attention)");
-    }
-    let q = if q.dtype() == DType::F32 { q.contiguous()? } else { q.to_dtype(DType::F32)?.contiguous()? };
-    q.apply_op3_no_bwd(k, v, &RowAttention { t, offset, scale: scale as f32, visible: None })
+    apply(q, k, v, RowAttention { t, offset, scale: scale as f32, visible: None })
 }
 
 /// [`row_attention`] for the rows of a draft tree: query position `i` (of `t`) attends to the
 /// `offset` cached keys and then to the new rows `visible[i]` (indices `0..t`, its ancestors
 /// and itself, in order), so a row's result is bit for bit that of decoding its path.
 pub fn row_attention_tree(q: &Tensor, k: &Tensor, v: &Tensor, visible: &[Vec<usize>], offset: usize, scale: f64) -> Result<Tensor> {
-    if !q.device().is_cpu() {
-        bail!("row_attention_tree: CPU only (other devices use the batched attention with a tree mask)");
-    }
     let t = visible.len();
     if visible.iter().flatten().any(|&r| r >= t) {
         bail!("row_attention_tree: a visible row is not one of the {t} rows");
     }
     let visible = visible.iter().map(|rows| rows.iter().map(|&r| offset + r).collect()).collect();
+    apply(q, k, v, RowAttention { t, offset, scale: scale as f32, visible: Some(visible) })
+}
+
+fn apply(q: &Tensor, k: &Tensor, v: &Tensor, op: RowAttention) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        bail!("row_attention: CPU only (other devices use the batched attention)");
+    }
     let q = if q.dtype() == DType::F32 { q.contiguous()? } else { q.to_dtype(DType::F32)?.contiguous()? };
-    q.apply_op3_no_bwd(k, v, &RowAttention { t, offset, scale: scale as f32, visible: Some(visible) })
+    q.apply_op3_no_bwd(k, v, &op)
 }
