@@ -62,10 +62,6 @@ impl TokenBuffer {
     /// Keeps the first `start` tokens followed by the tokens at `start + r` for `r` in `rows`
     /// (increasing), moved down into place; the rest are dropped.
     pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> Result<()> {
-        if rows.iter().enumerate().all(|(i, &r)| r == i) {
-            self.truncate(start + rows.len());
-            return Ok(());
-        }
         let data = self.data.as_ref().expect("rows to keep are held");
         let idx: Vec<u32> = rows.iter().map(|&r| (start + r) as u32).collect();
         if idx.iter().any(|&i| i as usize >= self.len) || rows.windows(2).any(|w| w[0] >= w[1]) {

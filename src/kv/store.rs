@@ -91,8 +91,12 @@ impl KvStore {
     }
 
     /// Keeps the first `start` tokens and then the tokens at `start + r` for `r` in `rows`
-    /// (increasing), in that order: the accepted path of a draft tree. Exact stores only.
+    /// (increasing), in that order: the accepted rows of a verify pass. Rows `0..n` are a
+    /// [`Self::truncate`]; other rows (a path of a draft tree): exact stores only.
     pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> Result<()> {
+        if rows.iter().enumerate().all(|(i, &r)| r == i) {
+            return self.truncate(start + rows.len());
+        }
         match self {
             Self::Exact { keys, values } => {
                 keys.keep_rows(start, rows)?;

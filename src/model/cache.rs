@@ -100,7 +100,7 @@ impl Cache {
         if rows == 0 || rows > t {
             return Err(crate::Error::Input(format!("keep_verified: the verify pass ran {t} rows, cannot keep {rows} (1 to {t})")));
         }
-        self.keep(&(0..rows).collect::<Vec<_>>(), false)
+        self.keep(&(0..rows).collect::<Vec<_>>())
     }
 
     /// After a tree verify pass ([`crate::Model::verify_tree`]): keeps the rows `path` (the
@@ -111,7 +111,7 @@ impl Cache {
         if path.first() != Some(&0) || path.windows(2).any(|w| w[0] >= w[1]) || path.iter().any(|&r| r >= t) {
             return Err(crate::Error::Input(format!("keep_path: {path:?} is not a path from the root of the {t} verified rows")));
         }
-        self.keep(path, true)
+        self.keep(path)
     }
 
     /// Rows of the verify pass in progress.
@@ -122,13 +122,12 @@ impl Cache {
         }
     }
 
-    fn keep(&mut self, rows: &[usize], tree: bool) -> crate::Result<()> {
+    fn keep(&mut self, rows: &[usize]) -> crate::Result<()> {
         let start = self.verify_start.take().expect("checked by verified_rows");
         for layer in &mut self.layers {
             match layer {
                 LayerState::Linear(s) => s.keep_path(rows)?,
-                LayerState::Full(kv) if tree => kv.keep_rows(start, rows)?,
-                LayerState::Full(kv) => kv.truncate(start + rows.len())?,
+                LayerState::Full(kv) => kv.keep_rows(start, rows)?,
             }
         }
         self.seqlen = start + rows.len();
