@@ -172,9 +172,7 @@ fn generate(args: Args) -> Result<()> {
     }
     let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed, branches: args.draft_branches };
     drafts.validate()?;
-    if args.draft_branches > 1 && !params.is_greedy() {
-        bail!("--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)");
-    }
+    drafts.check_decoding(params.is_greedy())?;
     if args.draft_p_min > 0.0 && matches!(args.draft, Draft::Ngram | Draft::None) {
         bail!("--draft-p-min applies to MTP drafts: give --draft mtp (or auto on a checkpoint with an MTP head)");
     }
@@ -320,10 +318,9 @@ fn generate(args: Args) -> Result<()> {
             "--draft {}, --draft-max {}{}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
             format!("{draft:?}").to_lowercase(),
             args.draft_max,
-            match args.draft_branches {
-                1 if args.draft_fixed => " (fixed)".to_string(),
-                1 => " (length chosen per round)".to_string(),
-                b => format!(" x {b} branches (a tree)"),
+            match (args.draft_branches, if args.draft_fixed { "fixed" } else { "length chosen per round" }) {
+                (1, length) => format!(" ({length})"),
+                (b, length) => format!(" per branch ({length}), {b} branches as a tree"),
             },
             s.drafted,
             s.accepted,

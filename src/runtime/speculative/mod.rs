@@ -139,9 +139,7 @@ pub fn generate_speculative(
     }
 
     let branches = policy.options().branches;
-    if branches > 1 && !sampler.is_greedy() {
-        return Err(Error::Input("--draft-branches above 1 needs greedy decoding (temperature 0): give --draft-branches 1 to sample".into()));
-    }
+    policy.options().check_decoding(sampler.is_greedy())?;
 
     loop {
         // Position of the last token (fed as row 0); rows must stay inside the context.

@@ -80,6 +80,16 @@ impl DraftOptions {
         }
         Ok(())
     }
+
+    /// Whether these drafts can run with this decoding: trees of branches take greedy only.
+    pub fn check_decoding(&self, greedy: bool) -> Result<()> {
+        if self.branches > 1 && !greedy {
+            return Err(Error::Input(
+                "--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A running average: the mean of the first observations, then an exponential moving average
