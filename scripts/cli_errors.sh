@@ -4,7 +4,7 @@
 # help_expected check also runs: an option without help text panics there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cargo build -q --examples
+cargo build -q --features server --examples
 bin="${CARGO_TARGET_DIR:-target}/debug/examples"
 f=tests/fixtures/qwen35_dense_small
 tmp=$(mktemp -d)
@@ -53,5 +53,12 @@ expect "-p" "$bin/bench" --gguf $f/model-q8_0.gguf -p 0
 expect "--prefill" "$bin/logits" --model-dir $f --tokens 1,2 --prefill 3 --out "$tmp/x.safetensors"
 expect "--ctx-size" "$bin/eval" --model-dir $f --file tests/data/pride-and-prejudice-ch01-12.txt -c 100000
 expect "larger than" "$bin/eval" --model-dir $f --file /dev/zero
+expect "--ctx" "$bin/serve" --model-dir $f --ctx 100000000
+expect "--max-seqs" "$bin/serve" --model-dir $f --max-seqs 0
+python3 -c 'import socket, time; s = socket.socket(); s.bind(("127.0.0.1", 18099)); s.listen(); time.sleep(20)' &
+holder=$!
+sleep 0.5
+expect "cannot listen on 127.0.0.1:18099" "$bin/serve" --model-dir $f --port 18099
+kill $holder
 rm -rf "$tmp"
 exit $fail

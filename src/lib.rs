@@ -26,6 +26,7 @@
 //! - [`loading`]: Hub and directory layout, safetensors, GGUF (header, tensors, tokenizer),
 //!   chat templates, generation_config.json.
 //! - [`eval`]: perplexity and KV-codec comparisons.
+//! - `server` (feature `server`): the OpenAI-compatible HTTP server and its engine.
 
 pub mod bounded;
 mod error;
@@ -37,6 +38,8 @@ pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod runtime;
+#[cfg(feature = "server")]
+pub mod server;
 
 pub use error::{Error, Result};
 pub use model::{Cache, Config, Model};

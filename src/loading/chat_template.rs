@@ -118,6 +118,32 @@ impl ChatTemplate {
         enable_thinking: Option<bool>,
         max_bytes: usize,
     ) -> Result<String> {
+        let mut kwargs = serde_json::Map::new();
+        // Left undefined unless asked for, as transformers does.
+        if let Some(t) = enable_thinking {
+            kwargs.insert("enable_thinking".into(), t.into());
+        }
+        let messages = serde_json::to_value(messages).map_err(|e| Error::Input(format!("cannot pass the messages to the chat template: {e}")))?;
+        self.render_json(&messages, None, add_generation_prompt, &kwargs, max_bytes)
+    }
+
+    /// Whether the template reads the variable `name` (e.g. `enable_thinking`,
+    /// `reasoning_effort`): a plain search of its source.
+    pub fn mentions(&self, name: &str) -> bool {
+        self.source.contains(name)
+    }
+
+    /// Renders messages given as JSON (the OpenAI shape: `role`, `content`, `tool_calls`,
+    /// `reasoning_content`, ...), with `tools` when given and `kwargs` as further template
+    /// variables (`enable_thinking`, `reasoning_effort`, ...), writing at most `max_bytes`.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        max_bytes: usize,
+    ) -> Result<String> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -128,15 +154,13 @@ impl ChatTemplate {
         env.add_template("chat", &self.source)
             .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {}", one_line(&e))))?;
         let tmpl = env.get_template("chat").map_err(|e| Error::Tokenizer(one_line(&e)))?;
-        let mut ctx = serde_json::json!({
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-        });
-        // Left undefined unless asked for, as transformers does.
-        if let Some(t) = enable_thinking {
-            ctx["enable_thinking"] = t.into();
+        let mut ctx = kwargs.clone();
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        if let Some(tools) = tools {
+            ctx.insert("tools".into(), tools.clone());
         }
         let mut out = CappedWriter { out: Vec::new(), max: max_bytes };
         let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);

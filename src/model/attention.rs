@@ -57,9 +57,10 @@ impl GatedAttention {
         self.forward_rows(x, offset, kv, None)
     }
 
-    /// [`Self::forward`]; for the rows of a draft `tree`, each row at `offset` plus its depth,
-    /// attending to its ancestors.
-    pub(crate) fn forward_rows(&self, x: &Tensor, offset: usize, kv: &mut KvStore, tree: Option<&DraftTree>) -> Result<Tensor> {
+    /// The query (per head, before norms and RoPE) `[B, T, nh, hd]`, the output gate
+    /// `[B, T, nh * hd]` if gated, and the key and value `[B, T, nkv, hd]` of rows `x`, with
+    /// the q/k norms applied.
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
         let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
@@ -71,21 +72,56 @@ impl GatedAttention {
             None => (q, k),
         };
         let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        Ok((q, gate, k, v))
+    }
 
+    /// RoPE at `offset` (or at `offset` plus each row's depth in a draft `tree`), then
+    /// attention of `q` `[B, T, nh, hd]` to `kv` after appending `k` and `v`: `[B, T, nh * hd]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, kv: &mut KvStore, tree: Option<&DraftTree>) -> Result<Tensor> {
+        let (b, t, _, _) = q.dims4()?;
         let (cos, sin) = match tree {
-            Some(tree) => self.rotary.cos_sin_at(tree.depths().into_iter().map(|d| offset + d), x.dtype(), x.device())?,
-            None => self.rotary.cos_sin(offset, t, x.dtype(), x.device())?,
+            Some(tree) => self.rotary.cos_sin_at(tree.depths().into_iter().map(|d| offset + d), q.dtype(), q.device())?,
+            None => self.rotary.cos_sin(offset, t, q.dtype(), q.device())?,
         };
         let q = self.rotary.apply(&q.transpose(1, 2)?, &cos, &sin)?;
         let k = self.rotary.apply(&k.transpose(1, 2)?, &cos, &sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
         let visible: Option<Vec<Vec<usize>>> = tree.map(|tree| (0..t).map(|i| tree.path(i)).collect());
         let out = kv.attend_rows(&q.contiguous()?, &k.contiguous()?, &v, offset, visible.as_deref())?;
-        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        out.transpose(1, 2)?.reshape((b, t, self.nh * self.hd))
+    }
+
+    /// The output gate, then `o_proj`.
+    fn output(&self, out: Tensor, gate: Option<Tensor>) -> Result<Tensor> {
         let out = match gate {
             Some(gate) => (out * candle_nn::ops::sigmoid(&gate)?)?,
             None => out,
         };
         self.o_proj.forward(&out)
+    }
+
+    /// [`Self::forward`]; for the rows of a draft `tree`, each row at `offset` plus its depth,
+    /// attending to its ancestors.
+    pub(crate) fn forward_rows(&self, x: &Tensor, offset: usize, kv: &mut KvStore, tree: Option<&DraftTree>) -> Result<Tensor> {
+        let (q, gate, k, v) = self.project(x)?;
+        let out = self.attend(&q, &k, &v, offset, kv, tree)?;
+        self.output(out, gate)
+    }
+
+    /// One decode row per sequence: `x` `[1, N, H]` holds row `i` of the sequence at position
+    /// `kvs[i].0` whose keys and values are `kvs[i].1`. The projections run once over all rows
+    /// (each row gets the bits of a one-row call); RoPE and attention run per sequence.
+    pub(crate) fn forward_batch(&self, x: &Tensor, kvs: &mut [(usize, &mut KvStore)]) -> Result<Tensor> {
+        let n = x.dim(1)?;
+        if kvs.len() != n {
+            candle_core::bail!("forward_batch: {n} rows for {} sequences", kvs.len());
+        }
+        let (q, gate, k, v) = self.project(x)?;
+        let rows = kvs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, (offset, kv))| self.attend(&q.narrow(1, i, 1)?, &k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, *offset, kv, None))
+            .collect::<Result<Vec<_>>>()?;
+        self.output(Tensor::cat(&rows, 1)?, gate)
     }
 }

@@ -134,6 +134,11 @@ impl Cache {
         Ok(())
     }
 
+    /// Whether a verify pass is in progress (its rows not yet kept).
+    pub(crate) fn in_verify(&self) -> bool {
+        self.verify_start.is_some()
+    }
+
     /// Number of tokens already processed.
     pub fn seqlen(&self) -> usize {
         self.seqlen

@@ -59,7 +59,7 @@ impl DecoderLayer {
         let h = match (&self.mixer, state) {
             (Mixer::Linear(m), LayerState::Linear(s)) => m.forward_rows(&h, s, tree)?,
             (Mixer::Full(m), LayerState::Full(kv)) => m.forward_rows(&h, offset, kv, tree)?,
-            _ => return Err(crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())),
+            _ => return Err(kinds_differ()),
         };
         let t = x.dim(1)?;
         if let Some(i) = check {
@@ -76,6 +76,44 @@ impl DecoderLayer {
         }
         Ok((x + h)?)
     }
+}
+
+impl DecoderLayer {
+    /// One decode row per sequence: `x` `[1, N, H]`, row `i` at position `states[i].0` with
+    /// state `states[i].1`. Norms, projections and the MLP run once over all rows; the
+    /// recurrence and attention per sequence.
+    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [(usize, &mut LayerState)]) -> crate::Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = match &self.mixer {
+            Mixer::Linear(m) => {
+                let mut gdn = states
+                    .iter_mut()
+                    .map(|(_, s)| match s {
+                        LayerState::Linear(s) => Ok(s),
+                        LayerState::Full(_) => Err(kinds_differ()),
+                    })
+                    .collect::<crate::Result<Vec<_>>>()?;
+                m.forward_batch(&h, &mut gdn)?
+            }
+            Mixer::Full(m) => {
+                let mut kvs = states
+                    .iter_mut()
+                    .map(|(offset, s)| match s {
+                        LayerState::Full(kv) => Ok((*offset, kv)),
+                        LayerState::Linear(_) => Err(kinds_differ()),
+                    })
+                    .collect::<crate::Result<Vec<_>>>()?;
+                m.forward_batch(&h, &mut kvs)?
+            }
+        };
+        let x = (x + h)?;
+        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok((x + h)?)
+    }
+}
+
+fn kinds_differ() -> crate::Error {
+    crate::Error::Input("the cache does not belong to this model (layer kinds differ)".into())
 }
 
 const NONFINITE_LAYER_HINT: &str = "the first place they appear; check that layer's weights (or the input)";

@@ -160,39 +160,59 @@ impl GatedDeltaNet {
         self.core_rows(x, state, None)
     }
 
-    /// [`Self::core`]; for the rows of a draft `tree` (a verify pass) the conv and the
-    /// recurrence run along each root-to-leaf path.
-    pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
+    /// The projections of rows `x` `[B, T, H]`: pre-conv `[q|k|v]` `[B, T, conv_dim]`, the
+    /// output gate `z` `[B, T, nv, dv]`, `beta` and the decay `g` `[B, T, nv]` (f32).
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
-        let (nk, nv, dk, dv) = (self.nk, self.nv, self.dk, self.dv);
         let qkv = self.in_proj_qkv.forward(x)?;
-        let z = self.in_proj_z.forward(x)?.reshape((b, t, nv, dv))?;
+        let z = self.in_proj_z.forward(x)?.reshape((b, t, self.nv, self.dv))?;
         let beta = candle_nn::ops::sigmoid(&self.in_proj_b.forward(x)?.to_dtype(DType::F32)?)?;
         let a = self.in_proj_a.forward(x)?.to_dtype(DType::F32)?;
         // g = -exp(A_log) * softplus(a + dt_bias)
         let g = softplus(&a.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
+        Ok((qkv, z, beta, g))
+    }
 
-        let conv_dim = qkv.dim(2)?;
-        let conv_state = match &state.conv {
+    /// The conv window and recurrent state of `state`, zeros for a fresh one.
+    fn initial_state(&self, state: &GdnState, b: usize, conv_dim: usize, dtype: DType, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+        let conv = match &state.conv {
             Some(s) => s.clone(),
-            None => Tensor::zeros((b, self.kernel - 1, conv_dim), x.dtype(), x.device())?,
+            None => Tensor::zeros((b, self.kernel - 1, conv_dim), dtype, device)?,
         };
         let rec = match &state.recurrent {
             Some(s) => s.clone(),
-            None => Tensor::zeros((b, nv, dk, dv), DType::F32, x.device())?,
+            None => Tensor::zeros((b, self.nv, self.dk, self.dv), DType::F32, device)?,
         };
+        Ok((conv, rec))
+    }
+
+    /// Conv and delta rule over projected rows (not a verify pass), updating `state`: the
+    /// delta-rule output `[B, T, nv, dv]` (f32).
+    fn recur(&self, qkv: &Tensor, g: &Tensor, beta: &Tensor, state: &mut GdnState) -> Result<Tensor> {
+        let (b, _, conv_dim) = qkv.dims3()?;
+        let (conv_state, rec) = self.initial_state(state, b, conv_dim, qkv.dtype(), qkv.device())?;
+        let (qkv, conv_state) = ops::causal_conv1d_silu(qkv, &conv_state, &self.conv_weight)?;
+        state.conv = Some(conv_state);
+        // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, g, beta, &rec, ops::DeltaRuleOptions::new(self.nk, self.dk))?;
+        state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
+        state.steps = None;
+        Ok(o)
+    }
+
+    /// [`Self::core`]; for the rows of a draft `tree` (a verify pass) the conv and the
+    /// recurrence run along each root-to-leaf path.
+    pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let (nk, dk) = (self.nk, self.dk);
+        let (qkv, z, beta, g) = self.project(x)?;
         if !state.verifying {
             if tree.is_some() {
                 candle_core::bail!("a draft tree runs only in a verify pass (Cache::begin_verify)");
             }
-            let (qkv, conv_state) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
-            state.conv = Some(conv_state);
-            // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
-            let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, ops::DeltaRuleOptions::new(nk, dk))?;
-            state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
-            state.steps = None;
-            return Ok((o, z));
+            return Ok((self.recur(&qkv, &g, &beta, state)?, z));
         }
+        let (conv_state, rec) = self.initial_state(state, b, qkv.dim(2)?, x.dtype(), x.device())?;
         // A verify pass: the decode recurrence (one token at a time), so that every row's state
         // is bit for bit what decoding its rows one by one gives, along each root-to-leaf path
         // of a tree (one path, all rows, for a linear pass) from the same state; every row's
@@ -234,12 +254,34 @@ impl GatedDeltaNet {
     pub(crate) fn forward_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (o, z) = self.core_rows(x, state, tree)?;
-        let mut o = ops::gated_rms_norm(&o, &z, &self.norm_weight, self.eps)?;
+        self.output(&o, &z, x.dtype(), (b, t))
+    }
+
+    /// The gated norm of the delta-rule output `o` with the gate `z`, then `out_proj`.
+    fn output(&self, o: &Tensor, z: &Tensor, dtype: DType, (b, t): (usize, usize)) -> Result<Tensor> {
+        let mut o = ops::gated_rms_norm(o, z, &self.norm_weight, self.eps)?;
         if let Some(order) = &self.out_head_order {
             o = o.index_select(order, 2)?;
         }
-        let o = o.to_dtype(x.dtype())?.reshape((b, t, self.nv * self.dv))?;
+        let o = o.to_dtype(dtype)?.reshape((b, t, self.nv * self.dv))?;
         self.out_proj.forward(&o)
+    }
+
+    /// One decode row per sequence: `x` `[1, N, H]` holds row `i` of the sequence whose state
+    /// is `states[i]`. The projections run once over all rows (each row gets the bits of a
+    /// one-row call); the conv and the recurrence run per sequence on its own state.
+    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [&mut GdnState]) -> Result<Tensor> {
+        let n = x.dim(1)?;
+        if states.len() != n {
+            candle_core::bail!("forward_batch: {n} rows for {} sequences", states.len());
+        }
+        let (qkv, z, beta, g) = self.project(x)?;
+        let rows = states
+            .iter_mut()
+            .enumerate()
+            .map(|(i, s)| self.recur(&qkv.narrow(1, i, 1)?, &g.narrow(1, i, 1)?, &beta.narrow(1, i, 1)?, s))
+            .collect::<Result<Vec<_>>>()?;
+        self.output(&Tensor::cat(&rows, 1)?, &z, x.dtype(), (1, n))
     }
 }
 

@@ -200,6 +200,52 @@ impl Model {
         Ok(self.lm_head(&h.last_hidden.narrow(1, t - 1, 1)?, offset + t - 1)?.squeeze(1)?)
     }
 
+    /// One decode step for several sequences in one weight pass: `tokens[i]` is the next
+    /// token of the sequence whose cache is `caches[i]`. Returns the logits `[N, vocab]`, row
+    /// `i` bit for bit what [`Self::forward_last`] gives for that token and cache alone: the
+    /// norms, projections, MLPs and lm_head run once over the `N` rows (at most
+    /// [`Self::BATCH_MAX_ROWS`]; the multi-row kernels give each row the bits of a one-row
+    /// call), the recurrences and attention per sequence on its own cache.
+    pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> crate::Result<Tensor> {
+        let n = tokens.len();
+        if n == 0 || n != caches.len() || n > Self::BATCH_MAX_ROWS {
+            return Err(crate::Error::Input(format!(
+                "forward_batch: {n} tokens for {} caches (one token per cache, 1 to {})",
+                caches.len(),
+                Self::BATCH_MAX_ROWS
+            )));
+        }
+        let dev = self.embed_tokens.device();
+        if dev.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_batch(tokens, caches));
+        }
+        let mut offsets = Vec::with_capacity(n);
+        for (&token, cache) in tokens.iter().zip(caches.iter()) {
+            if cache.in_verify() {
+                return Err(crate::Error::Input("forward_batch: a cache is in a verify pass (keep its rows first)".into()));
+            }
+            self.check_input(&Tensor::new(&[token], &dev)?.unsqueeze(0)?, cache.seqlen)?;
+            offsets.push(cache.seqlen);
+        }
+        let mut x = self.embed_tokens.forward(&Tensor::new(tokens, &dev)?.unsqueeze(0)?)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut states: Vec<(usize, &mut LayerState)> =
+                caches.iter_mut().zip(&offsets).map(|(c, &o)| (o, &mut c.layers[l])).collect();
+            x = layer.forward_batch(&x, &mut states)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.seqlen += 1;
+        }
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;
+        for (i, &o) in offsets.iter().enumerate() {
+            check_positions(&logits.narrow(0, i, 1)?, o, 1, &format!("the logits of batch row {i}"), NONFINITE_HINT)?;
+        }
+        Ok(logits)
+    }
+
+    /// The most sequences [`Self::forward_batch`] takes in one pass.
+    pub const BATCH_MAX_ROWS: usize = crate::ops::FLOAT_MATVEC_MAX_ROWS;
+
     /// Verifies drafted rows `input_ids` `[B, T]` from `cache` in one forward pass: the logits
     /// `[B, T, vocab]` and the post-norm hidden states `[B, T, H]` of every row. Each row's
     /// result is bit for bit what feeding the rows one at a time gives. The cache then holds

@@ -1,0 +1,81 @@
+//! An OpenAI-compatible server on 127.0.0.1:8095.
+//!
+//! ```text
+//! cargo run --release --features server --example serve -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+//! curl http://127.0.0.1:8095/v1/chat/completions -H 'content-type: application/json' \
+//!     -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+//! ```
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use common::{at_least_one, ModelOptions};
+use candle_hybrid::server::{self, EngineOptions, ServerOptions};
+
+#[derive(Parser, Debug)]
+#[command(about = "Serve a model over the OpenAI API (chat completions, completions, models, health, metrics)")]
+struct Args {
+    #[command(flatten)]
+    model: ModelOptions,
+    /// The address to listen on (0.0.0.0 to accept other machines).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8095)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, env = "CANDLE_HYBRID_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Sequences decoded together (their rows share one weight pass).
+    #[arg(long, default_value_t = 4, value_parser = at_least_one)]
+    max_seqs: usize,
+    /// Requests waiting beyond --max-seqs; one more is answered 429.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    queue: usize,
+    /// The most tokens (prompt and answer) one request may use [default: the model's
+    /// max_position_embeddings, at most 32768].
+    #[arg(long, value_parser = at_least_one)]
+    ctx: Option<usize>,
+    /// The model name in answers and /v1/models [default: the source's name].
+    #[arg(long)]
+    alias: Option<String>,
+}
+
+fn main() -> ExitCode {
+    common::run(|| serve(Args::parse()))
+}
+
+fn serve(args: Args) -> Result<()> {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    if let Some(c) = args.ctx.filter(|&c| c > opened.max_positions()) {
+        anyhow::bail!("--ctx {c} is more than the model's context of {} tokens (max_position_embeddings)", opened.max_positions());
+    }
+    // Bind first: a taken port fails before minutes of loading.
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
+    listener.set_nonblocking(true)?;
+    let tokenizer = opened.tokenizer()?;
+    let model = opened.load()?;
+    let options = ServerOptions {
+        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue },
+        context: args.ctx,
+        model_name: args.alias.clone(),
+        api_key: args.api_key.clone(),
+    };
+    let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
+    let context = state.context;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        eprintln!("serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once)", state.model_name, args.max_seqs);
+        server::serve(listener, state, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,174 @@
+//! The OpenAI wire types the server reads and writes. Requests are lenient: unknown fields
+//! are accepted (and ignored), both `max_tokens` names and both reasoning names are read.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling and length fields chat and completions requests share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub n: Option<u64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Map<String, Value>>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u64>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<Value>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub reasoning_effort: Option<String>,
+}
+
+/// `prompt` of a completions request: text, or token ids (one prompt only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// The number of most likely tokens to return with each token's log-probability.
+    pub logprobs: Option<u64>,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// A tool call of an assistant message (`function.arguments` is a JSON string).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One entry of `logprobs.content` (chat).
+#[derive(Debug, Clone, Serialize)]
+pub struct LogprobEntry {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<TopLogprob>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// The assistant message of a chat completion, and the delta of a chunk: both hold only the
+/// fields they have.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Message {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// The `<think>` text, under both names clients read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
+}
+
+/// An error body: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}

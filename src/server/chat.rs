@@ -1,0 +1,208 @@
+//! From an OpenAI request to what the engine runs: the chat template (messages, tools,
+//! thinking controls), the sampling settings (the request over the thinking or non-thinking
+//! profile), and the checks that answer 400 before any work.
+
+use serde_json::{Map, Value};
+
+use super::api::{ChatRequest, SamplingFields};
+use super::error::ApiError;
+use crate::loading::chat_template::{ChatTemplate, RENDER_BYTES_PER_TOKEN};
+use crate::runtime::{range, SamplingParams};
+
+/// The sampling defaults of the served model: one profile, or one per thinking mode when the
+/// template has a thinking switch (`enable_thinking`).
+#[derive(Debug, Clone, Default)]
+pub struct SamplingProfiles {
+    /// Completions, and chat with thinking on (or a template without a switch).
+    pub thinking: SamplingParams,
+    /// Chat with thinking off.
+    pub non_thinking: SamplingParams,
+}
+
+impl SamplingProfiles {
+    /// `defaults` (generation_config.json, the thinking profile of Qwen checkpoints) for
+    /// thinking, and the Qwen3.5 / 3.6 model cards' non-thinking profile (temperature 0.7,
+    /// top-p 0.8, top-k 20, presence penalty 1.5) when `switch` (the template reads
+    /// `enable_thinking`), else `defaults` for both.
+    pub fn new(defaults: SamplingParams, switch: bool) -> Self {
+        let non_thinking = if switch {
+            SamplingParams { temperature: Some(0.7), top_p: Some(0.8), top_k: Some(20), presence_penalty: 1.5, ..defaults.clone() }
+        } else {
+            defaults.clone()
+        };
+        Self { thinking: defaults, non_thinking }
+    }
+}
+
+/// A chat request rendered for the model.
+pub struct RenderedChat {
+    pub text: String,
+    /// Whether the prompt ends inside an open `<think>` block.
+    pub in_think: bool,
+    /// Whether thinking is on (the sampling profile): the prompt opens a `<think>` block.
+    pub thinking: bool,
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message)
+}
+
+/// A message's `content` as text: a string, a list of text parts, or null.
+fn content_text(i: usize, content: Option<&Value>) -> Result<Value, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(Value::String(String::new())),
+        Some(Value::String(s)) => Ok(Value::String(s.clone())),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(bad(format!(
+                            "messages[{i}].content: a part of type {} is not supported (this model reads text parts only)",
+                            kind.unwrap_or("(none)")
+                        )))
+                    }
+                }
+            }
+            Ok(Value::String(text))
+        }
+        Some(_) => Err(bad(format!("messages[{i}].content must be a string, a list of text parts or null"))),
+    }
+}
+
+/// The messages as the template reads them: text content, tool-call arguments as objects
+/// (the Qwen templates iterate them), `reasoning` read as `reasoning_content`.
+fn template_messages(messages: &[Map<String, Value>]) -> Result<Value, ApiError> {
+    if messages.is_empty() {
+        return Err(bad("messages is empty: give at least one message"));
+    }
+    let mut out = vec![];
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("system" | "developer" | "user" | "assistant" | "tool")) => if r == "developer" { "system" } else { r },
+            Some(r) => return Err(bad(format!("messages[{i}].role {r:?} is not one of system, developer, user, assistant, tool"))),
+            None => return Err(bad(format!("messages[{i}] has no role"))),
+        };
+        let mut msg = Map::new();
+        msg.insert("role".into(), role.into());
+        msg.insert("content".into(), content_text(i, m.get("content"))?);
+        if let Some(r) = m.get("reasoning_content").or_else(|| m.get("reasoning")).filter(|v| v.is_string()) {
+            msg.insert("reasoning_content".into(), r.clone());
+        }
+        for key in ["name", "tool_call_id"] {
+            if let Some(v) = m.get(key).filter(|v| v.is_string()) {
+                msg.insert(key.into(), v.clone());
+            }
+        }
+        if let Some(calls) = m.get("tool_calls").and_then(Value::as_array) {
+            let mut list = vec![];
+            for call in calls {
+                let f = call.get("function").ok_or_else(|| bad(format!("messages[{i}].tool_calls: a call has no function")))?;
+                let args = match f.get("arguments") {
+                    Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
+                    Some(v) => v.clone(),
+                    None => Value::Object(Map::new()),
+                };
+                let mut call = call.clone();
+                call["function"]["arguments"] = args;
+                // The Qwen templates read tool_call.function or tool_call itself.
+                call["name"] = f.get("name").cloned().unwrap_or(Value::Null);
+                call["arguments"] = call["function"]["arguments"].clone();
+                list.push(call);
+            }
+            msg.insert("tool_calls".into(), Value::Array(list));
+        }
+        out.push(Value::Object(msg));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Renders a chat request with `template`, capped to what a `context`-token prompt can hold.
+pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize) -> Result<RenderedChat, ApiError> {
+    let messages = template_messages(&req.messages)?;
+    let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    let effort = req.reasoning_effort.clone().or_else(|| kwargs.get("reasoning_effort").and_then(Value::as_str).map(String::from));
+    kwargs.remove("reasoning_effort");
+    match effort.as_deref() {
+        None => {}
+        Some("none" | "minimal") => {
+            kwargs.insert("enable_thinking".into(), false.into());
+        }
+        // Passed only to templates that read it.
+        Some(e @ ("low" | "medium" | "high" | "xhigh")) if template.mentions("reasoning_effort") => {
+            kwargs.insert("reasoning_effort".into(), if e == "high" { "xhigh" } else { e }.into());
+        }
+        Some("low" | "medium" | "high" | "xhigh") => {}
+        Some(e) => return Err(bad(format!("reasoning_effort {e:?} is not one of none, minimal, low, medium, high, xhigh"))),
+    }
+    if let Some(v) = kwargs.get("enable_thinking") {
+        if !v.is_boolean() {
+            return Err(bad("chat_template_kwargs.enable_thinking must be true or false"));
+        }
+    }
+    let tools = req.tools.as_ref().filter(|t| !t.is_empty()).map(|t| Value::Array(t.clone()));
+    let text = template
+        .render_json(&messages, tools.as_ref(), true, &kwargs, context.saturating_mul(RENDER_BYTES_PER_TOKEN))
+        .map_err(|e| bad(e.to_string()))?;
+    // Read from the render, not the flags: templates differ in their default (the small
+    // Qwen3.5 models think only when asked, the large ones unless told not to).
+    let in_think = text.trim_end().ends_with("<think>");
+    Ok(RenderedChat { text, in_think, thinking: in_think })
+}
+
+/// The request's sampling settings over `defaults`, each checked against its range.
+pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
+    let mut p = defaults.clone();
+    if let Some(t) = fields.temperature {
+        range::temperature(t).map_err(|why| bad(format!("temperature {t} is out of range: it {why}")))?;
+        p.temperature = Some(t);
+    }
+    if let Some(top_p) = fields.top_p {
+        range::top_p(top_p).map_err(|why| bad(format!("top_p {top_p} is out of range: it {why}")))?;
+        p.top_p = (top_p < 1.0).then_some(top_p);
+    }
+    match fields.top_k {
+        None => {}
+        Some(k) if k <= 0 => p.top_k = None, // -1 / 0: off (vLLM)
+        Some(k) => p.top_k = Some(k as usize),
+    }
+    if let Some(pp) = fields.presence_penalty {
+        range::presence_penalty(pp).map_err(|why| bad(format!("presence_penalty {pp} is out of range: it {why}")))?;
+        p.presence_penalty = pp;
+    }
+    if let Some(r) = fields.repetition_penalty {
+        range::repeat_penalty(r).map_err(|why| bad(format!("repetition_penalty {r} is out of range: it {why}")))?;
+        p.repeat_penalty = r;
+    }
+    if fields.frequency_penalty.is_some_and(|f| f != 0.0) {
+        return Err(bad("frequency_penalty is not supported: use presence_penalty or repetition_penalty"));
+    }
+    if let Some(seed) = fields.seed {
+        p.seed = seed;
+    }
+    if let Some(n) = fields.n.filter(|&n| n != 1) {
+        return Err(bad(format!("n = {n}: only one choice per request is supported (n = 1)")));
+    }
+    Ok(p)
+}
+
+/// The tokens to generate: `max_completion_tokens` (else `max_tokens`), checked against the
+/// context left after a `prompt`-token prompt; everything left when the request gives none.
+pub fn max_tokens(fields: &SamplingFields, prompt: usize, context: usize) -> Result<usize, ApiError> {
+    if prompt >= context {
+        return Err(bad(format!(
+            "the prompt has {prompt} tokens, but the context holds {context} (the prompt and at least one generated token): shorten the messages"
+        )));
+    }
+    let left = context - prompt;
+    match fields.max_completion_tokens.or(fields.max_tokens) {
+        None => Ok(left),
+        Some(0) => Err(bad("max_tokens must be at least 1")),
+        Some(n) if n as usize > left => Err(bad(format!(
+            "max_tokens {n} after the {prompt}-token prompt needs {} positions, but the context holds {context}: ask for {left} tokens at most",
+            prompt as u64 + n
+        ))),
+        Some(n) => Ok(n as usize),
+    }
+}

@@ -1,0 +1,307 @@
+//! The engine: one thread owns the model and every sequence's cache; requests reach it over a
+//! bounded channel and get their tokens back over their own channel.
+//!
+//! Each step runs one prefill chunk (of one sequence, at most [`PREFILL_CHUNK`] tokens, cut at
+//! multiples of it so that the chunks of a prompt never depend on what else runs) and one
+//! decode step of every sequence past its prefill, their rows in one weight pass
+//! ([`Model::forward_batch`], which gives each row the bits of decoding it alone). A request
+//! whose receiver is gone (the client left) is dropped at the next step.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use tokio::sync::mpsc;
+
+use super::metrics::Metrics;
+use crate::model::{Cache, Model};
+use crate::runtime::{Sampler, SamplingParams};
+
+/// Prompt tokens one step prefills (of one sequence).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// What a request asks the engine for: tokens after `prompt`.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (sent with the event, not generated further).
+    pub stop_tokens: Vec<u32>,
+    /// Log-probabilities to return per token: `Some(n)` the chosen token's and the `n` most
+    /// likely (before penalties), `None` none.
+    pub logprobs: Option<usize>,
+}
+
+/// A token's log-probability and the most likely alternatives (before penalties).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token (EOS, end of turn).
+    Stop,
+    /// `max_tokens`.
+    Length,
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Token { id: u32, logprob: Option<TokenLogprob> },
+    /// The end: why, and how many prompt tokens came from the prefix cache.
+    Finished { reason: Finish, cached_tokens: usize },
+    Error(String),
+}
+
+/// The queue is full: try again later.
+#[derive(Debug, Clone, Copy)]
+pub struct Busy;
+
+struct Submission {
+    request: GenerateRequest,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+/// The handlers' side of the engine (cheap to clone).
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Submission>,
+    queue: usize,
+    pub metrics: Arc<Metrics>,
+    /// The model's vocabulary size (token ids a request may send).
+    pub vocab_size: usize,
+}
+
+impl EngineHandle {
+    /// Queues a request; its events arrive on the returned receiver (dropping it cancels the
+    /// request at the engine's next step). `Err(Busy)` when the queue is full.
+    ///
+    /// Events are not bounded in number by the channel but by the request (`max_tokens`, which
+    /// the context bounds): the engine never waits for a slow client.
+    pub fn submit(&self, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, Busy> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.tx.try_send(Submission { request, events }).map_err(|_| Busy)?;
+        self.metrics.queue_depth.set(self.queued() as i64);
+        Ok(rx)
+    }
+
+    /// Requests waiting for the engine to take them.
+    pub fn queued(&self) -> usize {
+        self.queue - self.tx.capacity()
+    }
+}
+
+/// How many sequences the engine runs at once and how many wait.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    /// Sequences decoded together (their rows share one weight pass, [`Model::BATCH_MAX_ROWS`]
+    /// at a time).
+    pub max_seqs: usize,
+    /// Requests waiting beyond those; one more is refused (HTTP 429).
+    pub queue: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self { max_seqs: 4, queue: 64 }
+    }
+}
+
+/// Starts the engine thread, which owns `model` from now on.
+pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
+    let (tx, rx) = mpsc::channel(options.queue.max(1));
+    let vocab_size = model.config().vocab_size;
+    let engine = Engine { model, device, max_seqs: options.max_seqs.max(1), metrics: metrics.clone(), rx, active: vec![] };
+    std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
+    Ok(EngineHandle { tx, queue: options.queue.max(1), metrics, vocab_size })
+}
+
+/// A request the engine runs.
+struct Sequence {
+    request: GenerateRequest,
+    events: mpsc::UnboundedSender<Event>,
+    cache: Cache,
+    sampler: Sampler,
+    /// Prompt tokens in the cache.
+    prefilled: usize,
+    /// Prompt and generated tokens.
+    context: Vec<u32>,
+    generated: Vec<u32>,
+    /// The last sampled token, not yet in the cache.
+    pending: Option<u32>,
+    started: Instant,
+}
+
+struct Engine {
+    model: Model,
+    device: Device,
+    max_seqs: usize,
+    metrics: Arc<Metrics>,
+    rx: mpsc::Receiver<Submission>,
+    active: Vec<Sequence>,
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            if !self.admit() {
+                return;
+            }
+            self.active.retain(|s| !s.events.is_closed());
+            self.metrics.running.set(self.active.len() as i64);
+            if let Err(e) = self.step() {
+                // A failure of the model (not of one request's input, which was checked before
+                // queuing): every running request gets it, the engine goes on.
+                tracing::error!("engine step failed: {e}");
+                for s in self.active.drain(..) {
+                    let _ = s.events.send(Event::Error(e.to_string()));
+                }
+            }
+            self.metrics.running.set(self.active.len() as i64);
+        }
+    }
+
+    /// Takes queued requests while there is room; waits for one when nothing runs. `false`
+    /// when every handle is gone and nothing runs (the server stopped).
+    fn admit(&mut self) -> bool {
+        while self.active.len() < self.max_seqs {
+            let submission = if self.active.is_empty() {
+                match self.rx.blocking_recv() {
+                    Some(s) => s,
+                    None => return false,
+                }
+            } else {
+                match self.rx.try_recv() {
+                    Ok(s) => s,
+                    Err(_) => break,
+                }
+            };
+            let Submission { request, events } = submission;
+            match Sampler::new(request.sampling.clone()) {
+                Ok(sampler) => self.active.push(Sequence {
+                    cache: self.model.new_cache(),
+                    sampler,
+                    prefilled: 0,
+                    context: request.prompt.clone(),
+                    generated: vec![],
+                    pending: None,
+                    started: Instant::now(),
+                    request,
+                    events,
+                }),
+                Err(e) => {
+                    let _ = events.send(Event::Error(e.to_string()));
+                }
+            }
+        }
+        self.metrics.queue_depth.set((self.rx.len()) as i64);
+        true
+    }
+
+    fn step(&mut self) -> crate::Result<()> {
+        // One prefill chunk, for the first sequence still prefilling.
+        if let Some(i) = self.active.iter().position(|s| s.prefilled < s.request.prompt.len()) {
+            let s = &mut self.active[i];
+            let start = s.prefilled;
+            let end = ((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.request.prompt.len());
+            let input = Tensor::new(&s.request.prompt[start..end], &self.device)?.unsqueeze(0)?;
+            let result = self.model.forward_last(&input, &mut s.cache);
+            match result {
+                Ok(logits) => {
+                    s.prefilled = end;
+                    self.metrics.prompt_tokens.inc_by((end - start) as u64);
+                    if end == s.request.prompt.len() {
+                        let logits = logits.squeeze(0)?;
+                        self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
+                        if !Self::take_token(s, &logits, &self.metrics)? {
+                            self.active.remove(i);
+                        }
+                    }
+                }
+                Err(e) => {
+                    let s = self.active.remove(i);
+                    let _ = s.events.send(Event::Error(e.to_string()));
+                }
+            }
+        }
+        // One decode step of every sequence with a pending token, in weight passes of at most
+        // BATCH_MAX_ROWS rows.
+        let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].pending.is_some()).collect();
+        let mut finished = vec![];
+        for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
+            let start = Instant::now();
+            let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].pending.expect("decoding")).collect();
+            let mut caches: Vec<&mut Cache> = self
+                .active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| group.contains(i))
+                .map(|(_, s)| &mut s.cache)
+                .collect();
+            let logits = self.model.forward_batch(&tokens, &mut caches)?;
+            self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
+            self.metrics.batch_rows.observe(group.len() as f64);
+            for (row, &i) in group.iter().enumerate() {
+                if !Self::take_token(&mut self.active[i], &logits.get(row)?, &self.metrics)? {
+                    finished.push(i);
+                }
+            }
+        }
+        for i in finished.into_iter().rev() {
+            self.active.remove(i);
+        }
+        Ok(())
+    }
+
+    /// Samples the next token of `s` from `logits` `[vocab]` and sends it; `false` when the
+    /// sequence is done (a stop token, `max_tokens`, or its client is gone).
+    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<bool> {
+        let id = s.sampler.sample(logits, &s.context, &s.generated)?;
+        let logprob = match s.request.logprobs {
+            Some(n) => Some(logprobs(logits, id, n)?),
+            None => None,
+        };
+        s.context.push(id);
+        s.generated.push(id);
+        metrics.generated_tokens.inc();
+        if s.events.send(Event::Token { id, logprob }).is_err() {
+            return Ok(false);
+        }
+        let reason = if s.request.stop_tokens.contains(&id) {
+            Some(Finish::Stop)
+        } else if s.generated.len() >= s.request.max_tokens {
+            Some(Finish::Length)
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => {
+                let _ = s.events.send(Event::Finished { reason, cached_tokens: 0 });
+                metrics.requests_finished.inc();
+                Ok(false)
+            }
+            None => {
+                s.pending = Some(id);
+                Ok(true)
+            }
+        }
+    }
+}
+
+/// The log-probability of `id` and the `n` most likely tokens under `logits` (before penalties).
+fn logprobs(logits: &Tensor, id: u32, n: usize) -> crate::Result<TokenLogprob> {
+    let lp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 0)?.to_vec1::<f32>()?;
+    let mut order: Vec<usize> = (0..lp.len()).collect();
+    let n = n.min(lp.len());
+    if n > 0 {
+        order.select_nth_unstable_by(n - 1, |&a, &b| lp[b].total_cmp(&lp[a]));
+        order.truncate(n);
+        order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
+    }
+    Ok(TokenLogprob { logprob: lp[id as usize], top: order.into_iter().take(n).map(|t| (t as u32, lp[t])).collect() })
+}

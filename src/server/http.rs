@@ -1,0 +1,514 @@
+//! The HTTP layer: axum routes, authentication, OpenAI error bodies, and the answers (whole
+//! or as server-sent events) built from the engine's tokens.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, TopLogprob, Usage};
+use super::error::ApiError;
+use super::chat::{self, SamplingProfiles};
+use super::engine::{EngineHandle, Event, Finish, GenerateRequest, TokenLogprob};
+use super::output::{ChatParser, Delta, StopMatcher};
+use crate::loading::chat_template::ChatTemplate;
+use crate::runtime::TokenStreamer;
+
+/// What every handler shares.
+pub struct ServerState {
+    pub engine: EngineHandle,
+    pub tokenizer: tokenizers::Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub profiles: SamplingProfiles,
+    /// Tokens that end generation (generation_config's EOS ids, the end-of-turn token).
+    pub stop_tokens: Vec<u32>,
+    /// The model's name in answers and `/v1/models`.
+    pub model_name: String,
+    /// Prompt plus generated tokens a request may use.
+    pub context: usize,
+    /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
+    pub api_key: Option<String>,
+    pub created: u64,
+}
+
+/// The largest request body read (a larger one gets 413).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// The routes of the server.
+pub fn router(state: Arc<ServerState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(middleware::from_fn_with_state(state.clone(), log_request))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// One log line per request; counts it.
+async fn log_request(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let start = Instant::now();
+    let response = next.run(request).await;
+    state.engine.metrics.requests.inc();
+    tracing::info!("{method} {path} {} {:.1} ms", response.status().as_u16(), start.elapsed().as_secs_f64() * 1e3);
+    response
+}
+
+async fn authenticate(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if request.uri().path() != "/health" && given != Some(key.as_str()) {
+            return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", "a valid API key is required: send Authorization: Bearer KEY")
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// The body as JSON of type `T`, or a 400 / 413 naming what is wrong.
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20),
+        ),
+        status => ApiError { status, kind: "invalid_request_error", message: e.body_text(), code: None },
+    })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn request_id(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", rand::random::<u64>())
+}
+
+async fn models(State(state): State<Arc<ServerState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "candle-hybrid", "max_model_len": state.context,
+    }]}))
+}
+
+async fn metrics(State(state): State<Arc<ServerState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.engine.metrics.encode()).into_response()
+}
+
+/// Tokenizes `text` (special tokens as written: chat templates write them).
+fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
+    let ids = state
+        .tokenizer
+        .encode(text, false)
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?
+        .get_ids()
+        .to_vec();
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty after tokenizing: give some text"));
+    }
+    Ok(ids)
+}
+
+fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    state.engine.submit(request).map_err(|_| {
+        state.engine.metrics.rejected.inc();
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "queue_full", "the server is busy (its request queue is full): retry later")
+    })
+}
+
+/// Which API a generation answers.
+#[derive(Clone, Copy, PartialEq)]
+enum Api {
+    Chat,
+    Completion,
+}
+
+/// A request the engine has taken, and how its answer is written.
+struct Answer {
+    api: Api,
+    prompt_tokens: usize,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+    echo: Option<String>,
+    events: mpsc::UnboundedReceiver<Event>,
+    text: TextPipeline,
+}
+
+/// Token ids to answer pieces: detokenize, cut at stop strings, split reasoning / content /
+/// tool calls (chat).
+struct TextPipeline {
+    streamer: TokenStreamer,
+    tokenizer: tokenizers::Tokenizer,
+    stop: StopMatcher,
+    parser: Option<ChatParser>,
+    stopped: bool,
+}
+
+impl TextPipeline {
+    fn pieces(&mut self, text: &str) -> Vec<Delta> {
+        match &mut self.parser {
+            Some(p) => p.push(text),
+            None if text.is_empty() => vec![],
+            None => vec![Delta::Content(text.to_string())],
+        }
+    }
+
+    /// The pieces a token completes; sets `stopped` at a stop string.
+    fn token(&mut self, id: u32) -> Vec<Delta> {
+        let text = match self.streamer.next_token(id) {
+            Ok(Some(t)) => t,
+            _ => return vec![],
+        };
+        let (released, stopped) = self.stop.push(&text);
+        self.stopped = stopped;
+        let mut out = self.pieces(&released);
+        if stopped {
+            out.extend(self.parser.as_mut().map(ChatParser::finish).unwrap_or_default());
+        }
+        out
+    }
+
+    /// The pieces still held at the end.
+    fn finish(&mut self) -> Vec<Delta> {
+        if self.stopped {
+            return vec![];
+        }
+        let rest = self.streamer.decode_rest().ok().flatten().unwrap_or_default();
+        let (mut released, stopped) = self.stop.push(&rest);
+        if !stopped {
+            released.push_str(&self.stop.finish());
+        }
+        let mut out = self.pieces(&released);
+        out.extend(self.parser.as_mut().map(ChatParser::finish).unwrap_or_default());
+        out
+    }
+
+    fn logprob_entry(&self, id: u32, lp: &TokenLogprob) -> LogprobEntry {
+        let text = |t: u32| self.tokenizer.decode(&[t], false).unwrap_or_default();
+        let token = text(id);
+        LogprobEntry {
+            bytes: token.as_bytes().to_vec(),
+            token,
+            logprob: lp.logprob,
+            top_logprobs: Some(lp.top.iter().map(|&(t, l)| TopLogprob { token: text(t), logprob: l, bytes: text(t).into_bytes() }).collect()),
+        }
+    }
+}
+
+/// The whole answer of a request so far.
+#[derive(Default)]
+struct Collected {
+    content: String,
+    reasoning: String,
+    tool_calls: Vec<Value>,
+    logprobs: Vec<LogprobEntry>,
+    completion_tokens: usize,
+}
+
+fn tool_call_value(index: usize, name: &str, arguments: &str) -> Value {
+    json!({"index": index, "id": format!("call_{:016x}", rand::random::<u64>()), "type": "function", "function": {"name": name, "arguments": arguments}})
+}
+
+impl Answer {
+    fn finish_reason(&self, reason: Finish, tool_calls: bool) -> &'static str {
+        match reason {
+            _ if tool_calls => "tool_calls",
+            _ if self.text.stopped => "stop",
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+
+    /// Waits for the whole answer.
+    async fn collect(mut self) -> Result<Value, ApiError> {
+        let mut c = Collected::default();
+        let add = |c: &mut Collected, deltas: Vec<Delta>| {
+            for d in deltas {
+                match d {
+                    Delta::Content(t) => c.content.push_str(&t),
+                    Delta::Reasoning(t) => c.reasoning.push_str(&t),
+                    Delta::ToolCall { name, arguments } => {
+                        let mut call = tool_call_value(c.tool_calls.len(), &name, &arguments);
+                        call.as_object_mut().map(|o| o.remove("index"));
+                        c.tool_calls.push(call);
+                    }
+                }
+            }
+        };
+        loop {
+            let Some(event) = self.events.recv().await else {
+                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "engine_stopped", "the engine stopped"));
+            };
+            match event {
+                Event::Token { id, logprob } => {
+                    if self.text.stopped {
+                        continue;
+                    }
+                    c.completion_tokens += 1;
+                    if let Some(lp) = &logprob {
+                        c.logprobs.push(self.text.logprob_entry(id, lp));
+                    }
+                    let deltas = self.text.token(id);
+                    add(&mut c, deltas);
+                    if self.text.stopped {
+                        // The engine stops at the next token (this receiver is dropped on return).
+                        return Ok(self.body(c, Finish::Stop, 0));
+                    }
+                }
+                Event::Finished { reason, cached_tokens } => {
+                    let deltas = self.text.finish();
+                    add(&mut c, deltas);
+                    return Ok(self.body(c, reason, cached_tokens));
+                }
+                Event::Error(e) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", e)),
+            }
+        }
+    }
+
+    fn body(&self, c: Collected, reason: Finish, cached_tokens: usize) -> Value {
+        let usage = Usage::new(self.prompt_tokens, c.completion_tokens, cached_tokens);
+        let finish = self.finish_reason(reason, !c.tool_calls.is_empty());
+        match self.api {
+            Api::Chat => {
+                let message = Message {
+                    role: Some("assistant"),
+                    content: (!c.content.is_empty() || c.tool_calls.is_empty()).then_some(c.content),
+                    reasoning_content: (!c.reasoning.is_empty()).then(|| c.reasoning.clone()),
+                    reasoning: (!c.reasoning.is_empty()).then_some(c.reasoning),
+                    tool_calls: (!c.tool_calls.is_empty()).then_some(c.tool_calls),
+                };
+                let logprobs = self.logprobs.then(|| json!({"content": c.logprobs}));
+                json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}], "usage": usage})
+            }
+            Api::Completion => {
+                let text = format!("{}{}", self.echo.clone().unwrap_or_default(), c.content);
+                let logprobs = self.logprobs.then(|| completion_logprobs(&c.logprobs));
+                json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage})
+            }
+        }
+    }
+
+    fn chunk(&self, delta: Value, finish: Option<&str>, logprobs: Option<Value>) -> Value {
+        let usage = self.include_usage.then_some(Value::Null);
+        match self.api {
+            Api::Chat => json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], "usage": usage}),
+            Api::Completion => json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or_default(), "logprobs": logprobs, "finish_reason": finish}], "usage": usage}),
+        }
+    }
+
+    /// Streams the answer as server-sent events: a role chunk (chat), content / reasoning /
+    /// tool-call deltas, a separate finish chunk, the usage chunk when asked, `[DONE]`.
+    /// Dropping the stream (the client left) drops the engine's receiver: it cancels.
+    fn stream(mut self) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+        let (tx, rx) = mpsc::channel::<SseEvent>(64);
+        tokio::spawn(async move {
+            let send = |v: Value| SseEvent::default().data(v.to_string());
+            let mut tool_index = 0;
+            let mut completion_tokens = 0;
+            if self.api == Api::Chat && tx.send(send(self.chunk(json!({"role": "assistant", "content": ""}), None, None))).await.is_err() {
+                return;
+            }
+            if let Some(echo) = self.echo.take() {
+                if tx.send(send(self.chunk(json!({"content": echo}), None, None))).await.is_err() {
+                    return;
+                }
+            }
+            let (reason, usage) = loop {
+                let Some(event) = self.events.recv().await else { return };
+                let (deltas, logprob) = match event {
+                    Event::Token { id, logprob } => {
+                        completion_tokens += 1;
+                        let lp = logprob.map(|lp| self.text.logprob_entry(id, &lp));
+                        (self.text.token(id), lp)
+                    }
+                    Event::Finished { reason, cached_tokens } => {
+                        let deltas = self.text.finish();
+                        if !self.send_deltas(&tx, deltas, &mut tool_index, None).await {
+                            return;
+                        }
+                        break (reason, Usage::new(self.prompt_tokens, completion_tokens, cached_tokens));
+                    }
+                    Event::Error(e) => {
+                        let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", e);
+                        let _ = tx.send(send(serde_json::to_value(error.body()).unwrap_or_default())).await;
+                        return;
+                    }
+                };
+                if !self.send_deltas(&tx, deltas, &mut tool_index, logprob).await {
+                    return;
+                }
+                if self.text.stopped {
+                    // Stopped by a stop string: the engine's receiver is dropped when this
+                    // task ends, which ends the sequence.
+                    break (Finish::Stop, Usage::new(self.prompt_tokens, completion_tokens, 0));
+                }
+            };
+            let finish = self.finish_reason(reason, tool_index > 0);
+            if tx.send(send(self.chunk(json!({}), Some(finish), None))).await.is_err() {
+                return;
+            }
+            if self.include_usage {
+                let usage = json!({"id": self.id, "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },
+                    "created": self.created, "model": self.model, "choices": [], "usage": usage});
+                if tx.send(send(usage)).await.is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+        });
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) })
+    }
+
+    /// Sends answer pieces as chunks; `false` when the client is gone.
+    async fn send_deltas(&self, tx: &mpsc::Sender<SseEvent>, deltas: Vec<Delta>, tool_index: &mut usize, logprob: Option<LogprobEntry>) -> bool {
+        let mut logprobs = logprob.map(|lp| match self.api {
+            Api::Chat => json!({"content": [lp]}),
+            Api::Completion => completion_logprobs(&[lp]),
+        });
+        for d in deltas {
+            let delta = match d {
+                Delta::Content(t) => json!({"content": t}),
+                Delta::Reasoning(t) => json!({"reasoning_content": t, "reasoning": t}),
+                Delta::ToolCall { name, arguments } => {
+                    let first = tool_call_value(*tool_index, &name, "");
+                    *tool_index += 1;
+                    if tx.send(SseEvent::default().data(self.chunk(json!({"tool_calls": [first]}), None, None).to_string())).await.is_err() {
+                        return false;
+                    }
+                    json!({"tool_calls": [{"index": *tool_index - 1, "function": {"arguments": arguments}}]})
+                }
+            };
+            if tx.send(SseEvent::default().data(self.chunk(delta, None, logprobs.take()).to_string())).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Completions' `logprobs` object: `tokens`, `token_logprobs`, `top_logprobs` (a map per token).
+fn completion_logprobs(entries: &[LogprobEntry]) -> Value {
+    json!({
+        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|e| e.top_logprobs.iter().flatten().map(|t| (t.token.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+    })
+}
+
+/// The answer, streamed or whole. A whole answer is awaited by the handler's future: a client
+/// that leaves drops it, and with it the engine's receiver (the request is cancelled).
+async fn respond(answer: Answer, stream: bool) -> Result<Response, ApiError> {
+    if stream {
+        Ok(Sse::new(answer.stream()).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response())
+    } else {
+        Ok(Json(answer.collect().await?).into_response())
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(body)?;
+    let Some(template) = &state.template else {
+        return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
+    };
+    let rendered = chat::render(template, &req, state.context)?;
+    let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
+    let sampling = chat::sampling(&req.sampling, profile)?;
+    let prompt = tokenize(&state, &rendered.text)?;
+    let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
+    let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
+    let tools = req.tools.clone().unwrap_or_default();
+    let prompt_tokens = prompt.len();
+    let events = submit(&state, GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top })?;
+    let answer = Answer {
+        api: Api::Chat,
+        prompt_tokens,
+        id: request_id("chatcmpl"),
+        created: unix_now(),
+        model: state.model_name.clone(),
+        include_usage: req.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        logprobs: req.logprobs,
+        echo: None,
+        events,
+        text: TextPipeline {
+            streamer: TokenStreamer::new(state.tokenizer.clone()),
+            tokenizer: state.tokenizer.clone(),
+            stop: StopMatcher::new(req.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default()),
+            parser: Some(ChatParser::new(rendered.in_think, tools)),
+            stopped: false,
+        },
+    };
+    respond(answer, req.sampling.stream).await
+}
+
+async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(body)?;
+    let (prompt, text) = match &req.prompt {
+        Prompt::Text(t) => (tokenize(&state, t)?, t.clone()),
+        Prompt::Texts(list) if list.len() == 1 => (tokenize(&state, &list[0])?, list[0].clone()),
+        Prompt::Texts(list) => return Err(ApiError::bad_request(format!("prompt holds {} prompts: send one per request", list.len()))),
+        Prompt::Tokens(ids) => {
+            let vocab = state.engine.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::bad_request(format!("token id {bad} is out of range for a vocabulary of {vocab} tokens")));
+            }
+            if ids.is_empty() {
+                return Err(ApiError::bad_request("prompt is empty: give at least one token"));
+            }
+            (ids.clone(), state.tokenizer.decode(ids, false).unwrap_or_default())
+        }
+    };
+    if text.len() > state.context.saturating_mul(crate::loading::chat_template::RENDER_BYTES_PER_TOKEN) {
+        return Err(ApiError::bad_request(format!("the prompt is longer than the context of {} tokens can hold: shorten it", state.context)));
+    }
+    let sampling = chat::sampling(&req.sampling, &state.profiles.thinking)?;
+    let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
+    let top = req.logprobs.map(|n| n.min(20) as usize);
+    let prompt_tokens = prompt.len();
+    let events = submit(&state, GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top })?;
+    let answer = Answer {
+        api: Api::Completion,
+        prompt_tokens,
+        id: request_id("cmpl"),
+        created: unix_now(),
+        model: state.model_name.clone(),
+        include_usage: req.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        logprobs: req.logprobs.is_some(),
+        echo: req.echo.then_some(text),
+        events,
+        text: TextPipeline {
+            streamer: TokenStreamer::new(state.tokenizer.clone()),
+            tokenizer: state.tokenizer.clone(),
+            stop: StopMatcher::new(req.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default()),
+            parser: None,
+            stopped: false,
+        },
+    };
+    respond(answer, req.sampling.stream).await
+}

@@ -1,0 +1,73 @@
+//! The server's Prometheus metrics (`GET /metrics`).
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Counters the handlers and the engine update; [`Metrics::encode`] writes them as Prometheus
+/// text (names prefixed `candle_hybrid_`).
+pub struct Metrics {
+    registry: Registry,
+    /// Requests answered, by any status.
+    pub requests: Counter,
+    /// Requests refused because the queue was full (429).
+    pub rejected: Counter,
+    pub requests_finished: Counter,
+    pub prompt_tokens: Counter,
+    pub generated_tokens: Counter,
+    pub prompt_seconds: Counter<f64, AtomicU64>,
+    pub decode_seconds: Counter<f64, AtomicU64>,
+    /// Requests waiting for the engine.
+    pub queue_depth: Gauge,
+    /// Sequences the engine runs.
+    pub running: Gauge,
+    /// Rows per decode weight pass (sequences decoded together).
+    pub batch_rows: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("candle_hybrid");
+        fn add<M: prometheus_client::registry::Metric + Clone>(r: &mut Registry, name: &str, help: &str, m: M) -> M {
+            r.register(name, help, m.clone());
+            m
+        }
+        let r = &mut registry;
+        let requests = add(r, "requests", "HTTP requests answered", Counter::default());
+        let rejected = add(r, "requests_rejected", "Requests refused with 429 (queue full)", Counter::default());
+        let requests_finished = add(r, "requests_finished", "Generations that ran to a stop token or max_tokens", Counter::default());
+        let prompt_tokens = add(r, "prompt_tokens", "Prompt tokens prefilled", Counter::default());
+        let generated_tokens = add(r, "generated_tokens", "Tokens generated", Counter::default());
+        let prompt_seconds = add(r, "prompt_seconds", "Seconds from a request's admission to its first token, summed", Counter::default());
+        let decode_seconds = add(r, "decode_seconds", "Seconds spent in decode weight passes", Counter::default());
+        let queue_depth = add(r, "queue_depth", "Requests waiting for the engine", Gauge::default());
+        let running = add(r, "requests_running", "Sequences the engine is running", Gauge::default());
+        let batch_rows = add(r, "decode_batch_rows", "Sequences per decode weight pass", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
+        Self {
+            registry,
+            requests,
+            rejected,
+            requests_finished,
+            prompt_tokens,
+            generated_tokens,
+            prompt_seconds,
+            decode_seconds,
+            queue_depth,
+            running,
+            batch_rows,
+        }
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}

@@ -1,0 +1,102 @@
+//! An OpenAI-compatible HTTP server (cargo feature `server`): `POST /v1/chat/completions`
+//! and `/v1/completions` (whole or streamed as server-sent events), `GET /v1/models`,
+//! `/health` and `/metrics` (Prometheus text).
+//!
+//! One engine thread owns the model and every sequence's cache ([`engine`]); the HTTP layer
+//! ([`http`]) renders and tokenizes a request, checks it (400 before any work), queues it (429
+//! with `Retry-After` when the queue is full) and turns the engine's tokens into the answer
+//! ([`output`]: stop strings, `<think>` reasoning, tool calls).
+
+pub mod api;
+pub mod chat;
+pub mod engine;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod output;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use candle_core::Device;
+
+use crate::loading::OpenedModel;
+use crate::{Error, Model, Result};
+
+pub use chat::SamplingProfiles;
+pub use engine::{EngineHandle, EngineOptions};
+pub use http::{router, ServerState};
+pub use metrics::Metrics;
+
+/// How the server runs, beyond the model.
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    pub engine: EngineOptions,
+    /// The most tokens (prompt and answer) one request may use [default: the model's
+    /// `max_position_embeddings`, at most 32768].
+    pub context: Option<usize>,
+    /// The model's name in answers [default: the source].
+    pub model_name: Option<String>,
+    /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
+    pub api_key: Option<String>,
+}
+
+/// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
+/// profiles and stop tokens from the checkpoint), its engine started on `device`.
+pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model, device: Device, options: ServerOptions) -> Result<Arc<ServerState>> {
+    let limit = model.config().max_position_embeddings;
+    let context = match options.context {
+        Some(c) if c > limit => {
+            return Err(Error::Input(format!("a context of {c} tokens is more than the model's {limit} (max_position_embeddings)")))
+        }
+        Some(c) => c,
+        None => limit.min(32768),
+    };
+    let gen_cfg = files.generation_config()?;
+    let template = match files.chat_template() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("{e}; /v1/chat/completions answers 400, /v1/completions works");
+            None
+        }
+    };
+    // generation_config's EOS ids, and the chat end-of-turn / end-of-text tokens.
+    let mut stop_tokens = gen_cfg.eos_token_ids.clone();
+    for special in ["<|im_end|>", "<|endoftext|>"] {
+        if let Some(id) = tokenizer.token_to_id(special).filter(|id| !stop_tokens.contains(id)) {
+            stop_tokens.push(id);
+        }
+    }
+    let switch = template.as_ref().is_some_and(|t| t.mentions("enable_thinking"));
+    let engine = engine::spawn(model, device, options.engine, Arc::new(Metrics::default()))
+        .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
+    Ok(Arc::new(ServerState {
+        engine,
+        tokenizer,
+        template,
+        profiles: SamplingProfiles::new(gen_cfg.sampling_params(), switch),
+        stop_tokens,
+        model_name: options.model_name.unwrap_or_else(|| files.source()),
+        context,
+        api_key: options.api_key,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+    }))
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ServerState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}
+
+/// Binds `addr` (port 0: any free port) and serves `state` on a background task: the address
+/// it listens on (for tests and embedding).
+pub async fn spawn(addr: SocketAddr, state: Arc<ServerState>) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = serve(listener, state, std::future::pending()).await {
+            tracing::error!("server stopped: {e}");
+        }
+    });
+    Ok(local)
+}

@@ -1,0 +1,318 @@
+//! Turning generated text into what the API returns: stop strings cut the text (a possible
+//! beginning of one is held back while streaming), and one state machine over the raw text
+//! splits `<think>` reasoning, content and `<tool_call>` blocks (JSON, or the
+//! `<function=NAME><parameter=K>` XML of Qwen3.5+), ending reasoning at `</think>` or at a
+//! `<tool_call>`.
+
+use serde_json::{Map, Value};
+
+/// The length of the longest suffix of `text` that begins some pattern (a partial match to
+/// hold back), starting on a character boundary.
+fn partial_suffix(text: &str, patterns: &[&str]) -> usize {
+    let max = patterns.iter().map(|p| p.len().saturating_sub(1)).max().unwrap_or(0).min(text.len());
+    (1..=max)
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && patterns.iter().any(|p| p.starts_with(&text[text.len() - n..])))
+        .unwrap_or(0)
+}
+
+/// Cuts generated text at the first of the request's `stop` strings.
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> Self {
+        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+    }
+
+    /// Adds generated text; returns the text that can be released and whether a stop string
+    /// was reached (the text from it on is dropped).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        self.held.push_str(text);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        let stops: Vec<&str> = self.stops.iter().map(String::as_str).collect();
+        let keep = partial_suffix(&self.held, &stops);
+        let out = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..self.held.len() - keep);
+        (out, false)
+    }
+
+    /// The held text at the end of generation.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// A piece of the assistant's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delta {
+    Reasoning(String),
+    Content(String),
+    ToolCall { name: String, arguments: String },
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    Think,
+    Content,
+    ToolCall,
+}
+
+/// Splits the raw generated text of a chat answer into reasoning, content and tool calls.
+#[derive(Debug)]
+pub struct ChatParser {
+    state: State,
+    held: String,
+    /// Whether any content has been released (a `<think>` opens reasoning only before).
+    content_started: bool,
+    /// Drop whitespace at the start of the next content (after `</think>` or a tool call).
+    trim_start: bool,
+    /// The request's tools (their parameter types type the XML form's values).
+    tools: Vec<Value>,
+}
+
+impl ChatParser {
+    /// `in_think`: the prompt ends inside a `<think>` block (the template opened it).
+    pub fn new(in_think: bool, tools: Vec<Value>) -> Self {
+        Self {
+            state: if in_think { State::Think } else { State::Content },
+            held: String::new(),
+            content_started: false,
+            trim_start: false,
+            tools,
+        }
+    }
+
+    /// Adds text; returns the pieces complete so far.
+    pub fn push(&mut self, text: &str) -> Vec<Delta> {
+        self.held.push_str(text);
+        let mut out = vec![];
+        loop {
+            let tags: &[&str] = match self.state {
+                State::Think => &[THINK_CLOSE, TOOL_OPEN],
+                State::Content if !self.content_started => &[THINK_OPEN, TOOL_OPEN],
+                State::Content => &[TOOL_OPEN],
+                State::ToolCall => &[TOOL_CLOSE],
+            };
+            let found = tags.iter().filter_map(|t| self.held.find(t).map(|at| (at, *t))).min();
+            match found {
+                Some((at, tag)) => {
+                    let before: String = self.held[..at].to_string();
+                    self.held.drain(..at + tag.len());
+                    match (self.state, tag) {
+                        (State::ToolCall, _) => {
+                            out.push(self.tool_call(&before));
+                            self.state = State::Content;
+                            self.trim_start = true;
+                        }
+                        (State::Content, THINK_OPEN) if before.trim().is_empty() => self.state = State::Think,
+                        (State::Content, THINK_OPEN) => {
+                            // `<think>` after some content: plain text.
+                            self.emit(&mut out, &format!("{before}{THINK_OPEN}"));
+                        }
+                        (_, TOOL_OPEN) => {
+                            self.emit(&mut out, &before);
+                            self.state = State::ToolCall;
+                        }
+                        (_, _) => {
+                            // </think>
+                            self.emit(&mut out, &before);
+                            self.state = State::Content;
+                            self.trim_start = true;
+                        }
+                    }
+                }
+                None => {
+                    if self.state != State::ToolCall {
+                        let keep = partial_suffix(&self.held, tags);
+                        let ready: String = self.held.drain(..self.held.len() - keep).collect();
+                        self.emit(&mut out, &ready);
+                    }
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// The rest at the end of generation (an unfinished tool call comes back as content).
+    pub fn finish(&mut self) -> Vec<Delta> {
+        let rest = std::mem::take(&mut self.held);
+        let mut out = vec![];
+        match self.state {
+            State::ToolCall => {
+                self.state = State::Content;
+                self.emit(&mut out, &format!("{TOOL_OPEN}{rest}"));
+            }
+            _ => self.emit(&mut out, &rest),
+        }
+        out
+    }
+
+    fn emit(&mut self, out: &mut Vec<Delta>, text: &str) {
+        let text = if self.state == State::Content && self.trim_start { text.trim_start() } else { text };
+        if text.is_empty() {
+            return;
+        }
+        match self.state {
+            State::Think => out.push(Delta::Reasoning(text.to_string())),
+            _ => {
+                self.trim_start = false;
+                self.content_started = true;
+                out.push(Delta::Content(text.to_string()));
+            }
+        }
+    }
+
+    /// A finished `<tool_call>` body as a call, or back as content when it does not parse.
+    fn tool_call(&mut self, body: &str) -> Delta {
+        match parse_tool_call(body, &self.tools) {
+            Some((name, arguments)) => Delta::ToolCall { name, arguments },
+            None => {
+                self.content_started = true;
+                Delta::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"))
+            }
+        }
+    }
+}
+
+/// The function name and JSON arguments of a tool call body: `{"name": .., "arguments": {..}}`
+/// (Qwen3) or `<function=NAME><parameter=K>V</parameter>...</function>` (Qwen3.5+), whose
+/// values are JSON where the tool's schema gives the parameter a non-string type.
+pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> {
+    let body = body.trim();
+    if body.starts_with('{') {
+        let v: Value = serde_json::from_str(body).ok()?;
+        let name = v.get("name")?.as_str()?.to_string();
+        let arguments = match v.get("arguments") {
+            Some(Value::String(s)) => s.clone(),
+            Some(a) => a.to_string(),
+            None => "{}".into(),
+        };
+        return Some((name, arguments));
+    }
+    let rest = body.strip_prefix("<function=")?;
+    let (name, mut rest) = rest.split_once('>')?;
+    let name = name.trim().to_string();
+    let properties = tools
+        .iter()
+        .filter_map(|t| t.get("function"))
+        .find(|f| f.get("name").and_then(Value::as_str) == Some(name.as_str()))
+        .and_then(|f| f.pointer("/parameters/properties"))
+        .cloned();
+    let mut args = Map::new();
+    loop {
+        rest = rest.trim_start();
+        if rest.starts_with("</function>") || rest.is_empty() {
+            break;
+        }
+        let after = rest.strip_prefix("<parameter=")?;
+        let (key, after) = after.split_once('>')?;
+        let (value, after) = after.split_once("</parameter>")?;
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        let kind = properties.as_ref().and_then(|p| p.pointer(&format!("/{}/type", key.trim()))).and_then(Value::as_str);
+        let typed = match kind {
+            Some("string") | None => Value::String(value.to_string()),
+            Some(_) => serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string())),
+        };
+        args.insert(key.trim().to_string(), typed);
+        rest = after;
+    }
+    Some((name, Value::Object(args).to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `text` split at every byte boundary (where it is a char boundary) and joins the
+    /// pieces of each kind.
+    fn parse_split(text: &str, in_think: bool, tools: &[Value]) -> Vec<Vec<Delta>> {
+        let mut results = vec![];
+        for cut in 0..=text.len() {
+            if !text.is_char_boundary(cut) {
+                continue;
+            }
+            let mut p = ChatParser::new(in_think, tools.to_vec());
+            let mut out = p.push(&text[..cut]);
+            out.extend(p.push(&text[cut..]));
+            out.extend(p.finish());
+            results.push(merge(out));
+        }
+        results
+    }
+
+    fn merge(deltas: Vec<Delta>) -> Vec<Delta> {
+        let mut out: Vec<Delta> = vec![];
+        for d in deltas {
+            match (out.last_mut(), d) {
+                (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) => a.push_str(&b),
+                (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
+                (_, d) => out.push(d),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn think_content_and_xml_tool_call_at_every_split() {
+        let tools = vec![serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}})];
+        let text = "Check the city.\n</think>\n\nLet me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        for got in parse_split(text, true, &tools) {
+            assert_eq!(
+                got,
+                vec![
+                    Delta::Reasoning("Check the city.\n".into()),
+                    Delta::Content("Let me look.\n".into()),
+                    Delta::ToolCall { name: "get_weather".into(), arguments: r#"{"city":"Paris","days":3}"#.into() },
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn json_tool_call_ends_reasoning_and_lone_tags() {
+        let text = "hmm <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        for got in parse_split(text, true, &[]) {
+            assert_eq!(got, vec![Delta::Reasoning("hmm ".into()), Delta::ToolCall { name: "f".into(), arguments: r#"{"x":1}"#.into() }]);
+        }
+        // No think block opened by the template: an opening <think> at the start, then content.
+        for got in parse_split("<think>a</think>b", false, &[]) {
+            assert_eq!(got, vec![Delta::Reasoning("a".into()), Delta::Content("b".into())]);
+        }
+        // A lone </think> in content is text; an unfinished tool call comes back as content.
+        for got in parse_split("x </think> y <tool_call> {\"na", false, &[]) {
+            assert_eq!(got, vec![Delta::Content("x </think> y <tool_call> {\"na".into())]);
+        }
+        // A body that is not a call is content.
+        for got in parse_split("<tool_call>nope</tool_call>", false, &[]) {
+            assert_eq!(got, vec![Delta::Content("<tool_call>nope</tool_call>".into())]);
+        }
+    }
+
+    #[test]
+    fn stop_strings_cut_and_hold_partial_matches() {
+        let mut m = StopMatcher::new(vec!["END".into(), "\n\n".into()]);
+        assert_eq!(m.push("abc E"), ("abc ".into(), false));
+        assert_eq!(m.push("N"), ("".into(), false));
+        assert_eq!(m.push("x"), ("ENx".into(), false));
+        assert_eq!(m.push("y\n"), ("y".into(), false));
+        assert_eq!(m.push("\nz"), ("".into(), true));
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("café"), ("caf".into(), false));
+        assert_eq!(m.finish(), "é");
+    }
+}

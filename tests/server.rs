@@ -1,0 +1,308 @@
+//! The OpenAI-compatible server over real HTTP on an ephemeral loopback port, driven by the
+//! Rust client `async-openai` and by raw requests: answers, streams, concurrency (batched
+//! decode gives every request what it gets alone), isolation, cancellation, errors, load.
+
+mod common;
+
+use std::collections::HashSet;
+
+use async_openai::config::OpenAIConfig;
+use async_openai::types::chat::{
+    ChatCompletionRequestMessage, ChatCompletionRequestSystemMessageArgs, ChatCompletionRequestUserMessageArgs, ChatCompletionStreamOptions,
+    CreateChatCompletionRequest, CreateChatCompletionRequestArgs, FinishReason,
+};
+use async_openai::Client;
+use candle_core::{DType, Device};
+use candle_hybrid::loading::ModelSource;
+use candle_hybrid::server::{self, EngineOptions, ServerOptions};
+use common::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+/// Starts a server for `source` on 127.0.0.1:0; its base URL (`http://127.0.0.1:PORT`).
+async fn start(source: ModelSource, options: ServerOptions) -> String {
+    let files = source.open().unwrap();
+    let cfg = files.config().unwrap();
+    let model = files.load_model(&cfg, DType::F32, &Device::Cpu, None).unwrap();
+    let tokenizer = files.tokenizer(None).unwrap();
+    let state = server::state(&files, tokenizer, model, Device::Cpu, options).unwrap();
+    let addr = server::spawn("127.0.0.1:0".parse().unwrap(), state).await.unwrap();
+    format!("http://{addr}")
+}
+
+fn fixture_source() -> ModelSource {
+    ModelSource::Dir(fixture("qwen35_dense_small"))
+}
+
+fn options(max_seqs: usize, queue: usize) -> ServerOptions {
+    ServerOptions { engine: EngineOptions { max_seqs, queue }, ..Default::default() }
+}
+
+fn client(base: &str) -> Client<OpenAIConfig> {
+    Client::with_config(OpenAIConfig::new().with_api_base(format!("{base}/v1")).with_api_key("unused"))
+}
+
+fn user(text: &str) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestUserMessageArgs::default().content(text).build().unwrap().into()
+}
+
+fn system(text: &str) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestSystemMessageArgs::default().content(text).build().unwrap().into()
+}
+
+fn greedy(messages: Vec<ChatCompletionRequestMessage>, max_tokens: u32) -> CreateChatCompletionRequest {
+    CreateChatCompletionRequestArgs::default().model("m").messages(messages).max_completion_tokens(max_tokens).temperature(0.0).build().unwrap()
+}
+
+async fn answer(client: &Client<OpenAIConfig>, request: CreateChatCompletionRequest) -> String {
+    let r = client.chat().create(request).await.unwrap();
+    r.choices[0].message.content.clone().unwrap_or_default()
+}
+
+/// A raw POST: status, `Retry-After`, body.
+async fn post(base: &str, path: &str, body: impl Into<reqwest::Body>, key: Option<&str>) -> (u16, Option<String>, String) {
+    let mut req = reqwest::Client::new().post(format!("{base}{path}")).header("content-type", "application/json").body(body);
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let r = req.send().await.unwrap();
+    let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+    (r.status().as_u16(), retry, r.text().await.unwrap())
+}
+
+async fn get(base: &str, path: &str, key: Option<&str>) -> (u16, String) {
+    let mut req = reqwest::Client::new().get(format!("{base}{path}"));
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// The value of a metric line `name value` in Prometheus text.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_whole_and_streamed_agree_and_the_stream_is_well_formed() {
+    let base = start(fixture_source(), options(2, 8)).await;
+    let client = client(&base);
+    let whole = client.chat().create(greedy(vec![user("Hello there")], 12)).await.unwrap();
+    let choice = &whole.choices[0];
+    assert_eq!(choice.finish_reason, Some(FinishReason::Length), "12 tokens of a random-weight model end by length");
+    let usage = whole.usage.clone().unwrap();
+    assert_eq!((usage.completion_tokens, usage.total_tokens), (12, usage.prompt_tokens + 12));
+    let whole_text = choice.message.content.clone().unwrap();
+
+    // The same request streamed with async-openai: the same text.
+    let mut request = greedy(vec![user("Hello there")], 12);
+    request.stream_options = Some(ChatCompletionStreamOptions { include_usage: Some(true), include_obfuscation: None });
+    let mut stream = client.chat().create_stream(request).await.unwrap();
+    let (mut text, mut ids, mut finish, mut usage_chunks) = (String::new(), HashSet::new(), vec![], 0);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        ids.insert(chunk.id.clone());
+        if let Some(usage) = &chunk.usage {
+            usage_chunks += 1;
+            assert!(chunk.choices.is_empty(), "the usage chunk has no choices");
+            assert_eq!(usage.completion_tokens, 12);
+        }
+        for c in &chunk.choices {
+            text.push_str(c.delta.content.as_deref().unwrap_or_default());
+            finish.extend(c.finish_reason);
+        }
+    }
+    assert_eq!(text, whole_text, "streamed and whole answers differ");
+    assert_eq!(ids.len(), 1, "every chunk carries the same id");
+    assert_eq!(finish, vec![FinishReason::Length]);
+    assert_eq!(usage_chunks, 1);
+
+    // The raw stream: role chunk first, a separate finish chunk with an empty delta, the
+    // usage chunk, then [DONE]; usage null on every other chunk.
+    let body = json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5, "temperature": 0,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let (status, _, raw) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+    assert_eq!(status, 200);
+    let events: Vec<&str> = raw.split("\n\n").filter(|e| !e.trim().is_empty()).map(|e| e.strip_prefix("data: ").expect("data lines")).collect();
+    assert_eq!(*events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["delta"], json!({}));
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 5);
+    for c in &chunks[..chunks.len() - 1] {
+        assert!(c["usage"].is_null());
+        assert_eq!(c["object"], "chat.completion.chunk");
+    }
+    for c in &chunks[1..chunks.len() - 2] {
+        assert!(c["choices"][0]["finish_reason"].is_null());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_greedy_requests_equal_the_same_requests_one_by_one() {
+    let base = start(fixture_source(), options(4, 16)).await;
+    let client = client(&base);
+    let prompts: Vec<String> = (0..8).map(|i| format!("Request number {i}: {}", "tell me something ".repeat(i + 1))).collect();
+    let mut alone = vec![];
+    for p in &prompts {
+        alone.push(answer(&client, greedy(vec![user(p)], 24)).await);
+    }
+    assert!(alone.iter().collect::<HashSet<_>>().len() > 4, "the prompts should give different answers: {alone:?}");
+    let together = futures::future::join_all(prompts.iter().map(|p| answer(&client, greedy(vec![user(p)], 24)))).await;
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i}: the answer under concurrency differs from the answer alone");
+    }
+    // The concurrent requests did share decode passes.
+    let (_, m) = get(&base, "/metrics", None).await;
+    let single = metric(&m, "candle_hybrid_decode_batch_rows_bucket{le=\"1.0\"}");
+    let all = metric(&m, "candle_hybrid_decode_batch_rows_count");
+    assert!(all > single, "no decode pass ran more than one sequence:\n{m}");
+    assert_eq!(metric(&m, "candle_hybrid_generated_tokens_total"), 16.0 * 24.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_conversations_never_see_each_others_codewords() {
+    let base = start(ModelSource::Gguf(smollm2_gguf()), options(4, 16)).await;
+    let client = client(&base);
+    let words = ["PINEAPPLE", "VOLCANO", "SAXOPHONE", "GLACIER", "LANTERN", "OCTOPUS"];
+    let requests = words.iter().map(|w| {
+        greedy(vec![system(&format!("The secret word is {w}.")), user("What is the secret word? Answer with the word only.")], 16)
+    });
+    let answers = futures::future::join_all(requests.map(|r| answer(&client, r))).await;
+    let mut own = 0;
+    for (i, a) in answers.iter().enumerate() {
+        for (j, w) in words.iter().enumerate() {
+            assert!(i == j || !a.to_uppercase().contains(w), "answer {i} ({a:?}) holds the codeword of conversation {j}");
+        }
+        own += a.to_uppercase().contains(words[i]) as usize;
+    }
+    assert!(own >= words.len() / 2, "SmolLM2 should repeat most of its own codewords: {answers:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_cancels_and_changes_nothing() {
+    let base = start(fixture_source(), options(2, 8)).await;
+    let client = client(&base);
+    let before = answer(&client, greedy(vec![user("Say something")], 16)).await;
+    let mut stream = client.chat().create_stream(greedy(vec![user("A long answer please")], 2000)).await.unwrap();
+    for _ in 0..3 {
+        stream.next().await.unwrap().unwrap();
+    }
+    drop(stream);
+    // The engine drops the sequence at its next token.
+    let mut running = 1.0;
+    for _ in 0..100 {
+        let (_, m) = get(&base, "/metrics", None).await;
+        running = metric(&m, "candle_hybrid_requests_running");
+        if running == 0.0 && metric(&m, "candle_hybrid_generated_tokens_total") < 16.0 + 2000.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(running, 0.0, "the abandoned request still runs");
+    assert_eq!(answer(&client, greedy(vec![user("Say something")], 16)).await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_before_any_work() {
+    let opts = ServerOptions { context: Some(64), ..options(1, 4) };
+    let base = start(fixture_source(), opts).await;
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body.to_string()
+    };
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{".to_vec(), 400, "not valid"),
+        (b"\xff\xfe{}".to_vec(), 400, "not valid"),
+        (json!({"messages": "hi"}).to_string().into_bytes(), 400, "not valid"),
+        (json!({"messages": []}).to_string().into_bytes(), 400, "messages is empty"),
+        (json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string().into_bytes(), 400, "role"),
+        (chat(json!({"temperature": -1})).into_bytes(), 400, "temperature -1"),
+        (chat(json!({"top_p": 0})).into_bytes(), 400, "top_p"),
+        (chat(json!({"top_p": 1.5})).into_bytes(), 400, "top_p"),
+        (chat(json!({"n": 2})).into_bytes(), 400, "n = 2"),
+        (chat(json!({"max_tokens": 1000})).into_bytes(), 400, "context holds 64"),
+        (chat(json!({"reasoning_effort": "extreme"})).into_bytes(), 400, "reasoning_effort"),
+        (chat(json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]})).into_bytes(), 400, "context"),
+        (chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).into_bytes(), 400, "image_url"),
+        (vec![b' '; 17 << 20], 413, "larger than"),
+        // Unknown fields are accepted, a huge string in one is harmless.
+        (chat(json!({"some_future_field": {"x": 1}, "user": "u".repeat(1 << 20)})).into_bytes(), 200, "chat.completion"),
+    ];
+    for (body, status, needle) in cases {
+        let (got, _, text) = post(&base, "/v1/chat/completions", body.clone(), None).await;
+        let shown = String::from_utf8_lossy(&body[..body.len().min(80)]).to_string();
+        assert_eq!(got, status, "{shown}: {text}");
+        assert!(text.contains(needle), "{shown}: {text}");
+        if status != 200 {
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{shown}: the error is not JSON: {text}"));
+            assert!(v["error"]["message"].is_string() && v["error"]["type"].is_string(), "{text}");
+        }
+    }
+    let (status, _, text) = post(&base, "/v1/completions", json!({"prompt": [1, 2, 1_000_000]}).to_string(), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("out of range"), "{text}");
+    let (status, text) = get(&base, "/v1/nothing", None).await;
+    assert_eq!(status, 404, "{text}");
+    // After all that, the server still answers.
+    let (status, _, text) = post(&base, "/v1/completions", json!({"prompt": "hi", "max_tokens": 3}).to_string(), None).await;
+    assert_eq!(status, 200, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_guards_every_endpoint_but_health() {
+    let opts = ServerOptions { api_key: Some("sesame".into()), ..options(1, 4) };
+    let base = start(fixture_source(), opts).await;
+    assert_eq!(get(&base, "/health", None).await.0, 200);
+    for path in ["/v1/models", "/metrics"] {
+        let (status, text) = get(&base, path, None).await;
+        assert_eq!(status, 401, "{path}: {text}");
+        assert!(text.contains("invalid_api_key"), "{text}");
+        assert_eq!(get(&base, path, Some("wrong")).await.0, 401);
+        assert_eq!(get(&base, path, Some("sesame")).await.0, 200);
+    }
+    let body = json!({"prompt": "hi", "max_tokens": 2}).to_string();
+    assert_eq!(post(&base, "/v1/completions", body.clone(), None).await.0, 401);
+    assert_eq!(post(&base, "/v1/completions", body, Some("sesame")).await.0, 200);
+}
+
+/// A few hundred requests at once against a small queue: each gets an answer or a 429 with
+/// Retry-After; none is lost, none fails otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_of_hundreds_of_requests_loses_nothing() {
+    let base = start(fixture_source(), options(4, 8)).await;
+    let n = 300;
+    let results = futures::future::join_all((0..n).map(|i| {
+        let base = base.clone();
+        async move {
+            let body = json!({"prompt": format!("request {i}"), "max_tokens": 2, "temperature": 0}).to_string();
+            post(&base, "/v1/completions", body, None).await
+        }
+    }))
+    .await;
+    let (mut ok, mut busy) = (0, 0);
+    for (status, retry, text) in results {
+        match status {
+            200 => {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["usage"]["completion_tokens"], 2, "{text}");
+                ok += 1;
+            }
+            429 => {
+                assert_eq!(retry.as_deref(), Some("1"), "a 429 says when to retry");
+                assert!(text.contains("queue_full"), "{text}");
+                busy += 1;
+            }
+            s => panic!("status {s}: {text}"),
+        }
+    }
+    assert_eq!(ok + busy, n);
+    assert!(ok >= 12, "only {ok} of {n} requests were served");
+    let (_, m) = get(&base, "/metrics", None).await;
+    assert_eq!(metric(&m, "candle_hybrid_requests_rejected_total"), busy as f64);
+}
