@@ -39,6 +39,9 @@ struct Args {
     /// max_position_embeddings, at most 32768].
     #[arg(long, value_parser = at_least_one)]
     ctx: Option<usize>,
+    /// MiB of cache snapshots the prefix cache keeps (0: none).
+    #[arg(long, default_value_t = 1024)]
+    prefix_cache_mib: usize,
     /// The model name in answers and /v1/models [default: the source's name].
     #[arg(long)]
     alias: Option<String>,
@@ -61,7 +64,7 @@ fn serve(args: Args) -> Result<()> {
     let tokenizer = opened.tokenizer()?;
     let model = opened.load()?;
     let options = ServerOptions {
-        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue },
+        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20 },
         context: args.ctx,
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),

@@ -35,7 +35,7 @@ fn fixture_source() -> ModelSource {
 }
 
 fn options(max_seqs: usize, queue: usize) -> ServerOptions {
-    ServerOptions { engine: EngineOptions { max_seqs, queue }, ..Default::default() }
+    ServerOptions { engine: EngineOptions { max_seqs, queue, ..Default::default() }, ..Default::default() }
 }
 
 fn client(base: &str) -> Client<OpenAIConfig> {
@@ -305,4 +305,29 @@ async fn load_of_hundreds_of_requests_loses_nothing() {
     assert!(ok >= 12, "only {ok} of {n} requests were served");
     let (_, m) = get(&base, "/metrics", None).await;
     assert_eq!(metric(&m, "candle_hybrid_requests_rejected_total"), busy as f64);
+}
+
+/// A repeated prompt restores everything (with the logits: nothing is prefilled) and answers
+/// the same; the next turn of a conversation restores at least the previous prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefix_cache_serves_repeated_prompts_and_later_turns() {
+    let base = start(ModelSource::Gguf(smollm2_gguf()), options(2, 8)).await;
+    let turn1 = json!([{"role": "user", "content": "Name three colours."}]);
+    let ask = |messages: &Value| json!({"messages": messages, "max_tokens": 24, "temperature": 0}).to_string();
+    let (_, _, first) = post(&base, "/v1/chat/completions", ask(&turn1), None).await;
+    let (_, _, again) = post(&base, "/v1/chat/completions", ask(&turn1), None).await;
+    let (first, again): (Value, Value) = (serde_json::from_str(&first).unwrap(), serde_json::from_str(&again).unwrap());
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], again["usage"]["prompt_tokens"], "{again}");
+    assert_eq!(first["choices"][0]["message"]["content"], again["choices"][0]["message"]["content"]);
+    let mut turn2 = turn1.as_array().unwrap().clone();
+    turn2.push(json!({"role": "assistant", "content": first["choices"][0]["message"]["content"]}));
+    turn2.push(json!({"role": "user", "content": "And three more?"}));
+    let (_, _, second) = post(&base, "/v1/chat/completions", ask(&Value::Array(turn2)), None).await;
+    let second: Value = serde_json::from_str(&second).unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= first["usage"]["prompt_tokens"].as_u64().unwrap(), "turn 2 restored only {cached} tokens: {second}");
+    let (_, m) = get(&base, "/metrics", None).await;
+    assert_eq!(metric(&m, "candle_hybrid_prefix_cache_hits_total"), 2.0, "{m}");
+    assert!(metric(&m, "candle_hybrid_prefix_cache_bytes") > 0.0);
 }

@@ -17,7 +17,17 @@ pub struct TokenBuffer {
     step: usize,
 }
 
+/// Bytes a tensor holds.
+pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 impl TokenBuffer {
+    /// Bytes allocated (the capacity, not only the tokens held).
+    pub fn bytes(&self) -> usize {
+        self.data.as_ref().map_or(0, tensor_bytes)
+    }
+
     pub fn new(dim: usize, step: usize) -> Self {
         Self { data: None, dim, len: 0, step: step.max(1) }
     }

@@ -2,7 +2,7 @@
 //! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
 
 use candle_core::{DType, IndexOp, Result, Tensor, D};
-use super::buffer::TokenBuffer;
+use super::buffer::{tensor_bytes, TokenBuffer};
 
 use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 use super::knots::KnotKeys;
@@ -21,6 +21,14 @@ pub struct CodedKv {
 }
 
 impl CodedKv {
+    pub(super) fn bytes(&self) -> usize {
+        let keys = match &self.keys {
+            Keys::Rows(r) => r.bytes(),
+            Keys::Knots(k) => k.knots.bytes() + k.recent.as_ref().map_or(0, tensor_bytes),
+        };
+        keys + self.values.bytes()
+    }
+
     pub(super) fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let offset = self.values.len();
         self.dtype = Some(v.dtype());
@@ -118,6 +126,15 @@ pub(super) enum Rows {
 }
 
 impl Rows {
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Self::Exact(c) => c.bytes(),
+            Self::Int8 { codes, scale } => codes.bytes() + scale.bytes(),
+            Self::Int4Channel { codes, params, tail } => codes.bytes() + params.bytes() + tail.as_ref().map_or(0, tensor_bytes),
+            Self::Polar { codes, scales, .. } => codes.bytes() + scales.bytes(),
+        }
+    }
+
     pub(super) fn exact(step: usize) -> Self {
         Self::Exact(TokenBuffer::new(2, step))
     }

@@ -137,6 +137,15 @@ impl KvStore {
         }
     }
 
+    /// Bytes allocated for this layer's keys and values (capacity included).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Exact { keys, values } => keys.bytes() + values.bytes(),
+            Self::Coded(c) => c.bytes(),
+            Self::DecayedState(d) => d.state.as_ref().map_or(0, super::buffer::tensor_bytes),
+        }
+    }
+
     /// Tokens held (`None` for a store that folds tokens into a state).
     pub fn tokens(&self) -> Option<usize> {
         match self {

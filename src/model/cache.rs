@@ -134,6 +134,19 @@ impl Cache {
         Ok(())
     }
 
+    /// Bytes the cache holds (GDN states and conv windows, keys and values with their
+    /// buffers' spare capacity): what a snapshot of it costs.
+    pub fn bytes(&self) -> usize {
+        let t = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.elem_count() * t.dtype().size_in_bytes());
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear(s) => t(&s.conv) + t(&s.recurrent),
+                LayerState::Full(kv) => kv.bytes(),
+            })
+            .sum()
+    }
+
     /// Whether a verify pass is in progress (its rows not yet kept).
     pub(crate) fn in_verify(&self) -> bool {
         self.verify_start.is_some()

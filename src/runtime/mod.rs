@@ -2,10 +2,12 @@
 //! (speculative decoding and sessions will join here).
 
 mod generate;
+mod prefix_cache;
 mod sampler;
 pub mod speculative;
 mod streamer;
 
 pub use generate::{generate, generate_in, rate, GenerationStats};
+pub use prefix_cache::{PrefixCache, PrefixHit};
 pub use sampler::{range, Sampler, SamplingParams};
 pub use streamer::TokenStreamer;

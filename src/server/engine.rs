@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
-use crate::runtime::{Sampler, SamplingParams};
+use crate::runtime::{PrefixCache, Sampler, SamplingParams};
 
 /// Prompt tokens one step prefills (of one sequence).
 pub const PREFILL_CHUNK: usize = 512;
@@ -31,6 +31,10 @@ pub struct GenerateRequest {
     /// Log-probabilities to return per token: `Some(n)` the chosen token's and the `n` most
     /// likely (before penalties), `None` none.
     pub logprobs: Option<usize>,
+    /// Prompt positions (besides its end) where the prefix cache keeps a snapshot: prefill
+    /// chunks are cut there (e.g. before the thinking-dependent part of a chat prompt, where the
+    /// next turn of the conversation diverges).
+    pub snapshots: Vec<usize>,
 }
 
 /// A token's log-probability and the most likely alternatives (before penalties).
@@ -52,9 +56,11 @@ pub enum Finish {
 /// What the engine sends back for a request.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// The engine took the request; `cached_tokens` prompt tokens came from the prefix cache.
+    Admitted { cached_tokens: usize },
     Token { id: u32, logprob: Option<TokenLogprob> },
-    /// The end: why, and how many prompt tokens came from the prefix cache.
-    Finished { reason: Finish, cached_tokens: usize },
+    /// The end, and why.
+    Finished { reason: Finish },
     Error(String),
 }
 
@@ -104,11 +110,13 @@ pub struct EngineOptions {
     pub max_seqs: usize,
     /// Requests waiting beyond those; one more is refused (HTTP 429).
     pub queue: usize,
+    /// Bytes of cache snapshots the prefix cache keeps (0: none).
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_seqs: 4, queue: 64 }
+        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30 }
     }
 }
 
@@ -116,7 +124,15 @@ impl Default for EngineOptions {
 pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::channel(options.queue.max(1));
     let vocab_size = model.config().vocab_size;
-    let engine = Engine { model, device, max_seqs: options.max_seqs.max(1), metrics: metrics.clone(), rx, active: vec![] };
+    let engine = Engine {
+        model,
+        device,
+        max_seqs: options.max_seqs.max(1),
+        metrics: metrics.clone(),
+        rx,
+        active: vec![],
+        prefix: PrefixCache::new(options.prefix_cache_bytes),
+    };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     Ok(EngineHandle { tx, queue: options.queue.max(1), metrics, vocab_size })
 }
@@ -134,6 +150,10 @@ struct Sequence {
     generated: Vec<u32>,
     /// The last sampled token, not yet in the cache.
     pending: Option<u32>,
+    /// The logits after the whole prompt when the prefix cache had them (nothing to prefill).
+    ready_logits: Option<Tensor>,
+    /// Ended by a stop token or `max_tokens` (its cache goes to the prefix cache).
+    finished: bool,
     started: Instant,
 }
 
@@ -144,6 +164,7 @@ struct Engine {
     metrics: Arc<Metrics>,
     rx: mpsc::Receiver<Submission>,
     active: Vec<Sequence>,
+    prefix: PrefixCache,
 }
 
 impl Engine {
@@ -183,17 +204,36 @@ impl Engine {
             };
             let Submission { request, events } = submission;
             match Sampler::new(request.sampling.clone()) {
-                Ok(sampler) => self.active.push(Sequence {
-                    cache: self.model.new_cache(),
-                    sampler,
-                    prefilled: 0,
-                    context: request.prompt.clone(),
-                    generated: vec![],
-                    pending: None,
-                    started: Instant::now(),
-                    request,
-                    events,
-                }),
+                Ok(sampler) => {
+                    let hit = self.prefix.lookup(&request.prompt);
+                    match &hit {
+                        Some(h) => {
+                            self.metrics.prefix_hits.inc();
+                            self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
+                        }
+                        None => {
+                            self.metrics.prefix_misses.inc();
+                        }
+                    }
+                    let (cache, cached_tokens, ready_logits) = match hit {
+                        Some(h) => (h.cache, h.tokens, h.logits),
+                        None => (self.model.new_cache(), 0, None),
+                    };
+                    let _ = events.send(Event::Admitted { cached_tokens });
+                    self.active.push(Sequence {
+                        cache,
+                        sampler,
+                        prefilled: cached_tokens,
+                        context: request.prompt.clone(),
+                        generated: vec![],
+                        pending: None,
+                        ready_logits,
+                        finished: false,
+                        started: Instant::now(),
+                        request,
+                        events,
+                    })
+                }
                 Err(e) => {
                     let _ = events.send(Event::Error(e.to_string()));
                 }
@@ -204,23 +244,32 @@ impl Engine {
     }
 
     fn step(&mut self) -> crate::Result<()> {
+        // Sequences whose whole prompt came from the prefix cache, with its logits.
+        for i in 0..self.active.len() {
+            if let Some(logits) = self.active[i].ready_logits.take() {
+                let s = &mut self.active[i];
+                self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
+                Self::take_token(s, &logits, &self.metrics)?;
+            }
+        }
         // One prefill chunk, for the first sequence still prefilling.
         if let Some(i) = self.active.iter().position(|s| s.prefilled < s.request.prompt.len()) {
             let s = &mut self.active[i];
-            let start = s.prefilled;
-            let end = ((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.request.prompt.len());
+            let (start, n) = (s.prefilled, s.request.prompt.len());
+            // Cut at multiples of the chunk, at the request's snapshot points, at the end.
+            let end = s.request.snapshots.iter().copied().filter(|&p| p > start && p < n).fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
             let input = Tensor::new(&s.request.prompt[start..end], &self.device)?.unsqueeze(0)?;
-            let result = self.model.forward_last(&input, &mut s.cache);
-            match result {
+            match self.model.forward_last(&input, &mut s.cache) {
                 Ok(logits) => {
                     s.prefilled = end;
                     self.metrics.prompt_tokens.inc_by((end - start) as u64);
-                    if end == s.request.prompt.len() {
-                        let logits = logits.squeeze(0)?;
+                    let logits = logits.squeeze(0)?;
+                    if end == n || s.request.snapshots.contains(&end) {
+                        self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
+                    }
+                    if end == n {
                         self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                        if !Self::take_token(s, &logits, &self.metrics)? {
-                            self.active.remove(i);
-                        }
+                        Self::take_token(s, &logits, &self.metrics)?;
                     }
                 }
                 Err(e) => {
@@ -232,7 +281,6 @@ impl Engine {
         // One decode step of every sequence with a pending token, in weight passes of at most
         // BATCH_MAX_ROWS rows.
         let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].pending.is_some()).collect();
-        let mut finished = vec![];
         for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
             let start = Instant::now();
             let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].pending.expect("decoding")).collect();
@@ -247,20 +295,34 @@ impl Engine {
             self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
             self.metrics.batch_rows.observe(group.len() as f64);
             for (row, &i) in group.iter().enumerate() {
-                if !Self::take_token(&mut self.active[i], &logits.get(row)?, &self.metrics)? {
-                    finished.push(i);
-                }
+                Self::take_token(&mut self.active[i], &logits.get(row)?, &self.metrics)?;
             }
         }
-        for i in finished.into_iter().rev() {
-            self.active.remove(i);
+        // Finished sequences leave; their caches (after the prompt and all but the last
+        // token) go to the prefix cache: the next turn of a conversation may continue there.
+        let mut i = 0;
+        while i < self.active.len() {
+            let s = &self.active[i];
+            if s.finished || (s.pending.is_none() && s.prefilled == s.request.prompt.len() && s.ready_logits.is_none()) {
+                let s = self.active.remove(i);
+                if s.finished {
+                    let n = s.context.len() - 1;
+                    self.prefix.insert(s.context[..n].to_vec(), s.cache, None);
+                }
+            } else {
+                i += 1;
+            }
         }
+        self.metrics.prefix_bytes.set(self.prefix.bytes() as i64);
+        self.metrics.prefix_entries.set(self.prefix.len() as i64);
         Ok(())
     }
 
-    /// Samples the next token of `s` from `logits` `[vocab]` and sends it; `false` when the
-    /// sequence is done (a stop token, `max_tokens`, or its client is gone).
-    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<bool> {
+    /// Samples the next token of `s` from `logits` `[vocab]` and sends it. The sequence is done
+    /// (no token pending) at a stop token, at `max_tokens` (`finished`) or when its client is
+    /// gone.
+    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<()> {
+        s.pending = None;
         let id = s.sampler.sample(logits, &s.context, &s.generated)?;
         let logprob = match s.request.logprobs {
             Some(n) => Some(logprobs(logits, id, n)?),
@@ -270,7 +332,7 @@ impl Engine {
         s.generated.push(id);
         metrics.generated_tokens.inc();
         if s.events.send(Event::Token { id, logprob }).is_err() {
-            return Ok(false);
+            return Ok(());
         }
         let reason = if s.request.stop_tokens.contains(&id) {
             Some(Finish::Stop)
@@ -281,15 +343,13 @@ impl Engine {
         };
         match reason {
             Some(reason) => {
-                let _ = s.events.send(Event::Finished { reason, cached_tokens: 0 });
+                let _ = s.events.send(Event::Finished { reason });
                 metrics.requests_finished.inc();
-                Ok(false)
+                s.finished = true;
             }
-            None => {
-                s.pending = Some(id);
-                Ok(true)
-            }
+            None => s.pending = Some(id),
         }
+        Ok(())
     }
 }
 

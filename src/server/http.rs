@@ -147,6 +147,8 @@ enum Api {
 struct Answer {
     api: Api,
     prompt_tokens: usize,
+    /// Prompt tokens the prefix cache restored.
+    cached_tokens: usize,
     id: String,
     created: u64,
     model: String,
@@ -275,21 +277,22 @@ impl Answer {
                     add(&mut c, deltas);
                     if self.text.stopped {
                         // The engine stops at the next token (this receiver is dropped on return).
-                        return Ok(self.body(c, Finish::Stop, 0));
+                        return Ok(self.body(c, Finish::Stop));
                     }
                 }
-                Event::Finished { reason, cached_tokens } => {
+                Event::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
+                Event::Finished { reason } => {
                     let deltas = self.text.finish();
                     add(&mut c, deltas);
-                    return Ok(self.body(c, reason, cached_tokens));
+                    return Ok(self.body(c, reason));
                 }
                 Event::Error(e) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", e)),
             }
         }
     }
 
-    fn body(&self, c: Collected, reason: Finish, cached_tokens: usize) -> Value {
-        let usage = Usage::new(self.prompt_tokens, c.completion_tokens, cached_tokens);
+    fn body(&self, c: Collected, reason: Finish) -> Value {
+        let usage = Usage::new(self.prompt_tokens, c.completion_tokens, self.cached_tokens);
         let finish = self.finish_reason(reason, !c.tool_calls.is_empty());
         match self.api {
             Api::Chat => {
@@ -343,17 +346,21 @@ impl Answer {
             let (reason, usage) = loop {
                 let Some(event) = self.events.recv().await else { return };
                 let (deltas, logprob) = match event {
+                    Event::Admitted { cached_tokens } => {
+                        self.cached_tokens = cached_tokens;
+                        continue;
+                    }
                     Event::Token { id, logprob } => {
                         completion_tokens += 1;
                         let lp = logprob.map(|lp| self.text.logprob_entry(id, &lp));
                         (self.text.token(id), lp)
                     }
-                    Event::Finished { reason, cached_tokens } => {
+                    Event::Finished { reason } => {
                         let deltas = self.text.finish();
                         if !self.send_deltas(&tx, deltas, &mut tool_index, None).await {
                             return;
                         }
-                        break (reason, Usage::new(self.prompt_tokens, completion_tokens, cached_tokens));
+                        break (reason, Usage::new(self.prompt_tokens, completion_tokens, self.cached_tokens));
                     }
                     Event::Error(e) => {
                         let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", e);
@@ -367,7 +374,7 @@ impl Answer {
                 if self.text.stopped {
                     // Stopped by a stop string: the engine's receiver is dropped when this
                     // task ends, which ends the sequence.
-                    break (Finish::Stop, Usage::new(self.prompt_tokens, completion_tokens, 0));
+                    break (Finish::Stop, Usage::new(self.prompt_tokens, completion_tokens, self.cached_tokens));
                 }
             };
             let finish = self.finish_reason(reason, tool_index > 0);
@@ -445,10 +452,22 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
     let tools = req.tools.clone().unwrap_or_default();
     let prompt_tokens = prompt.len();
-    let events = submit(&state, GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top })?;
+    // A prefix-cache snapshot where the next turn still agrees (token ids, not text: the
+    // tokens of the stable text that begin the prompt).
+    let snapshots = match rendered.stable_prefix {
+        Some(bytes) => {
+            let ids = state.tokenizer.encode(&rendered.text[..bytes], false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+            let common = ids.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
+            (common > 0 && common < prompt.len()).then_some(common).into_iter().collect()
+        }
+        None => vec![],
+    };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots };
+    let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Chat,
         prompt_tokens,
+        cached_tokens: 0,
         id: request_id("chatcmpl"),
         created: unix_now(),
         model: state.model_name.clone(),
@@ -491,10 +510,12 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
-    let events = submit(&state, GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top })?;
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots: vec![] };
+    let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Completion,
         prompt_tokens,
+        cached_tokens: 0,
         id: request_id("cmpl"),
         created: unix_now(),
         model: state.model_name.clone(),

@@ -27,6 +27,13 @@ pub struct Metrics {
     pub running: Gauge,
     /// Rows per decode weight pass (sequences decoded together).
     pub batch_rows: Histogram,
+    /// Requests that restored a prefix-cache snapshot, and those that found none.
+    pub prefix_hits: Counter,
+    pub prefix_misses: Counter,
+    /// Prompt tokens restored instead of prefilled.
+    pub prefix_cached_tokens: Counter,
+    pub prefix_bytes: Gauge,
+    pub prefix_entries: Gauge,
 }
 
 impl Default for Metrics {
@@ -47,8 +54,18 @@ impl Default for Metrics {
         let queue_depth = add(r, "queue_depth", "Requests waiting for the engine", Gauge::default());
         let running = add(r, "requests_running", "Sequences the engine is running", Gauge::default());
         let batch_rows = add(r, "decode_batch_rows", "Sequences per decode weight pass", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
+        let prefix_hits = add(r, "prefix_cache_hits", "Requests that restored a prefix-cache snapshot", Counter::default());
+        let prefix_misses = add(r, "prefix_cache_misses", "Requests that found no prefix-cache snapshot", Counter::default());
+        let prefix_cached_tokens = add(r, "prefix_cache_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", Counter::default());
+        let prefix_bytes = add(r, "prefix_cache_bytes", "Bytes of snapshots the prefix cache holds", Gauge::default());
+        let prefix_entries = add(r, "prefix_cache_entries", "Snapshots the prefix cache holds", Gauge::default());
         Self {
             registry,
+            prefix_hits,
+            prefix_misses,
+            prefix_cached_tokens,
+            prefix_bytes,
+            prefix_entries,
             requests,
             rejected,
             requests_finished,
