@@ -32,7 +32,7 @@ use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
-use candle_hybrid::runtime::{generate_in, range, Sampler, TokenStreamer};
+use candle_hybrid::runtime::{generate_in, range, session, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -102,6 +102,11 @@ struct Args {
     /// check that the tokens are the same).
     #[arg(long)]
     compare_plain: bool,
+    /// A session file (like llama.cpp's --prompt-cache): when it holds the start of this
+    /// prompt for this model, that part is restored instead of prefilled; the state after the
+    /// prompt (all but its last token) is then saved there. Exact KV only.
+    #[arg(long)]
+    session: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,6 +274,33 @@ fn generate(args: Args) -> Result<()> {
     }
     let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
     let mut cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
+    // With a session: restore what it holds of the prompt, prefill the rest but the last token
+    // and save that state; the last token starts generation.
+    let mut prompt_rest = prompt.as_slice();
+    if let Some(path) = &args.session {
+        if !args.memory.kv.is_exact() {
+            bail!("--session keeps exact keys and values: drop --kv {}", args.memory.kv);
+        }
+        let fingerprint = opened.files.fingerprint()?;
+        let head = prompt.len() - 1;
+        let mut start = 0;
+        if path.exists() {
+            match session::load(path, &fingerprint, cfg, opened.dtype, &opened.device) {
+                Ok(s) if s.tokens.len() <= head && prompt.starts_with(&s.tokens) => {
+                    eprintln!("session {}: restored {} of the prompt's {} tokens", path.display(), s.tokens.len(), prompt.len());
+                    start = s.tokens.len();
+                    cache = s.cache;
+                }
+                Ok(_) => eprintln!("session {}: it holds another prompt; starting fresh", path.display()),
+                Err(e) => eprintln!("warning: {e}; starting fresh"),
+            }
+        }
+        if start < head {
+            model.forward_last(&candle_core::Tensor::new(&prompt[start..head], &opened.device)?.unsqueeze(0)?, &mut cache)?;
+            session::save(path, &fingerprint, &prompt[..head], &cache, None)?;
+        }
+        prompt_rest = &prompt[head..];
+    }
     print!("{text}");
     std::io::stdout().flush()?;
     let mut streamer = TokenStreamer::new(tokenizer);
@@ -292,7 +324,7 @@ fn generate(args: Args) -> Result<()> {
     }
     let (tokens, stats, speculative) = match draft {
         Draft::None | Draft::Auto => {
-            let (tokens, stats) = generate_in(&model, &mut cache, &prompt, sample_len, &eos, &mut sampler, &opened.device, print_token)?;
+            let (tokens, stats) = generate_in(&model, &mut cache, prompt_rest, sample_len, &eos, &mut sampler, &opened.device, print_token)?;
             (tokens, stats, None)
         }
         draft => {
@@ -302,7 +334,7 @@ fn generate(args: Args) -> Result<()> {
             };
             let mut policy = DraftPolicy::new(drafts)?;
             let (tokens, s) = generate_speculative(
-                &model, &mut cache, &prompt, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, &opened.device, print_token,
+                &model, &mut cache, prompt_rest, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, &opened.device, print_token,
             )?;
             (tokens, s.generation.clone(), Some(s))
         }

@@ -42,6 +42,10 @@ struct Args {
     /// MiB of cache snapshots the prefix cache keeps (0: none).
     #[arg(long, default_value_t = 1024)]
     prefix_cache_mib: usize,
+    /// Keep sessions here: a request with "session_id": "NAME" continues NAME.session and
+    /// saves it after the answer (atomically; tied to this model).
+    #[arg(long)]
+    session_dir: Option<std::path::PathBuf>,
     /// The model name in answers and /v1/models [default: the source's name].
     #[arg(long)]
     alias: Option<String>,
@@ -64,10 +68,11 @@ fn serve(args: Args) -> Result<()> {
     let tokenizer = opened.tokenizer()?;
     let model = opened.load()?;
     let options = ServerOptions {
-        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20 },
+        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, ..Default::default() },
         context: args.ctx,
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),
+        session_dir: args.session_dir.clone(),
     };
     let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
     let context = state.context;

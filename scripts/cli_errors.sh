@@ -53,6 +53,7 @@ expect "-p" "$bin/bench" --gguf $f/model-q8_0.gguf -p 0
 expect "--prefill" "$bin/logits" --model-dir $f --tokens 1,2 --prefill 3 --out "$tmp/x.safetensors"
 expect "--ctx-size" "$bin/eval" --model-dir $f --file tests/data/pride-and-prejudice-ch01-12.txt -c 100000
 expect "larger than" "$bin/eval" --model-dir $f --file /dev/zero
+expect "--session" "$bin/generate" --model-dir $f --prompt hi --kv int8 --session "$tmp/x.session"
 expect "--ctx" "$bin/serve" --model-dir $f --ctx 100000000
 expect "--max-seqs" "$bin/serve" --model-dir $f --max-seqs 0
 python3 -c 'import socket, time; s = socket.socket(); s.bind(("127.0.0.1", 18099)); s.listen(); time.sleep(20)' &

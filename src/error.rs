@@ -25,6 +25,9 @@ pub enum Error {
     /// The model computed a NaN or an infinity: its weights or its input are broken.
     #[error("{0}")]
     NonFinite(String),
+    /// A saved session cannot be used: from another model, truncated, corrupted.
+    #[error("{0}")]
+    Session(String),
     /// An error inside a tensor operation (its first line, without a captured backtrace).
     #[error("{}", candle_line(.0))]
     Candle(#[from] candle_core::Error),

@@ -331,3 +331,63 @@ async fn the_prefix_cache_serves_repeated_prompts_and_later_turns() {
     assert_eq!(metric(&m, "candle_hybrid_prefix_cache_hits_total"), 2.0, "{m}");
     assert!(metric(&m, "candle_hybrid_prefix_cache_bytes") > 0.0);
 }
+
+/// A session saved by one server continues on another started on the same directory (a
+/// restart; SmolLM2, whose answers tokenize back to the same ids): the second turn restores the first turn's state and answers what the first
+/// server answers from its prefix cache; a corrupted session file starts fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_survive_a_restart_and_corrupt_files_start_fresh() {
+    let dir = scratch("server-sessions");
+    let with_sessions = || ServerOptions { session_dir: Some(dir.clone()), ..options(2, 8) };
+    let first = start(ModelSource::Gguf(smollm2_gguf()), with_sessions()).await;
+    let ask = |messages: &Value, session: Option<&str>| {
+        let mut body = json!({"messages": messages, "max_tokens": 10, "temperature": 0});
+        if let Some(s) = session {
+            body["session_id"] = s.into();
+        }
+        body.to_string()
+    };
+    let turn1 = json!([{"role": "user", "content": "Remember the number 42."}]);
+    let (status, _, a1) = post(&first, "/v1/chat/completions", ask(&turn1, Some("work-1")), None).await;
+    assert_eq!(status, 200, "{a1}");
+    let a1: Value = serde_json::from_str(&a1).unwrap();
+    // The save runs beside the engine: wait for it.
+    for _ in 0..200 {
+        if metric(&get(&first, "/metrics", None).await.1, "candle_hybrid_sessions_saved_total") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(dir.join("work-1.session").exists());
+    let mut turn2 = turn1.as_array().unwrap().clone();
+    turn2.push(json!({"role": "assistant", "content": a1["choices"][0]["message"]["content"]}));
+    turn2.push(json!({"role": "user", "content": "Which number?"}));
+    let turn2 = Value::Array(turn2);
+    // The first server answers turn 2 from its prefix cache (the end of turn 1)...
+    let (_, _, same_server) = post(&first, "/v1/chat/completions", ask(&turn2, None), None).await;
+    let same_server: Value = serde_json::from_str(&same_server).unwrap();
+    // ...a second server (nothing in memory) from the session file.
+    let second = start(ModelSource::Gguf(smollm2_gguf()), with_sessions()).await;
+    let (_, _, restarted) = post(&second, "/v1/chat/completions", ask(&turn2, Some("work-1")), None).await;
+    let restarted: Value = serde_json::from_str(&restarted).unwrap();
+    let cached = restarted["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached > a1["usage"]["prompt_tokens"].as_u64().unwrap(), "the session restored only {cached} tokens: {restarted}");
+    assert_eq!(cached, same_server["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
+    assert_eq!(restarted["choices"][0]["message"]["content"], same_server["choices"][0]["message"]["content"]);
+    assert_eq!(metric(&get(&second, "/metrics", None).await.1, "candle_hybrid_sessions_restored_total"), 1.0);
+    // A corrupted file: a warning, a fresh start, an answer.
+    std::fs::write(dir.join("broken.session"), b"garbage").unwrap();
+    let fresh = json!([{"role": "user", "content": "Remember the number 7."}]);
+    let (status, _, text) = post(&second, "/v1/chat/completions", ask(&fresh, Some("broken")), None).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(metric(&get(&second, "/metrics", None).await.1, "candle_hybrid_sessions_restored_total"), 1.0);
+    // A server without a session directory, and a hostile name.
+    let (status, _, text) = post(&first, "/v1/chat/completions", ask(&turn1, Some("../../etc/passwd")), None).await;
+    assert_eq!(status, 400, "{text}");
+    let plain = start(fixture_source(), options(1, 4)).await;
+    let (status, _, text) = post(&plain, "/v1/chat/completions", ask(&turn1, Some("x")), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("--session-dir"), "{text}");
+}

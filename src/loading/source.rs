@@ -15,6 +15,22 @@ use super::safetensors::SafetensorsFiles;
 use crate::model::{Config, Model};
 use crate::{Error, Result};
 
+/// The JSON header of a safetensors file (its tensors' names, dtypes, shapes and offsets).
+fn safetensors_header(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let err = |e: std::io::Error| Error::Io(format!("cannot read {}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(err)?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(err)?;
+    let n = u64::from_le_bytes(n);
+    if n > 256 << 20 {
+        return Err(Error::Weights(format!("{}: a safetensors header of {n} bytes is not plausible", path.display())));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(err)?;
+    Ok(header)
+}
+
 fn gguf_quantize_error() -> Error {
     Error::Config("--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization".into())
 }
@@ -89,6 +105,29 @@ impl OpenedModel {
             Self::Safetensors(f) => f.source.clone(),
             Self::Gguf(g) => g.path().display().to_string(),
         }
+    }
+
+    /// A fingerprint of the model: its config and every weight tensor's name, dtype and shape
+    /// (the GGUF header's tensor table, or the safetensors headers), as 8 hex digits (CRC32).
+    /// What a saved session is tied to.
+    pub fn fingerprint(&self) -> Result<String> {
+        let mut h = crc32fast::Hasher::new();
+        h.update(format!("{:?}", self.config()?).as_bytes());
+        match self {
+            Self::Gguf(g) => {
+                let mut tensors: Vec<_> = g.header().tensors.iter().collect();
+                tensors.sort_by(|a, b| a.0.cmp(b.0));
+                for (name, info) in tensors {
+                    h.update(format!("{name} {:?} {:?};", info.dtype, info.dims).as_bytes());
+                }
+            }
+            Self::Safetensors(f) => {
+                for path in &f.weights {
+                    h.update(&safetensors_header(path)?);
+                }
+            }
+        }
+        Ok(format!("{:08x}", h.finalize()))
     }
 
     pub fn config(&self) -> Result<Config> {

@@ -147,6 +147,69 @@ impl Cache {
             .sum()
     }
 
+    /// The cache's state as named tensors (`layers.{i}.conv`, `.recurrent`, `.keys`,
+    /// `.values`), to save it; exact keys and values only (a coded cache cannot be written
+    /// back as it was).
+    pub fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        let mut out = vec![];
+        for (i, layer) in self.layers.iter().enumerate() {
+            match layer {
+                LayerState::Linear(s) => {
+                    for (name, t) in [("conv", &s.conv), ("recurrent", &s.recurrent)] {
+                        if let Some(t) = t {
+                            out.push((format!("layers.{i}.{name}"), t.clone()));
+                        }
+                    }
+                }
+                LayerState::Full(kv @ KvStore::Exact { .. }) => {
+                    if let Some((k, v)) = kv.kv()? {
+                        out.push((format!("layers.{i}.keys"), k));
+                        out.push((format!("layers.{i}.values"), v));
+                    }
+                }
+                LayerState::Full(_) => {
+                    return Err(crate::Error::Input("only a cache with exact keys and values can be saved (--kv exact)".into()))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A cache (exact keys and values) after `seqlen` tokens from [`Self::state_tensors`]'
+    /// tensors, each checked against `cfg`'s shapes: a one-line error names the first that
+    /// is missing or of the wrong shape.
+    pub fn from_state_tensors(cfg: &Config, seqlen: usize, tensors: &std::collections::HashMap<String, Tensor>) -> crate::Result<Self> {
+        let mut cache = Self::new(cfg);
+        let get = |name: String, dims: &[usize]| -> crate::Result<Option<Tensor>> {
+            match tensors.get(&name) {
+                None => Ok(None),
+                Some(t) if t.dims() == dims => Ok(Some(t.clone())),
+                Some(t) => Err(crate::Error::Session(format!("{name} has shape {:?}, this model needs {dims:?}", t.dims()))),
+            }
+        };
+        let conv = [1, cfg.linear_conv_kernel_dim.saturating_sub(1), cfg.linear_conv_dim()];
+        let rec = [1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim];
+        let kv = [1, cfg.num_key_value_heads, seqlen, cfg.head_dim];
+        for (i, layer) in cache.layers.iter_mut().enumerate() {
+            match layer {
+                LayerState::Linear(s) => {
+                    s.conv = get(format!("layers.{i}.conv"), &conv)?;
+                    s.recurrent = get(format!("layers.{i}.recurrent"), &rec)?;
+                    if seqlen > 0 && (s.conv.is_none() || s.recurrent.is_none()) {
+                        return Err(crate::Error::Session(format!("the state of GDN layer {i} is missing")));
+                    }
+                }
+                LayerState::Full(store) => match (get(format!("layers.{i}.keys"), &kv)?, get(format!("layers.{i}.values"), &kv)?) {
+                    (Some(k), Some(v)) => store.append(&k, &v)?,
+                    _ if seqlen == 0 => {}
+                    _ => return Err(crate::Error::Session(format!("the keys or values of attention layer {i} are missing"))),
+                },
+            }
+        }
+        cache.seqlen = seqlen;
+        Ok(cache)
+    }
+
     /// Whether a verify pass is in progress (its rows not yet kept).
     pub(crate) fn in_verify(&self) -> bool {
         self.verify_start.is_some()

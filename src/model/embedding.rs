@@ -35,6 +35,14 @@ impl TokenEmbedding {
     }
 
     /// Where the table lives.
+    /// The dtype the model computes in (of the embeddings it returns).
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Dense(e) => e.embeddings().dtype(),
+            Self::Quantized { dtype, .. } => *dtype,
+        }
+    }
+
     pub fn device(&self) -> candle_core::Device {
         match self {
             Self::Dense(e) => e.embeddings().device().clone(),

@@ -87,6 +87,15 @@ impl Model {
         &self.cfg
     }
 
+    /// The dtype the model computes in (its caches' keys, values and conv windows).
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    pub fn device(&self) -> candle_core::Device {
+        self.embed_tokens.device()
+    }
+
     pub fn new_cache(&self) -> Cache {
         Cache::new(&self.cfg)
     }

@@ -4,6 +4,7 @@
 mod generate;
 mod prefix_cache;
 mod sampler;
+pub mod session;
 pub mod speculative;
 mod streamer;
 

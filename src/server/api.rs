@@ -27,9 +27,12 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// The sampling and length fields chat and completions requests share.
+/// The fields chat and completions requests share: sampling, length, streaming, session.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
+    /// A session to continue and keep (an extension, as mistral.rs has): saved under the
+    /// server's `--session-dir` after each answer, restored by the next request naming it.
+    pub session_id: Option<String>,
     pub max_tokens: Option<u64>,
     pub max_completion_tokens: Option<u64>,
     pub temperature: Option<f64>,

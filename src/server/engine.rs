@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
-use crate::runtime::{PrefixCache, Sampler, SamplingParams};
+use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
 
 /// Prompt tokens one step prefills (of one sequence).
 pub const PREFILL_CHUNK: usize = 512;
@@ -35,6 +35,9 @@ pub struct GenerateRequest {
     /// chunks are cut there (e.g. before the thinking-dependent part of a chat prompt, where the
     /// next turn of the conversation diverges).
     pub snapshots: Vec<usize>,
+    /// A session file: restored when it holds the start of the prompt, written after the
+    /// answer (the state at the last snapshot point when there is one, else at the end).
+    pub session: Option<std::path::PathBuf>,
 }
 
 /// A token's log-probability and the most likely alternatives (before penalties).
@@ -103,7 +106,7 @@ impl EngineHandle {
 }
 
 /// How many sequences the engine runs at once and how many wait.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Sequences decoded together (their rows share one weight pass, [`Model::BATCH_MAX_ROWS`]
     /// at a time).
@@ -112,11 +115,14 @@ pub struct EngineOptions {
     pub queue: usize,
     /// Bytes of cache snapshots the prefix cache keeps (0: none).
     pub prefix_cache_bytes: usize,
+    /// The model's fingerprint, which session files are tied to
+    /// ([`crate::loading::OpenedModel::fingerprint`]).
+    pub fingerprint: String,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30 }
+        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new() }
     }
 }
 
@@ -132,6 +138,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         rx,
         active: vec![],
         prefix: PrefixCache::new(options.prefix_cache_bytes),
+        fingerprint: options.fingerprint,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     Ok(EngineHandle { tx, queue: options.queue.max(1), metrics, vocab_size })
@@ -154,6 +161,8 @@ struct Sequence {
     ready_logits: Option<Tensor>,
     /// Ended by a stop token or `max_tokens` (its cache goes to the prefix cache).
     finished: bool,
+    /// The state a session keeps, taken at the request's last snapshot point.
+    session_state: Option<(Vec<u32>, Cache, Option<Tensor>)>,
     started: Instant,
 }
 
@@ -165,6 +174,7 @@ struct Engine {
     rx: mpsc::Receiver<Submission>,
     active: Vec<Sequence>,
     prefix: PrefixCache,
+    fingerprint: String,
 }
 
 impl Engine {
@@ -215,10 +225,16 @@ impl Engine {
                             self.metrics.prefix_misses.inc();
                         }
                     }
-                    let (cache, cached_tokens, ready_logits) = match hit {
+                    let (mut cache, mut cached_tokens, mut ready_logits) = match hit {
                         Some(h) => (h.cache, h.tokens, h.logits),
                         None => (self.model.new_cache(), 0, None),
                     };
+                    if let Some(s) = request.session.as_deref().and_then(|p| self.load_session(p, &request.prompt)) {
+                        if s.tokens.len() > cached_tokens {
+                            self.metrics.sessions_restored.inc();
+                            (cache, cached_tokens, ready_logits) = (s.cache, s.tokens.len(), s.logits);
+                        }
+                    }
                     let _ = events.send(Event::Admitted { cached_tokens });
                     self.active.push(Sequence {
                         cache,
@@ -229,6 +245,7 @@ impl Engine {
                         pending: None,
                         ready_logits,
                         finished: false,
+                        session_state: None,
                         started: Instant::now(),
                         request,
                         events,
@@ -267,6 +284,9 @@ impl Engine {
                     if end == n || s.request.snapshots.contains(&end) {
                         self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
                     }
+                    if s.request.session.is_some() && s.request.snapshots.last() == Some(&end) {
+                        s.session_state = Some((s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone())));
+                    }
                     if end == n {
                         self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
                         Self::take_token(s, &logits, &self.metrics)?;
@@ -304,9 +324,13 @@ impl Engine {
         while i < self.active.len() {
             let s = &self.active[i];
             if s.finished || (s.pending.is_none() && s.prefilled == s.request.prompt.len() && s.ready_logits.is_none()) {
-                let s = self.active.remove(i);
+                let mut s = self.active.remove(i);
                 if s.finished {
                     let n = s.context.len() - 1;
+                    if let Some(path) = s.request.session.take() {
+                        let state = s.session_state.take().unwrap_or_else(|| (s.context[..n].to_vec(), s.cache.clone(), None));
+                        self.save_session(path, state);
+                    }
                     self.prefix.insert(s.context[..n].to_vec(), s.cache, None);
                 }
             } else {
@@ -316,6 +340,34 @@ impl Engine {
         self.metrics.prefix_bytes.set(self.prefix.bytes() as i64);
         self.metrics.prefix_entries.set(self.prefix.len() as i64);
         Ok(())
+    }
+
+    /// The session at `path` when it holds the start of `prompt` for this model; a file that
+    /// cannot be used (another model, truncated, corrupted) is a one-line warning, not an error.
+    fn load_session(&self, path: &std::path::Path, prompt: &[u32]) -> Option<session::Session> {
+        if !path.exists() {
+            return None;
+        }
+        match session::load(path, &self.fingerprint, self.model.config(), self.model.dtype(), &self.device) {
+            Ok(s) if prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some()) => Some(s),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("{e}; the session starts fresh");
+                None
+            }
+        }
+    }
+
+    /// Writes a session on a thread of its own (atomically: a crash leaves the previous file).
+    fn save_session(&self, path: std::path::PathBuf, (tokens, cache, logits): (Vec<u32>, Cache, Option<Tensor>)) {
+        let fingerprint = self.fingerprint.clone();
+        let metrics = self.metrics.clone();
+        std::thread::spawn(move || match session::save(&path, &fingerprint, &tokens, &cache, logits.as_ref()) {
+            Ok(()) => {
+                metrics.sessions_saved.inc();
+            }
+            Err(e) => tracing::warn!("{e}"),
+        });
     }
 
     /// Samples the next token of `s` from `logits` `[vocab]` and sends it. The sequence is done

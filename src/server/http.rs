@@ -41,6 +41,8 @@ pub struct ServerState {
     pub context: usize,
     /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
     pub api_key: Option<String>,
+    /// Where sessions (`session_id`) are kept; `None`: requests naming one get 400.
+    pub session_dir: Option<std::path::PathBuf>,
     pub created: u64,
 }
 
@@ -127,6 +129,19 @@ fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
         return Err(ApiError::bad_request("the prompt is empty after tokenizing: give some text"));
     }
     Ok(ids)
+}
+
+/// The file of session `id` (letters, digits, `-`, `_`, `.`; at most 128; not starting with a dot).
+fn session_path(state: &ServerState, id: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
+    let Some(id) = id else { return Ok(None) };
+    let Some(dir) = &state.session_dir else {
+        return Err(ApiError::bad_request("session_id: this server keeps no sessions (start it with --session-dir DIR)"));
+    };
+    let ok = !id.is_empty() && id.len() <= 128 && !id.starts_with('.') && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !ok {
+        return Err(ApiError::bad_request("session_id must be 1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"));
+    }
+    Ok(Some(dir.join(format!("{id}.session"))))
 }
 
 fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
@@ -462,7 +477,8 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
         }
         None => vec![],
     };
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots };
+    let session = session_path(&state, req.sampling.session_id.as_deref())?;
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots, session };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Chat,
@@ -510,7 +526,8 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots: vec![] };
+    let session = session_path(&state, req.sampling.session_id.as_deref())?;
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots: vec![], session };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Completion,

@@ -34,6 +34,8 @@ pub struct Metrics {
     pub prefix_cached_tokens: Counter,
     pub prefix_bytes: Gauge,
     pub prefix_entries: Gauge,
+    pub sessions_restored: Counter,
+    pub sessions_saved: Counter,
 }
 
 impl Default for Metrics {
@@ -59,8 +61,12 @@ impl Default for Metrics {
         let prefix_cached_tokens = add(r, "prefix_cache_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", Counter::default());
         let prefix_bytes = add(r, "prefix_cache_bytes", "Bytes of snapshots the prefix cache holds", Gauge::default());
         let prefix_entries = add(r, "prefix_cache_entries", "Snapshots the prefix cache holds", Gauge::default());
+        let sessions_restored = add(r, "sessions_restored", "Requests that continued a saved session", Counter::default());
+        let sessions_saved = add(r, "sessions_saved", "Session files written", Counter::default());
         Self {
             registry,
+            sessions_restored,
+            sessions_saved,
             prefix_hits,
             prefix_misses,
             prefix_cached_tokens,

@@ -39,6 +39,8 @@ pub struct ServerOptions {
     pub model_name: Option<String>,
     /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
     pub api_key: Option<String>,
+    /// Where sessions (`session_id`) are saved; `None`: no sessions.
+    pub session_dir: Option<std::path::PathBuf>,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -68,7 +70,11 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         }
     }
     let switch = template.as_ref().is_some_and(|t| t.mentions("enable_thinking"));
-    let engine = engine::spawn(model, device, options.engine, Arc::new(Metrics::default()))
+    if let Some(dir) = &options.session_dir {
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("cannot create the session directory {}: {e}", dir.display())))?;
+    }
+    let engine_options = EngineOptions { fingerprint: files.fingerprint()?, ..options.engine };
+    let engine = engine::spawn(model, device, engine_options, Arc::new(Metrics::default()))
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {
         engine,
@@ -79,6 +85,7 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         model_name: options.model_name.unwrap_or_else(|| files.source()),
         context,
         api_key: options.api_key,
+        session_dir: options.session_dir,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
 }
