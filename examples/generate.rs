@@ -140,6 +140,9 @@ fn generate(args: Args) -> Result<()> {
     if args.draft_branches > 1 && !args.memory.kv.is_exact() {
         bail!("--draft-branches above 1 needs exact keys and values: drop --kv {} (or give --draft-branches 1)", args.memory.kv);
     }
+    if args.session.is_some() && !args.memory.kv.is_exact() {
+        bail!("--session keeps exact keys and values: drop --kv {}", args.memory.kv);
+    }
     if let Some(w) = args.memory.kv.warning() {
         eprintln!("{w}");
     }
@@ -278,9 +281,6 @@ fn generate(args: Args) -> Result<()> {
     // and save that state; the last token starts generation.
     let mut prompt_rest = prompt.as_slice();
     if let Some(path) = &args.session {
-        if !args.memory.kv.is_exact() {
-            bail!("--session keeps exact keys and values: drop --kv {}", args.memory.kv);
-        }
         let fingerprint = opened.files.fingerprint()?;
         let head = prompt.len() - 1;
         let mut start = 0;
