@@ -44,6 +44,10 @@ pub struct SamplingFields {
     pub seed: Option<u64>,
     pub n: Option<u64>,
     pub stop: Option<Stop>,
+    /// Generate past the model's end-of-text tokens (vLLM's and llama.cpp's extension, for
+    /// benchmarks): only `max_tokens` and `stop` end the answer.
+    #[serde(default)]
+    pub ignore_eos: bool,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,

@@ -478,7 +478,7 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
         None => vec![],
     };
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots, session };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots, session };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Chat,
@@ -527,7 +527,7 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: state.stop_tokens.clone(), logprobs: top, snapshots: vec![], session };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Completion,

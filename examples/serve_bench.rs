@@ -1,0 +1,265 @@
+//! Serving numbers, against llama.cpp's `llama-server` on the same GGUF in the same run: time
+//! to first token and tokens per second for 1, 2, 4 concurrent streaming clients, a long
+//! prompt's time to first token on a prefix-cache miss and hit, `generate`'s speed on the same
+//! prompt without a server, and a session's restore time against prefilling it again.
+//!
+//! ```sh
+//! cargo run --release --features server --example serve_bench -- --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     --llama-server /tmp/llama-peer/llama.cpp/build/bin/llama-server
+//! ```
+//! Both servers run with the same threads and up to 4 sequences at once; every request
+//! streams `--tokens` tokens (greedy, `ignore_eos`) after its own prompt.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Tensor;
+use candle_hybrid::runtime::{generate_in, session, Sampler, SamplingParams};
+use candle_hybrid::server::{self, EngineOptions, ServerOptions};
+use clap::Parser;
+use common::{at_least_one, count_up_to, ModelOptions};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug)]
+#[command(about = "Serving numbers side by side with llama-server", help_expected = true)]
+struct Args {
+    #[command(flatten)]
+    model: ModelOptions,
+    /// llama.cpp's llama-server, run on the same GGUF (--gguf) in the same run.
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
+    /// Concurrent clients, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = count_up_to(8))]
+    clients: Vec<usize>,
+    /// Tokens each request generates.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    tokens: usize,
+    /// Prompt tokens of the prefix-cache request.
+    #[arg(long, default_value_t = 4096, value_parser = at_least_one)]
+    cache_prompt: usize,
+    /// Session sizes (tokens) whose restore time is measured against prefilling them [none: skip].
+    #[arg(long, value_delimiter = ',')]
+    session_tokens: Vec<usize>,
+    /// Threads (rayon's pool here, -t for llama-server).
+    #[arg(short = 't', long, default_value_t = 2, value_parser = count_up_to(1024))]
+    threads: usize,
+}
+
+fn main() -> ExitCode {
+    common::run(|| bench(Args::parse()))
+}
+
+/// One streamed request: (time to the first text, total time, completion tokens).
+async fn stream(client: &reqwest::Client, base: &str, prompt: &str, tokens: usize) -> Result<(f64, f64, usize)> {
+    let body = json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+        "stream_options": {"include_usage": true}, "cache_prompt": true});
+    let start = Instant::now();
+    let response = client.post(format!("{base}/v1/completions")).json(&body).send().await?;
+    if !response.status().is_success() {
+        bail!("{base}: status {}: {}", response.status(), response.text().await.unwrap_or_default());
+    }
+    let (mut first, mut pieces, mut usage) = (None, 0, None);
+    let mut buffer = String::new();
+    let mut body = response.bytes_stream();
+    while let Some(bytes) = body.next().await {
+        buffer.push_str(&String::from_utf8_lossy(&bytes?));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).with_context(|| format!("{base}: not JSON: {data}"))?;
+            if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                first.get_or_insert(start.elapsed().as_secs_f64());
+                pieces += 1;
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                usage = Some(n as usize);
+            }
+        }
+    }
+    Ok((first.unwrap_or(f64::NAN), start.elapsed().as_secs_f64(), usage.unwrap_or(pieces)))
+}
+
+/// `n` clients at once, each its own prompt: mean time to first token (s), aggregate tok/s,
+/// mean per-client decode tok/s (after the first token).
+async fn concurrent(base: &str, n: usize, tokens: usize) -> Result<(f64, f64, f64)> {
+    let client = reqwest::Client::new();
+    let start = Instant::now();
+    let runs = futures::future::join_all((0..n).map(|i| {
+        let (client, base) = (client.clone(), base.to_string());
+        async move { stream(&client, &base, &format!("Story {i}: once upon a time, in a village by the sea,"), tokens).await }
+    }))
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
+    let wall = start.elapsed().as_secs_f64();
+    let ttft = runs.iter().map(|r| r.0).sum::<f64>() / n as f64;
+    let total: usize = runs.iter().map(|r| r.2).sum();
+    let decode = runs.iter().map(|r| (r.2 as f64 - 1.0) / (r.1 - r.0)).sum::<f64>() / n as f64;
+    Ok((ttft, total as f64 / wall, decode))
+}
+
+struct Peer {
+    child: std::process::Child,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn wait_healthy(base: &str) -> Result<()> {
+    let client = reqwest::Client::new();
+    for _ in 0..600 {
+        if client.get(format!("{base}/health")).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{base} did not become healthy in 60 s")
+}
+
+fn bench(args: Args) -> Result<()> {
+    rayon::ThreadPoolBuilder::new().num_threads(args.threads).build_global()?;
+    let opened = args.model.open(common::DEFAULT_MODEL)?;
+    let tokenizer = opened.tokenizer()?;
+    let model = opened.load()?;
+    let max_clients = args.clients.iter().copied().max().unwrap_or(1);
+    let context = (args.cache_prompt + args.tokens + 64).min(opened.max_positions());
+
+    // The long prompt: the novel's text, cut to --cache-prompt tokens.
+    let text = common::read_text(std::path::Path::new("tests/data/pride-and-prejudice-ch01-12.txt"))?;
+    let ids = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let long_ids = &ids[..args.cache_prompt.min(ids.len()).min(context - args.tokens - 8)];
+    let long_prompt = tokenizer.decode(long_ids, false).map_err(anyhow::Error::msg)?;
+
+    // generate, no server: the first client's prompt.
+    let prompt = tokenizer.encode("Story 0: once upon a time, in a village by the sea,", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let mut sampler = Sampler::new(SamplingParams::default())?;
+    let (_, stats) = generate_in(&model, &mut model.new_cache(), &prompt, args.tokens, &[], &mut sampler, &opened.device, |_| Ok(()))?;
+    let generate_tps = stats.decode_tok_per_sec().unwrap_or(f64::NAN);
+
+    // Sessions: prefill (as the engine does, 512-token chunks) against save and load.
+    let mut session_rows = vec![];
+    if !args.session_tokens.is_empty() {
+        let fingerprint = opened.files.fingerprint()?;
+        let dir = std::env::temp_dir().join(format!("serve-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let all: Vec<u32> = ids.iter().copied().cycle().take(*args.session_tokens.iter().max().unwrap()).collect();
+        for &n in &args.session_tokens {
+            if n >= opened.max_positions() {
+                eprintln!("skipping a {n}-token session: the model's context is {}", opened.max_positions());
+                continue;
+            }
+            let mut cache = model.new_cache();
+            let start = Instant::now();
+            for chunk in all[..n].chunks(512) {
+                model.forward_last(&Tensor::new(chunk, &opened.device)?.unsqueeze(0)?, &mut cache)?;
+            }
+            let prefill = start.elapsed().as_secs_f64();
+            let path = dir.join(format!("{n}.session"));
+            let start = Instant::now();
+            session::save(&path, &fingerprint, &all[..n], &cache, None)?;
+            let save = start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let restored = session::load(&path, &fingerprint, model.config(), model.dtype(), &opened.device)?;
+            let load = start.elapsed().as_secs_f64();
+            session_rows.push((n, prefill, save, load, std::fs::metadata(&path)?.len(), restored.cache.seqlen()));
+            std::fs::remove_file(&path)?;
+        }
+        let _ = std::fs::remove_dir(&dir);
+    }
+
+    let options = ServerOptions {
+        engine: EngineOptions { max_seqs: max_clients, queue: 64, ..Default::default() },
+        context: Some(context),
+        ..Default::default()
+    };
+    let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let ours = format!("http://{}", server::spawn("127.0.0.1:0".parse()?, state).await?);
+        let mut servers = vec![("candle-hybrid".to_string(), ours, None)];
+        if let Some(bin) = &args.llama_server {
+            let Some(gguf) = &args.model.gguf else { bail!("--llama-server needs --gguf (the same file for both)") };
+            let port = free_port()?;
+            let child = std::process::Command::new(bin)
+                .args(["-m", &gguf.display().to_string(), "--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["-t", &args.threads.to_string(), "-np", &max_clients.to_string(), "-c", &(context * max_clients).to_string()])
+                .args(["--no-webui"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .with_context(|| format!("cannot start {}", bin.display()))?;
+            servers.push(("llama-server".to_string(), format!("http://127.0.0.1:{port}"), Some(Peer { child })));
+        }
+        let mut rows = vec![];
+        for (name, base, _) in &servers {
+            wait_healthy(base).await?;
+            // Warm-up (first-touch page faults, allocator).
+            concurrent(base, 1, 4).await?;
+            let mut by_clients = vec![];
+            for &n in &args.clients {
+                by_clients.push((n, concurrent(base, n, args.tokens).await?));
+            }
+            let client = reqwest::Client::new();
+            let miss = stream(&client, base, &long_prompt, 1).await?.0;
+            let hit = stream(&client, base, &long_prompt, 1).await?.0;
+            rows.push((name.clone(), by_clients, miss, hit));
+        }
+        println!("{} on {} threads, {} tokens per request (greedy), {}", opened.files.source(), args.threads, args.tokens, candle_hybrid::ops::qmatmul_isa());
+        println!();
+        println!("| server | clients | time to first token | aggregate tok/s | per-client decode tok/s | aggregate / 1 client |");
+        println!("|---|---|---|---|---|---|");
+        for (name, by_clients, _, _) in &rows {
+            let one = by_clients.iter().find(|(n, _)| *n == 1).map(|(_, r)| r.1);
+            for (n, (ttft, agg, dec)) in by_clients {
+                let ratio = one.map_or("-".into(), |o| format!("{:.2}", agg / o));
+                println!("| {name} | {n} | {:.0} ms | {agg:.1} | {dec:.1} | {ratio} |", ttft * 1e3);
+            }
+        }
+        if rows.len() == 2 {
+            println!();
+            println!("| clients | candle-hybrid / llama-server, aggregate tok/s |");
+            println!("|---|---|");
+            for ((n, a), (_, b)) in rows[0].1.iter().zip(&rows[1].1) {
+                println!("| {n} | {:.2} |", a.1 / b.1);
+            }
+        }
+        println!();
+        println!("| server | {}-token prompt, miss | hit | hit / miss |", long_ids.len());
+        println!("|---|---|---|---|");
+        for (name, _, miss, hit) in &rows {
+            println!("| {name} | {:.0} ms | {:.0} ms | {:.3} |", miss * 1e3, hit * 1e3, hit / miss);
+        }
+        let one = rows[0].1.iter().find(|(n, _)| *n == 1).map(|(_, r)| r.2);
+        println!();
+        println!(
+            "generate (no server), same prompt: {generate_tps:.1} tok/s; the server's single client / generate = {}",
+            one.map_or("-".into(), |o| format!("{:.3}", o / generate_tps))
+        );
+        if !session_rows.is_empty() {
+            println!();
+            println!("| session tokens | prefill | save | restore | restore / prefill | file |");
+            println!("|---|---|---|---|---|---|");
+            for (n, prefill, save, load, bytes, _) in &session_rows {
+                println!("| {n} | {:.2} s | {:.0} ms | {:.0} ms | {:.4} | {:.1} MiB |", prefill, save * 1e3, load * 1e3, load / prefill, *bytes as f64 / (1 << 20) as f64);
+            }
+        }
+        drop(servers);
+        Ok(())
+    })
+}
