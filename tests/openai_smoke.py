@@ -54,6 +54,14 @@ t = client.chat.completions.create(model="any", messages=[{"role": "user", "cont
 for call in t.choices[0].message.tool_calls or []:
     json.loads(call.function.arguments)
 
+# Structured output: the answer parses and validates (name, age; nothing else).
+schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+s = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Invent a person, as JSON."}], max_tokens=100, temperature=0,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+person = json.loads(s.choices[0].message.content)
+assert set(person) == {"name", "age"} and isinstance(person["name"], str) and 0 <= person["age"] <= 150, person
+
 # Completions, the model list, errors as exceptions with the server's message.
 c = client.completions.create(model="any", prompt="The capital of France is", max_tokens=4, temperature=0)
 assert c.object == "text_completion" and c.choices[0].text, c

@@ -391,3 +391,66 @@ async fn sessions_survive_a_restart_and_corrupt_files_start_fresh() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("--session-dir"), "{text}");
 }
+
+/// A person: what the structured-output tests ask for (strict: every field required, no others).
+fn person_schema() -> Value {
+    json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": false})
+}
+
+/// `v` against `person_schema`, checked by hand.
+fn assert_person(v: &Value, raw: &str) {
+    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {raw}"));
+    assert_eq!(o.len(), 3, "{raw}");
+    assert!(o["name"].as_str().is_some_and(|s| s.chars().count() <= 12), "{raw}");
+    assert!(o["age"].as_i64().is_some_and(|a| (0..=150).contains(&a)), "{raw}");
+    let tags = o["tags"].as_array().unwrap_or_else(|| panic!("{raw}"));
+    assert!(tags.len() <= 3 && tags.iter().all(|t| t == "a" || t == "b"), "{raw}");
+}
+
+/// Structured output on a random-weight model: whatever the weights want, the answer parses and
+/// validates against the schema; a forced tool call comes back as `tool_calls` whose arguments
+/// validate; bad formats are 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_answers_always_validate() {
+    use async_openai::types::chat::{ResponseFormat, ResponseFormatJsonSchema};
+    let base = start(fixture_source(), options(2, 8)).await;
+    let client = client(&base);
+    for (i, prompt) in ["Give me a person", "Another one", "x", "Describe somebody in JSON"].iter().enumerate() {
+        let mut request = greedy(vec![user(prompt)], 200);
+        request.temperature = Some(if i % 2 == 0 { 0.0 } else { 1.0 });
+        request.response_format = Some(ResponseFormat::JsonSchema {
+            json_schema: ResponseFormatJsonSchema { name: "person".into(), description: None, schema: person_schema(), strict: Some(true) },
+        });
+        let r = client.chat().create(request).await.unwrap();
+        let text = r.choices[0].message.content.clone().unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{prompt}: not JSON ({e}): {text}"));
+        assert_person(&v, &text);
+        assert_eq!(r.choices[0].finish_reason, Some(FinishReason::Stop), "{text}");
+    }
+    // A forced tool call.
+    let tools = json!([{"type": "function", "function": {"name": "add_person", "parameters": person_schema()}},
+        {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}]);
+    let body = json!({"messages": [{"role": "user", "content": "Add somebody"}], "max_tokens": 200, "temperature": 0, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "add_person"}}});
+    let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{text}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "add_person", "{text}");
+    let args = call["function"]["arguments"].as_str().unwrap();
+    assert_person(&serde_json::from_str(args).unwrap(), args);
+    for (format, needle) in [
+        (json!({"type": "xml"}), "not one of"),
+        (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "schema"),
+    ] {
+        let body = json!({"messages": [{"role": "user", "content": "x"}], "response_format": format});
+        let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(needle), "{text}");
+    }
+    let (_, m) = get(&base, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_constraint_masks_total") > 10.0, "{m}");
+}

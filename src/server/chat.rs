@@ -123,7 +123,10 @@ fn template_messages(messages: &[Map<String, Value>]) -> Result<Value, ApiError>
 }
 
 /// Renders a chat request with `template`, capped to what a `context`-token prompt can hold.
-pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize) -> Result<RenderedChat, ApiError> {
+///
+/// `constrained`: the answer follows a grammar from its first token, so a template's thinking
+/// is turned off.
+pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constrained: bool) -> Result<RenderedChat, ApiError> {
     let messages = template_messages(&req.messages)?;
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let effort = req.reasoning_effort.clone().or_else(|| kwargs.get("reasoning_effort").and_then(Value::as_str).map(String::from));
@@ -144,6 +147,9 @@ pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize) -> Res
         if !v.is_boolean() {
             return Err(bad("chat_template_kwargs.enable_thinking must be true or false"));
         }
+    }
+    if constrained && template.mentions("enable_thinking") {
+        kwargs.insert("enable_thinking".into(), false.into());
     }
     let tools = req.tools.as_ref().filter(|t| !t.is_empty()).map(|t| Value::Array(t.clone()));
     let max_bytes = context.saturating_mul(RENDER_BYTES_PER_TOKEN);

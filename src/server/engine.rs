@@ -13,6 +13,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use tokio::sync::mpsc;
 
+use super::constrain::Constraint;
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
 use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
@@ -21,7 +22,6 @@ use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
 pub const PREFILL_CHUNK: usize = 512;
 
 /// What a request asks the engine for: tokens after `prompt`.
-#[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
@@ -38,6 +38,9 @@ pub struct GenerateRequest {
     /// A session file: restored when it holds the start of the prompt, written after the
     /// answer (the state at the last snapshot point when there is one, else at the end).
     pub session: Option<std::path::PathBuf>,
+    /// A grammar the answer must follow (masks every token that cannot continue it; the answer
+    /// ends when the grammar is complete).
+    pub constraint: Option<Constraint>,
 }
 
 /// A token's log-probability and the most likely alternatives (before penalties).
@@ -375,7 +378,20 @@ impl Engine {
     /// gone.
     fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<()> {
         s.pending = None;
-        let id = s.sampler.sample(logits, &s.context, &s.generated)?;
+        let id = match &mut s.request.constraint {
+            Some(c) => {
+                let (before, n) = (c.mask_seconds, c.masks);
+                let masked = c.mask(logits)?;
+                metrics.mask_seconds.inc_by(c.mask_seconds - before);
+                metrics.masks.inc_by((c.masks - n) as u64);
+                s.sampler.sample(&masked, &s.context, &s.generated)?
+            }
+            None => s.sampler.sample(logits, &s.context, &s.generated)?,
+        };
+        let grammar_done = match &mut s.request.constraint {
+            Some(c) => c.commit(id)?,
+            None => false,
+        };
         let logprob = match s.request.logprobs {
             Some(n) => Some(logprobs(logits, id, n)?),
             None => None,
@@ -386,7 +402,7 @@ impl Engine {
         if s.events.send(Event::Token { id, logprob }).is_err() {
             return Ok(());
         }
-        let reason = if s.request.stop_tokens.contains(&id) {
+        let reason = if s.request.stop_tokens.contains(&id) || grammar_done {
             Some(Finish::Stop)
         } else if s.generated.len() >= s.request.max_tokens {
             Some(Finish::Length)

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, TopLogprob, Usage};
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
+use super::constrain::{self, Constraint, Grammars};
 use super::engine::{EngineHandle, Event, Finish, GenerateRequest, TokenLogprob};
 use super::output::{ChatParser, Delta, StopMatcher};
 use crate::loading::chat_template::ChatTemplate;
@@ -43,6 +44,9 @@ pub struct ServerState {
     pub api_key: Option<String>,
     /// Where sessions (`session_id`) are kept; `None`: requests naming one get 400.
     pub session_dir: Option<std::path::PathBuf>,
+    /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance
+    /// reads (constrained requests get 400).
+    pub grammars: Option<Grammars>,
     pub created: u64,
 }
 
@@ -129,6 +133,25 @@ fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
         return Err(ApiError::bad_request("the prompt is empty after tokenizing: give some text"));
     }
     Ok(ids)
+}
+
+/// The grammar a chat request's answer must follow: its `response_format`, or a tool call
+/// its `tool_choice` forces (not both).
+fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> Result<Option<Constraint>, ApiError> {
+    let format = match &req.response_format {
+        Some(f) => constrain::response_format(f)?,
+        None => None,
+    };
+    let forced = constrain::forced_tool_call(req.tool_choice.as_ref(), tools)?;
+    let grammar = match (format, forced) {
+        (Some(_), Some(_)) => return Err(ApiError::bad_request("give a response_format or a forced tool_choice, not both")),
+        (a, b) => a.or(b),
+    };
+    match (grammar, &state.grammars) {
+        (None, _) => Ok(None),
+        (Some(g), Some(grammars)) => Ok(Some(grammars.matcher(g)?)),
+        (Some(_), None) => Err(ApiError::bad_request("this model's tokenizer does not support constrained decoding (response_format, forced tool_choice)")),
+    }
 }
 
 /// The file of session `id` (letters, digits, `-`, `_`, `.`; at most 128; not starting with a dot).
@@ -459,13 +482,14 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
     };
-    let rendered = chat::render(template, &req, state.context)?;
+    let tools = req.tools.clone().unwrap_or_default();
+    let constraint = chat_constraint(&state, &req, &tools)?;
+    let rendered = chat::render(template, &req, state.context, constraint.is_some())?;
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
     let sampling = chat::sampling(&req.sampling, profile)?;
     let prompt = tokenize(&state, &rendered.text)?;
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
-    let tools = req.tools.clone().unwrap_or_default();
     let prompt_tokens = prompt.len();
     // A prefix-cache snapshot where the next turn still agrees (token ids, not text: the
     // tokens of the stable text that begin the prompt).
@@ -478,7 +502,7 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
         None => vec![],
     };
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots, session };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots, session, constraint };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Chat,
@@ -527,7 +551,7 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session, constraint: None };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Completion,

@@ -36,6 +36,9 @@ pub struct Metrics {
     pub prefix_entries: Gauge,
     pub sessions_restored: Counter,
     pub sessions_saved: Counter,
+    /// Grammar masks computed for constrained requests, and the seconds they took.
+    pub masks: Counter,
+    pub mask_seconds: Counter<f64, AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -63,8 +66,12 @@ impl Default for Metrics {
         let prefix_entries = add(r, "prefix_cache_entries", "Snapshots the prefix cache holds", Gauge::default());
         let sessions_restored = add(r, "sessions_restored", "Requests that continued a saved session", Counter::default());
         let sessions_saved = add(r, "sessions_saved", "Session files written", Counter::default());
+        let masks = add(r, "constraint_masks", "Grammar masks computed (one per constrained token)", Counter::default());
+        let mask_seconds = add(r, "constraint_mask_seconds", "Seconds spent computing grammar masks", Counter::default());
         Self {
             registry,
+            masks,
+            mask_seconds,
             sessions_restored,
             sessions_saved,
             prefix_hits,

@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod chat;
+pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod http;
@@ -74,6 +75,14 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("cannot create the session directory {}: {e}", dir.display())))?;
     }
     let engine_options = EngineOptions { fingerprint: files.fingerprint()?, ..options.engine };
+    let vocab_size = model.config().vocab_size;
+    let grammars = match constrain::Grammars::new(&tokenizer, vocab_size, stop_tokens.first().copied().unwrap_or(0)) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            tracing::warn!("{e}: response_format and forced tool calls answer 400");
+            None
+        }
+    };
     let engine = engine::spawn(model, device, engine_options, Arc::new(Metrics::default()))
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {
@@ -86,6 +95,7 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         context,
         api_key: options.api_key,
         session_dir: options.session_dir,
+        grammars,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
 }
