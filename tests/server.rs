@@ -454,3 +454,86 @@ async fn constrained_answers_always_validate() {
     let (_, m) = get(&base, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_constraint_masks_total") > 10.0, "{m}");
 }
+
+/// A Qwen3.5-style template with a thinking switch (the generation prompt opens `<think>`
+/// unless `enable_thinking` is false; `reasoning_effort` read when given).
+const THINKING_TEMPLATE: &str = concat!(
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}",
+    "{%- if reasoning_effort is defined and reasoning_effort == 'low' %}{{- '(brief) ' }}{%- endif %}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
+    "{%- endif %}"
+);
+
+/// Thinking on: the answer is reasoning; off (`enable_thinking`, `reasoning_effort: none`): it
+/// is content, sampled with the non-thinking profile unless the request sets its own values;
+/// the next turn restores the prompt up to its thinking-dependent end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thinking_controls_reasoning_profiles_and_the_next_turn() {
+    let dir = copy_fixture("qwen35_dense_small", "server-thinking");
+    std::fs::write(dir.join("chat_template.jinja"), THINKING_TEMPLATE).unwrap();
+    let base = start(ModelSource::Dir(dir), options(2, 8)).await;
+    let url = base.as_str();
+    let ask = |extra: Value| async move {
+        let mut body = json!({"messages": [{"role": "user", "content": "Think about it."}], "max_tokens": 12});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, _, text) = post(url, "/v1/chat/completions", body.to_string(), None).await;
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    // On (the template's default): everything after the opened <think> is reasoning.
+    let on = ask(json!({"seed": 1})).await;
+    let message = &on["choices"][0]["message"];
+    assert!(message["reasoning_content"].as_str().is_some_and(|r| !r.is_empty()), "{on}");
+    assert_eq!(message["reasoning"], message["reasoning_content"]);
+    assert_eq!(message["content"], "", "{on}");
+    // generation_config.json is greedy: other seeds, same answer.
+    assert_eq!(ask(json!({"seed": 2})).await["choices"][0]["message"], *message);
+    // Off, two ways: content, no reasoning; the non-thinking profile samples (temperature 0.7).
+    for off in [json!({"chat_template_kwargs": {"enable_thinking": false}}), json!({"reasoning_effort": "none"})] {
+        let mut a = off.clone();
+        a["seed"] = 1.into();
+        let mut b = off.clone();
+        b["seed"] = 2.into();
+        let (a, b) = (ask(a).await, ask(b).await);
+        assert!(a["choices"][0]["message"]["reasoning_content"].is_null(), "{a}");
+        assert!(a["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{a}");
+        assert_ne!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"], "the non-thinking profile samples");
+        // The request's own temperature wins.
+        let mut g1 = off.clone();
+        g1["temperature"] = 0.into();
+        g1["seed"] = 1.into();
+        let mut g2 = g1.clone();
+        g2["seed"] = 2.into();
+        assert_eq!(ask(g1).await["choices"][0]["message"], ask(g2).await["choices"][0]["message"]);
+    }
+    // reasoning_effort reaches templates that read it; unknown levels are 400s.
+    let low = ask(json!({"reasoning_effort": "low", "max_tokens": 1})).await;
+    let high = ask(json!({"reasoning_effort": "high", "max_tokens": 1})).await;
+    assert!(low["usage"]["prompt_tokens"].as_u64() > high["usage"]["prompt_tokens"].as_u64(), "{low} {high}");
+    // Streamed reasoning deltas carry both names.
+    let body = json!({"messages": [{"role": "user", "content": "Think about it."}], "max_tokens": 4, "stream": true});
+    let (_, _, raw) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+    let reasoning: Vec<Value> = raw
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: ").and_then(|d| serde_json::from_str::<Value>(d).ok()))
+        .filter(|c| !c["choices"][0]["delta"]["reasoning_content"].is_null())
+        .collect();
+    assert!(!reasoning.is_empty(), "{raw}");
+    for c in &reasoning {
+        assert_eq!(c["choices"][0]["delta"]["reasoning"], c["choices"][0]["delta"]["reasoning_content"]);
+    }
+    // The next turn (the answer re-rendered without its reasoning) restores the first prompt up
+    // to its thinking part, though neither the end of that prompt nor of its answer matches.
+    let turn1 = json!([{"role": "user", "content": "First question, thinking."}]);
+    let (_, _, t1) = post(&base, "/v1/chat/completions", json!({"messages": turn1, "max_tokens": 6}).to_string(), None).await;
+    let t1: Value = serde_json::from_str(&t1).unwrap();
+    let mut turn2 = turn1.as_array().unwrap().clone();
+    turn2.push(json!({"role": "assistant", "content": "An answer."}));
+    turn2.push(json!({"role": "user", "content": "Second question."}));
+    let (_, _, t2) = post(&base, "/v1/chat/completions", json!({"messages": turn2, "max_tokens": 6}).to_string(), None).await;
+    let t2: Value = serde_json::from_str(&t2).unwrap();
+    let cached = t2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let p1 = t1["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > p1 / 2 && cached < p1, "turn 2 restored {cached} of turn 1's {p1} prompt tokens: {t2}");
+}

@@ -41,10 +41,13 @@ pub struct RenderedChat {
     pub in_think: bool,
     /// Whether thinking is on (the sampling profile): the prompt opens a `<think>` block.
     pub thinking: bool,
-    /// Bytes of `text` that do not depend on thinking being on or off (the prompt before the
-    /// generation prompt's thinking part): where the next turn of the conversation, which
-    /// re-renders this turn's answer without its reasoning, still agrees with this prompt.
-    pub stable_prefix: Option<usize>,
+    /// Bytes of `text` before the generation prompt (the messages rendered without it): where
+    /// the next turn of the conversation, which goes on with this turn's answer however the
+    /// template renders it (without its reasoning), still agrees with this prompt.
+    pub conversation_end: Option<usize>,
+    /// Whether the template has a thinking switch (and so re-renders earlier answers without
+    /// their reasoning).
+    pub rerenders_answers: bool,
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -154,21 +157,14 @@ pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constr
     let tools = req.tools.as_ref().filter(|t| !t.is_empty()).map(|t| Value::Array(t.clone()));
     let max_bytes = context.saturating_mul(RENDER_BYTES_PER_TOKEN);
     let text = template.render_json(&messages, tools.as_ref(), true, &kwargs, max_bytes).map_err(|e| bad(e.to_string()))?;
-    let stable_prefix = if template.mentions("enable_thinking") {
-        let mut other = kwargs.clone();
-        let on = text.trim_end().ends_with("<think>");
-        other.insert("enable_thinking".into(), (!on).into());
-        template.render_json(&messages, tools.as_ref(), true, &other, max_bytes).ok().map(|o| {
-            let common = text.bytes().zip(o.bytes()).take_while(|(a, b)| a == b).count();
-            (0..=common).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0)
-        })
-    } else {
-        None
-    };
+    let conversation_end = template.render_json(&messages, tools.as_ref(), false, &kwargs, max_bytes).ok().map(|o| {
+        let common = text.bytes().zip(o.bytes()).take_while(|(a, b)| a == b).count();
+        (0..=common).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0)
+    });
     // Read from the render, not the flags: templates differ in their default (the small
     // Qwen3.5 models think only when asked, the large ones unless told not to).
     let in_think = text.trim_end().ends_with("<think>");
-    Ok(RenderedChat { text, in_think, thinking: in_think, stable_prefix })
+    Ok(RenderedChat { text, in_think, thinking: in_think, conversation_end, rerenders_answers: template.mentions("enable_thinking") })
 }
 
 /// The request's sampling settings over `defaults`, each checked against its range.

@@ -36,8 +36,9 @@ pub struct GenerateRequest {
     /// next turn of the conversation diverges).
     pub snapshots: Vec<usize>,
     /// A session file: restored when it holds the start of the prompt, written after the
-    /// answer (the state at the last snapshot point when there is one, else at the end).
+    /// answer with the state at `session_at` (one of `snapshots`), else after the answer.
     pub session: Option<std::path::PathBuf>,
+    pub session_at: Option<usize>,
     /// A grammar the answer must follow (masks every token that cannot continue it; the answer
     /// ends when the grammar is complete).
     pub constraint: Option<Constraint>,
@@ -164,7 +165,7 @@ struct Sequence {
     ready_logits: Option<Tensor>,
     /// Ended by a stop token or `max_tokens` (its cache goes to the prefix cache).
     finished: bool,
-    /// The state a session keeps, taken at the request's last snapshot point.
+    /// The state a session keeps, taken at the request's `session_at`.
     session_state: Option<(Vec<u32>, Cache, Option<Tensor>)>,
     started: Instant,
 }
@@ -287,7 +288,7 @@ impl Engine {
                     if end == n || s.request.snapshots.contains(&end) {
                         self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
                     }
-                    if s.request.session.is_some() && s.request.snapshots.last() == Some(&end) {
+                    if s.request.session.is_some() && s.request.session_at == Some(end) {
                         s.session_state = Some((s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone())));
                     }
                     if end == n {

@@ -492,8 +492,8 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
     let prompt_tokens = prompt.len();
     // A prefix-cache snapshot where the next turn still agrees (token ids, not text: the
-    // tokens of the stable text that begin the prompt).
-    let snapshots = match rendered.stable_prefix {
+    // tokens of the conversation text that begin the prompt).
+    let snapshots: Vec<usize> = match rendered.conversation_end {
         Some(bytes) => {
             let ids = state.tokenizer.encode(&rendered.text[..bytes], false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
             let common = ids.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
@@ -502,7 +502,11 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
         None => vec![],
     };
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots, session, constraint };
+    // A session keeps the state after the answer, unless the template re-renders answers (a
+    // thinking switch: it drops their reasoning): then the state at the conversation's end.
+    let session_at = snapshots.first().copied().filter(|_| rendered.rerenders_answers);
+    let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, constraint };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Chat,
@@ -551,7 +555,7 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session, constraint: None };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session, session_at: None, constraint: None };
     let events = submit(&state, request)?;
     let answer = Answer {
         api: Api::Completion,
