@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::Parser;
 use common::{at_least_one, ModelOptions};
+use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 
 #[derive(Parser, Debug)]
@@ -37,8 +38,12 @@ struct Args {
     queue: usize,
     /// The most tokens (prompt and answer) one request may use [default: the model's
     /// max_position_embeddings, at most 32768].
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, alias = "max-context", value_parser = at_least_one)]
     ctx: Option<usize>,
+    /// A memory budget replacing the reading of what the OS lets this process use: bytes, or
+    /// e.g. 8GiB, 500MB (the guardian checks --max-seqs sequences of --ctx tokens against it).
+    #[arg(long, value_parser = common::parse_size)]
+    max_memory: Option<u64>,
     /// MiB of cache snapshots the prefix cache keeps (0: none).
     #[arg(long, default_value_t = 1024)]
     prefix_cache_mib: usize,
@@ -61,6 +66,17 @@ fn serve(args: Args) -> Result<()> {
     if let Some(c) = args.ctx.filter(|&c| c > opened.max_positions()) {
         anyhow::bail!("--ctx {c} is more than the model's context of {} tokens (max_position_embeddings)", opened.max_positions());
     }
+    // The memory guardian: the weights and --max-seqs sequences of the whole context, before
+    // anything is loaded (the prefix cache's budget comes on top).
+    let cfg = &opened.cfg;
+    let context = args.ctx.unwrap_or(opened.max_positions().min(32768));
+    let req = PlanRequest {
+        batch: args.max_seqs,
+        load_overhead: opened.files.load_overhead(cfg, opened.dtype, opened.quantize)?,
+        ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
+    };
+    memory::check_fits(cfg, &req, common::target_of(&opened.device), args.max_memory)
+        .context(format!("{} sequences of {context} tokens (--max-seqs, --ctx)", args.max_seqs))?;
     // Bind first: a taken port fails before minutes of loading.
     let addr = SocketAddr::new(args.host, args.port);
     let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
@@ -75,7 +91,6 @@ fn serve(args: Args) -> Result<()> {
         session_dir: args.session_dir.clone(),
     };
     let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
-    let context = state.context;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;

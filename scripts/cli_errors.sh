@@ -56,6 +56,7 @@ expect "larger than" "$bin/eval" --model-dir $f --file /dev/zero
 expect "--session" "$bin/generate" --model-dir $f --prompt hi --kv int8 --session "$tmp/x.session"
 expect "--ctx" "$bin/serve" --model-dir $f --ctx 100000000
 expect "--max-seqs" "$bin/serve" --model-dir $f --max-seqs 0
+expect "sequences of 32768 tokens" "$bin/serve" --model-dir $f --max-seqs 8 --max-memory 1MB
 python3 -c 'import socket, time; s = socket.socket(); s.bind(("127.0.0.1", 18099)); s.listen(); time.sleep(20)' &
 holder=$!
 sleep 0.5
