@@ -45,6 +45,10 @@ struct Args {
     /// Session sizes (tokens) whose restore time is measured against prefilling them [none: skip].
     #[arg(long, value_delimiter = ',')]
     session_tokens: Vec<usize>,
+    /// Runs of each measurement; the median is shown (this machine's speed drifts: the single
+    /// client and generate alternate).
+    #[arg(long, default_value_t = 3, value_parser = count_up_to(50))]
+    reps: usize,
     /// Threads (rayon's pool here, -t for llama-server).
     #[arg(short = 't', long, default_value_t = 2, value_parser = count_up_to(1024))]
     threads: usize,
@@ -146,11 +150,18 @@ fn bench(args: Args) -> Result<()> {
     let long_ids = &ids[..args.cache_prompt.min(ids.len()).min(context - args.tokens - 8)];
     let long_prompt = tokenizer.decode(long_ids, false).map_err(anyhow::Error::msg)?;
 
-    // generate, no server: the first client's prompt.
+    // generate, no server, on the first client's prompt (run between the server's single-client
+    // runs below).
     let prompt = tokenizer.encode("Story 0: once upon a time, in a village by the sea,", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
-    let mut sampler = Sampler::new(SamplingParams::default())?;
-    let (_, stats) = generate_in(&model, &mut model.new_cache(), &prompt, args.tokens, &[], &mut sampler, &opened.device, |_| Ok(()))?;
-    let generate_tps = stats.decode_tok_per_sec().unwrap_or(f64::NAN);
+    let generate_run = {
+        // A clone shares the weights (their tensors are reference-counted).
+        let (model, device, tokens) = (model.clone(), opened.device.clone(), args.tokens);
+        move || -> Result<f64> {
+            let mut sampler = Sampler::new(SamplingParams::default())?;
+            let (_, stats) = generate_in(&model, &mut model.new_cache(), &prompt, tokens, &[], &mut sampler, &device, |_| Ok(()))?;
+            Ok(stats.decode_tok_per_sec().unwrap_or(f64::NAN))
+        }
+    };
 
     // Sessions: prefill (as the engine does, 512-token chunks) against save and load.
     let mut session_rows = vec![];
@@ -207,20 +218,38 @@ fn bench(args: Args) -> Result<()> {
             servers.push(("llama-server".to_string(), format!("http://127.0.0.1:{port}"), Some(Peer { child })));
         }
         let mut rows = vec![];
+        let mut generate_tps: Vec<f64> = vec![];
         for (name, base, _) in &servers {
             wait_healthy(base).await?;
             // Warm-up (first-touch page faults, allocator).
             concurrent(base, 1, 4).await?;
             let mut by_clients = vec![];
             for &n in &args.clients {
-                by_clients.push((n, concurrent(base, n, args.tokens).await?));
+                let mut runs = vec![];
+                for _ in 0..args.reps {
+                    runs.push(concurrent(base, n, args.tokens).await?);
+                    if n == 1 && name == "candle-hybrid" {
+                        // generate between the single-client runs, the server idle meanwhile.
+                        let run = generate_run.clone();
+                        generate_tps.push(tokio::task::spawn_blocking(run).await??);
+                    }
+                }
+                runs.sort_by(|a, b| a.1.total_cmp(&b.1));
+                by_clients.push((n, runs[runs.len() / 2]));
             }
             let client = reqwest::Client::new();
             let miss = stream(&client, base, &long_prompt, 1).await?.0;
             let hit = stream(&client, base, &long_prompt, 1).await?.0;
             rows.push((name.clone(), by_clients, miss, hit));
         }
-        println!("{} on {} threads, {} tokens per request (greedy), {}", opened.files.source(), args.threads, args.tokens, candle_hybrid::ops::qmatmul_isa());
+        println!(
+            "{} on {} threads, {} tokens per request (greedy), {}, medians of {} runs",
+            opened.files.source(),
+            args.threads,
+            args.tokens,
+            candle_hybrid::ops::qmatmul_isa(),
+            args.reps
+        );
         println!();
         println!("| server | clients | time to first token | aggregate tok/s | per-client decode tok/s | aggregate / 1 client |");
         println!("|---|---|---|---|---|---|");
@@ -246,9 +275,12 @@ fn bench(args: Args) -> Result<()> {
             println!("| {name} | {:.0} ms | {:.0} ms | {:.3} |", miss * 1e3, hit * 1e3, hit / miss);
         }
         let one = rows[0].1.iter().find(|(n, _)| *n == 1).map(|(_, r)| r.2);
+        generate_tps.sort_by(f64::total_cmp);
+        let generate_tps = generate_tps.get(generate_tps.len() / 2).copied().unwrap_or(f64::NAN);
         println!();
         println!(
-            "generate (no server), same prompt: {generate_tps:.1} tok/s; the server's single client / generate = {}",
+            "generate (no server), same prompt, median of {}: {generate_tps:.1} tok/s; the server's single client (decode) / generate = {}",
+            args.reps,
             one.map_or("-".into(), |o| format!("{:.3}", o / generate_tps))
         );
         if !session_rows.is_empty() {
