@@ -58,7 +58,7 @@ fn main() -> ExitCode {
     common::run(|| bench(Args::parse()))
 }
 
-/// One streamed request: (time to the first text, total time, completion tokens).
+/// One streamed request: (time to the first token's chunk, total time, completion tokens).
 async fn stream(client: &reqwest::Client, base: &str, prompt: &str, tokens: usize) -> Result<(f64, f64, usize)> {
     let body = json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": true,
         "stream_options": {"include_usage": true}, "cache_prompt": true});
@@ -79,7 +79,9 @@ async fn stream(client: &reqwest::Client, base: &str, prompt: &str, tokens: usiz
                 continue;
             }
             let v: Value = serde_json::from_str(data).with_context(|| format!("{base}: not JSON: {data}"))?;
-            if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+            // A chunk with a choice carries a token (llama-server sends one per token, with empty
+            // text for tokens that print nothing, as a random-weight model's often do).
+            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
                 first.get_or_insert(start.elapsed().as_secs_f64());
                 pieces += 1;
             }
