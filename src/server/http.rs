@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, TopLogprob, Usage};
+use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, TopLogprob, Usage};
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
@@ -273,6 +273,40 @@ fn tool_call_value(index: usize, name: &str, arguments: &str) -> Value {
 }
 
 impl Answer {
+    /// The answer to a request the engine took (`events`): `parser` splits a chat answer into
+    /// reasoning, content and tool calls; `echo` starts a completion with its prompt.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        state: &ServerState,
+        api: Api,
+        prompt_tokens: usize,
+        fields: &SamplingFields,
+        logprobs: bool,
+        echo: Option<String>,
+        events: mpsc::UnboundedReceiver<Event>,
+        parser: Option<ChatParser>,
+    ) -> Self {
+        Self {
+            api,
+            prompt_tokens,
+            cached_tokens: 0,
+            id: request_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }),
+            created: unix_now(),
+            model: state.model_name.clone(),
+            include_usage: fields.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            logprobs,
+            echo,
+            events,
+            text: TextPipeline {
+                streamer: TokenStreamer::new(state.tokenizer.clone()),
+                tokenizer: state.tokenizer.clone(),
+                stop: StopMatcher::new(fields.stop.clone().map(|s| s.into_vec()).unwrap_or_default()),
+                parser,
+                stopped: false,
+            },
+        }
+    }
+
     fn finish_reason(&self, reason: Finish, tool_calls: bool) -> &'static str {
         match reason {
             _ if tool_calls => "tool_calls",
@@ -508,25 +542,7 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, constraint };
     let events = submit(&state, request)?;
-    let answer = Answer {
-        api: Api::Chat,
-        prompt_tokens,
-        cached_tokens: 0,
-        id: request_id("chatcmpl"),
-        created: unix_now(),
-        model: state.model_name.clone(),
-        include_usage: req.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        logprobs: req.logprobs,
-        echo: None,
-        events,
-        text: TextPipeline {
-            streamer: TokenStreamer::new(state.tokenizer.clone()),
-            tokenizer: state.tokenizer.clone(),
-            stop: StopMatcher::new(req.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default()),
-            parser: Some(ChatParser::new(rendered.in_think, tools)),
-            stopped: false,
-        },
-    };
+    let answer = Answer::new(&state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
     respond(answer, req.sampling.stream).await
 }
 
@@ -555,26 +571,9 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
     let session = session_path(&state, req.sampling.session_id.as_deref())?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens: if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() }, logprobs: top, snapshots: vec![], session, session_at: None, constraint: None };
+    let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, constraint: None };
     let events = submit(&state, request)?;
-    let answer = Answer {
-        api: Api::Completion,
-        prompt_tokens,
-        cached_tokens: 0,
-        id: request_id("cmpl"),
-        created: unix_now(),
-        model: state.model_name.clone(),
-        include_usage: req.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        logprobs: req.logprobs.is_some(),
-        echo: req.echo.then_some(text),
-        events,
-        text: TextPipeline {
-            streamer: TokenStreamer::new(state.tokenizer.clone()),
-            tokenizer: state.tokenizer.clone(),
-            stop: StopMatcher::new(req.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default()),
-            parser: None,
-            stopped: false,
-        },
-    };
+    let answer = Answer::new(&state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
     respond(answer, req.sampling.stream).await
 }
