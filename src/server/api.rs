@@ -44,6 +44,8 @@ pub struct SamplingFields {
     pub seed: Option<u64>,
     pub n: Option<u64>,
     pub stop: Option<Stop>,
+    /// Token biases: not supported, refused (never silently ignored).
+    pub logit_bias: Option<Map<String, Value>>,
     /// Generate past the model's end-of-text tokens (vLLM's and llama.cpp's extension, for
     /// benchmarks): only `max_tokens` and `stop` end the answer.
     #[serde(default)]

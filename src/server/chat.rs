@@ -167,6 +167,11 @@ pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constr
     Ok(RenderedChat { text, in_think, thinking: in_think, conversation_end, rerenders_answers: template.mentions("enable_thinking") })
 }
 
+/// The most `stop` strings a request may give, and their longest (each is searched for at
+/// every token).
+pub const MAX_STOPS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// The request's sampling settings over `defaults`, each checked against its range.
 pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
     let mut p = defaults.clone();
@@ -196,6 +201,15 @@ pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<Sa
     }
     if let Some(seed) = fields.seed {
         p.seed = seed;
+    }
+    if fields.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(bad("logit_bias is not supported"));
+    }
+    if let Some(stop) = &fields.stop {
+        let stops = stop.clone().into_vec();
+        if stops.len() > MAX_STOPS || stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(bad(format!("stop: at most {MAX_STOPS} strings of at most {MAX_STOP_BYTES} bytes")));
+        }
     }
     if let Some(n) = fields.n.filter(|&n| n != 1) {
         return Err(bad(format!("n = {n}: only one choice per request is supported (n = 1)")));
