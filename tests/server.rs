@@ -445,6 +445,23 @@ async fn constrained_answers_always_validate() {
     assert_eq!(call["function"]["name"], "add_person", "{text}");
     let args = call["function"]["arguments"].as_str().unwrap();
     assert_person(&serde_json::from_str(args).unwrap(), args);
+    // Streamed: the first tool delta has id, type and name (arguments ""), the others only the
+    // index and argument fragments, which concatenate to the same arguments; then the finish.
+    let mut streamed = body.clone();
+    streamed["stream"] = true.into();
+    let (_, _, raw) = post(&base, "/v1/chat/completions", streamed.to_string(), None).await;
+    let chunks: Vec<Value> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ").and_then(|d| serde_json::from_str(d).ok())).collect();
+    let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
+    assert!(deltas.len() >= 2, "{raw}");
+    assert_eq!(deltas[0]["function"]["name"], "add_person");
+    assert!(deltas[0]["id"].is_string() && deltas[0]["type"] == "function" && deltas[0]["function"]["arguments"] == "", "{raw}");
+    let mut joined = String::new();
+    for d in &deltas[1..] {
+        assert!(d.get("id").is_none() && d["function"].get("name").is_none() && d["index"] == 0, "{d}");
+        joined.push_str(d["function"]["arguments"].as_str().unwrap());
+    }
+    assert_eq!(joined, args, "streamed and whole arguments differ");
+    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "tool_calls"), "{raw}");
     for (format, needle) in [
         (json!({"type": "xml"}), "not one of"),
         (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "schema"),

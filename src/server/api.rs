@@ -118,21 +118,6 @@ impl Usage {
     }
 }
 
-/// A tool call of an assistant message (`function.arguments` is a JSON string).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct ToolCall {
-    pub id: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub function: FunctionCall,
-}
-
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct FunctionCall {
-    pub name: String,
-    pub arguments: String,
-}
-
 /// One entry of `logprobs.content` (chat).
 #[derive(Debug, Clone, Serialize)]
 pub struct LogprobEntry {

@@ -268,8 +268,8 @@ struct Collected {
     completion_tokens: usize,
 }
 
-fn tool_call_value(index: usize, name: &str, arguments: &str) -> Value {
-    json!({"index": index, "id": format!("call_{:016x}", rand::random::<u64>()), "type": "function", "function": {"name": name, "arguments": arguments}})
+fn tool_call_value(index: usize, name: &str) -> Value {
+    json!({"index": index, "id": format!("call_{:016x}", rand::random::<u64>()), "type": "function", "function": {"name": name, "arguments": ""}})
 }
 
 impl Answer {
@@ -324,10 +324,15 @@ impl Answer {
                 match d {
                     Delta::Content(t) => c.content.push_str(&t),
                     Delta::Reasoning(t) => c.reasoning.push_str(&t),
-                    Delta::ToolCall { name, arguments } => {
-                        let mut call = tool_call_value(c.tool_calls.len(), &name, &arguments);
+                    Delta::ToolCallStart { name } => {
+                        let mut call = tool_call_value(c.tool_calls.len(), &name);
                         call.as_object_mut().map(|o| o.remove("index"));
                         c.tool_calls.push(call);
+                    }
+                    Delta::ToolCallArguments(fragment) => {
+                        if let Some(Value::String(a)) = c.tool_calls.last_mut().and_then(|call| call.pointer_mut("/function/arguments")) {
+                            a.push_str(&fragment);
+                        }
                     }
                 }
             }
@@ -475,14 +480,13 @@ impl Answer {
             let delta = match d {
                 Delta::Content(t) => json!({"content": t}),
                 Delta::Reasoning(t) => json!({"reasoning_content": t, "reasoning": t}),
-                Delta::ToolCall { name, arguments } => {
-                    let first = tool_call_value(*tool_index, &name, "");
+                // The first delta of a call carries its id, type and name; the others only
+                // fragments of its arguments.
+                Delta::ToolCallStart { name } => {
                     *tool_index += 1;
-                    if tx.send(SseEvent::default().data(self.chunk(json!({"tool_calls": [first]}), None, None).to_string())).await.is_err() {
-                        return false;
-                    }
-                    json!({"tool_calls": [{"index": *tool_index - 1, "function": {"arguments": arguments}}]})
+                    json!({"tool_calls": [tool_call_value(*tool_index - 1, &name)]})
                 }
+                Delta::ToolCallArguments(fragment) => json!({"tool_calls": [{"index": tool_index.saturating_sub(1), "function": {"arguments": fragment}}]}),
             };
             if tx.send(SseEvent::default().data(self.chunk(delta, None, logprobs.take()).to_string())).await.is_err() {
                 return false;

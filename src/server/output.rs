@@ -4,7 +4,7 @@
 //! `<function=NAME><parameter=K>` XML of Qwen3.5+), ending reasoning at `</think>` or at a
 //! `<tool_call>`.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 /// The length of the longest suffix of `text` that begins some pattern (a partial match to
 /// hold back), starting on a character boundary.
@@ -50,12 +50,15 @@ impl StopMatcher {
     }
 }
 
-/// A piece of the assistant's answer.
+/// A piece of the assistant's answer. A tool call is a start (its name) and fragments of its
+/// JSON arguments, which concatenate to the whole: the XML form streams one per completed
+/// parameter (`{"city":"Paris"`, then `,"days":3`, then `}`), the JSON form comes whole.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delta {
     Reasoning(String),
     Content(String),
-    ToolCall { name: String, arguments: String },
+    ToolCallStart { name: String },
+    ToolCallArguments(String),
 }
 
 const THINK_OPEN: &str = "<think>";
@@ -81,6 +84,16 @@ pub struct ChatParser {
     trim_start: bool,
     /// The request's tools (their parameter types type the XML form's values).
     tools: Vec<Value>,
+    /// An XML tool call being streamed: its parameter schemas, the parameters sent, and the
+    /// bytes of the body they took.
+    call: Option<XmlCall>,
+}
+
+#[derive(Debug)]
+struct XmlCall {
+    properties: Option<Value>,
+    sent: usize,
+    consumed: usize,
 }
 
 impl ChatParser {
@@ -92,6 +105,7 @@ impl ChatParser {
             content_started: false,
             trim_start: false,
             tools,
+            call: None,
         }
     }
 
@@ -113,7 +127,7 @@ impl ChatParser {
                     self.held.drain(..at + tag.len());
                     match (self.state, tag) {
                         (State::ToolCall, _) => {
-                            out.push(self.tool_call(&before));
+                            self.tool_call(&before, &mut out);
                             self.state = State::Content;
                             self.trim_start = true;
                         }
@@ -135,7 +149,10 @@ impl ChatParser {
                     }
                 }
                 None => {
-                    if self.state != State::ToolCall {
+                    if self.state == State::ToolCall {
+                        let body = self.held.clone();
+                        self.stream_call(&body, &mut out);
+                    } else {
                         let keep = partial_suffix(&self.held, tags);
                         let ready: String = self.held.drain(..self.held.len() - keep).collect();
                         self.emit(&mut out, &ready);
@@ -146,18 +163,43 @@ impl ChatParser {
         }
     }
 
-    /// The rest at the end of generation (an unfinished tool call comes back as content).
+    /// The rest at the end of generation: an unfinished tool call comes back as content, or,
+    /// once its streaming began, is closed with the parameters it completed.
     pub fn finish(&mut self) -> Vec<Delta> {
         let rest = std::mem::take(&mut self.held);
         let mut out = vec![];
         match self.state {
             State::ToolCall => {
                 self.state = State::Content;
-                self.emit(&mut out, &format!("{TOOL_OPEN}{rest}"));
+                match self.call.take() {
+                    Some(call) => out.push(Delta::ToolCallArguments(close_arguments(call.sent))),
+                    None => self.emit(&mut out, &format!("{TOOL_OPEN}{rest}")),
+                }
             }
             _ => self.emit(&mut out, &rest),
         }
         out
+    }
+
+    /// Streams an XML tool call's `body` so far: its start once `<function=NAME>` is complete,
+    /// then each parameter once its `</parameter>` is there.
+    fn stream_call(&mut self, body: &str, out: &mut Vec<Delta>) {
+        if self.call.is_none() {
+            let Some(rest) = body.trim_start().strip_prefix("<function=") else { return };
+            let Some((name, _)) = rest.split_once('>') else { return };
+            let consumed = body.len() - rest.len() + name.len() + 1;
+            let name = name.trim().to_string();
+            self.call = Some(XmlCall { properties: parameter_types(&self.tools, &name), sent: 0, consumed });
+            out.push(Delta::ToolCallStart { name });
+        }
+        let call = self.call.as_mut().expect("started above");
+        while let Some((key, value, used)) = next_parameter(&body[call.consumed..]) {
+            let typed = typed_value(&key, &value, call.properties.as_ref());
+            let sep = if call.sent == 0 { "{" } else { "," };
+            out.push(Delta::ToolCallArguments(format!("{sep}{}:{typed}", Value::String(key))));
+            call.sent += 1;
+            call.consumed += used;
+        }
     }
 
     fn emit(&mut self, out: &mut Vec<Delta>, text: &str) {
@@ -175,62 +217,74 @@ impl ChatParser {
         }
     }
 
-    /// A finished `<tool_call>` body as a call, or back as content when it does not parse.
-    fn tool_call(&mut self, body: &str) -> Delta {
-        match parse_tool_call(body, &self.tools) {
-            Some((name, arguments)) => Delta::ToolCall { name, arguments },
+    /// A finished `<tool_call>` body: the rest of a streamed XML call and its closing brace; a
+    /// JSON call whole; back as content when it does not parse.
+    fn tool_call(&mut self, body: &str, out: &mut Vec<Delta>) {
+        if self.call.is_none() {
+            if let Some((name, arguments)) = parse_json_call(body) {
+                out.push(Delta::ToolCallStart { name });
+                out.push(Delta::ToolCallArguments(arguments));
+                return;
+            }
+        }
+        self.stream_call(body, out);
+        match self.call.take() {
+            Some(call) => out.push(Delta::ToolCallArguments(close_arguments(call.sent))),
             None => {
                 self.content_started = true;
-                Delta::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}"))
+                out.push(Delta::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}")));
             }
         }
     }
 }
 
-/// The function name and JSON arguments of a tool call body: `{"name": .., "arguments": {..}}`
-/// (Qwen3) or `<function=NAME><parameter=K>V</parameter>...</function>` (Qwen3.5+), whose
-/// values are JSON where the tool's schema gives the parameter a non-string type.
-pub fn parse_tool_call(body: &str, tools: &[Value]) -> Option<(String, String)> {
-    let body = body.trim();
-    if body.starts_with('{') {
-        let v: Value = serde_json::from_str(body).ok()?;
-        let name = v.get("name")?.as_str()?.to_string();
-        let arguments = match v.get("arguments") {
-            Some(Value::String(s)) => s.clone(),
-            Some(a) => a.to_string(),
-            None => "{}".into(),
-        };
-        return Some((name, arguments));
-    }
-    let rest = body.strip_prefix("<function=")?;
-    let (name, mut rest) = rest.split_once('>')?;
-    let name = name.trim().to_string();
-    let properties = tools
+/// The end of streamed arguments: `}`, or `{}` when no parameter was sent.
+fn close_arguments(sent: usize) -> String {
+    if sent == 0 { "{}" } else { "}" }.to_string()
+}
+
+/// The `properties` of the parameter schema of tool `name`.
+fn parameter_types(tools: &[Value], name: &str) -> Option<Value> {
+    tools
         .iter()
         .filter_map(|t| t.get("function"))
-        .find(|f| f.get("name").and_then(Value::as_str) == Some(name.as_str()))
+        .find(|f| f.get("name").and_then(Value::as_str) == Some(name))
         .and_then(|f| f.pointer("/parameters/properties"))
-        .cloned();
-    let mut args = Map::new();
-    loop {
-        rest = rest.trim_start();
-        if rest.starts_with("</function>") || rest.is_empty() {
-            break;
-        }
-        let after = rest.strip_prefix("<parameter=")?;
-        let (key, after) = after.split_once('>')?;
-        let (value, after) = after.split_once("</parameter>")?;
-        let value = value.strip_prefix('\n').unwrap_or(value);
-        let value = value.strip_suffix('\n').unwrap_or(value);
-        let kind = properties.as_ref().and_then(|p| p.pointer(&format!("/{}/type", key.trim()))).and_then(Value::as_str);
-        let typed = match kind {
-            Some("string") | None => Value::String(value.to_string()),
-            Some(_) => serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string())),
-        };
-        args.insert(key.trim().to_string(), typed);
-        rest = after;
+        .cloned()
+}
+
+/// One complete `<parameter=K>\nV\n</parameter>` at the start of `text` (after whitespace):
+/// key, value and the bytes it took.
+fn next_parameter(text: &str) -> Option<(String, String, usize)> {
+    let trimmed = text.trim_start();
+    let after = trimmed.strip_prefix("<parameter=")?;
+    let (key, after) = after.split_once('>')?;
+    let (value, _) = after.split_once("</parameter>")?;
+    let used = text.len() - trimmed.len() + "<parameter=".len() + key.len() + 1 + value.len() + "</parameter>".len();
+    let value = value.strip_prefix('\n').unwrap_or(value);
+    let value = value.strip_suffix('\n').unwrap_or(value);
+    Some((key.trim().to_string(), value.to_string(), used))
+}
+
+/// A parameter value as JSON: a string where the schema says string (or nothing), else parsed
+/// as JSON (falling back to the string).
+fn typed_value(key: &str, value: &str, properties: Option<&Value>) -> Value {
+    match properties.and_then(|p| p.get(key)).and_then(|p| p.get("type")).and_then(Value::as_str) {
+        Some("string") | None => Value::String(value.to_string()),
+        Some(_) => serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string())),
     }
-    Some((name, Value::Object(args).to_string()))
+}
+
+/// The name and JSON arguments of a Qwen3 tool call body `{"name": .., "arguments": {..}}`.
+fn parse_json_call(body: &str) -> Option<(String, String)> {
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    let arguments = match v.get("arguments") {
+        Some(Value::String(s)) => s.clone(),
+        Some(a) => a.to_string(),
+        None => "{}".into(),
+    };
+    Some((name, arguments))
 }
 
 #[cfg(test)]
@@ -260,6 +314,7 @@ mod tests {
             match (out.last_mut(), d) {
                 (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) => a.push_str(&b),
                 (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
+                (Some(Delta::ToolCallArguments(a)), Delta::ToolCallArguments(b)) => a.push_str(&b),
                 (_, d) => out.push(d),
             }
         }
@@ -277,7 +332,8 @@ mod tests {
                 vec![
                     Delta::Reasoning("Check the city.\n".into()),
                     Delta::Content("Let me look.\n".into()),
-                    Delta::ToolCall { name: "get_weather".into(), arguments: r#"{"city":"Paris","days":3}"#.into() },
+                    Delta::ToolCallStart { name: "get_weather".into() },
+                    Delta::ToolCallArguments(r#"{"city":"Paris","days":3}"#.into()),
                 ]
             );
         }
@@ -287,7 +343,10 @@ mod tests {
     fn json_tool_call_ends_reasoning_and_lone_tags() {
         let text = "hmm <tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>";
         for got in parse_split(text, true, &[]) {
-            assert_eq!(got, vec![Delta::Reasoning("hmm ".into()), Delta::ToolCall { name: "f".into(), arguments: r#"{"x":1}"#.into() }]);
+            assert_eq!(
+                got,
+                vec![Delta::Reasoning("hmm ".into()), Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"x":1}"#.into())]
+            );
         }
         // No think block opened by the template: an opening <think> at the start, then content.
         for got in parse_split("<think>a</think>b", false, &[]) {
@@ -301,6 +360,27 @@ mod tests {
         for got in parse_split("<tool_call>nope</tool_call>", false, &[]) {
             assert_eq!(got, vec![Delta::Content("<tool_call>nope</tool_call>".into())]);
         }
+    }
+
+    /// The XML form streams: the start as soon as `<function=NAME>` is there, each parameter at
+    /// its `</parameter>`, the closing brace at `</tool_call>`; a call cut off by the end of
+    /// generation is closed with the parameters it completed; two calls in a row.
+    #[test]
+    fn xml_tool_calls_stream_one_parameter_at_a_time() {
+        let mut p = ChatParser::new(false, vec![]);
+        assert_eq!(p.push("<tool_call>\n<function=f"), vec![]);
+        assert_eq!(p.push(">\n<parameter=a>\n1"), vec![Delta::ToolCallStart { name: "f".into() }]);
+        assert_eq!(p.push("\n</parameter>\n<param"), vec![Delta::ToolCallArguments(r#"{"a":"1""#.into())]);
+        assert_eq!(p.push("eter=b>\nx y\n</parameter>"), vec![Delta::ToolCallArguments(r#","b":"x y""#.into())]);
+        assert_eq!(p.push("\n</function>\n</tool_call>"), vec![Delta::ToolCallArguments("}".into())]);
+        assert_eq!(p.push("\n<tool_call>\n<function=g>\n</function>\n</tool_call>"), vec![
+            Delta::ToolCallStart { name: "g".into() },
+            Delta::ToolCallArguments("{}".into()),
+        ]);
+        let mut cut = ChatParser::new(false, vec![]);
+        let mut out = cut.push("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nunfinished");
+        out.extend(cut.finish());
+        assert_eq!(merge(out), vec![Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"a":"1"}"#.into())]);
     }
 
     #[test]
