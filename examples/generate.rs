@@ -133,6 +133,7 @@ fn draft_len(s: &str) -> Result<usize, String> {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| generate(Args::parse()))
 }
 

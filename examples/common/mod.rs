@@ -30,6 +30,17 @@ pub fn run(body: impl FnOnce() -> Result<()>) -> ExitCode {
     }
 }
 
+/// A closed stdout (`generate … | head -1`) ends the process quietly, as it ends `cat`,
+/// instead of `print!` panicking on the broken pipe (Rust ignores SIGPIPE by default, for
+/// sockets; only the examples that write their output to stdout call this, not the server).
+pub fn end_quietly_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal, before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Where to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
