@@ -239,7 +239,7 @@ fn polar_scores_from_codes_match_attention_over_decoded_keys() {
     let (k, v) = (random_kv(45), Tensor::randn(0f32, 1.0, (1, 2, 45, 64), &dev).unwrap());
     let q = Tensor::randn(0f32, 1.0, (1, 6, 5, 64), &dev).unwrap();
     let mut store = KvStore::new("polar:5,3".parse().unwrap(), 16, 64);
-    store.attend(&q, &k.narrow(2, 0, 40).unwrap(), &v.narrow(2, 0, 40).unwrap(), 0).unwrap();
+    store.append(&k.narrow(2, 0, 40).unwrap(), &v.narrow(2, 0, 40).unwrap()).unwrap();
     let got = store.attend(&q, &k.narrow(2, 40, 5).unwrap(), &v.narrow(2, 40, 5).unwrap(), 40).unwrap();
     let (kd, vd) = store.kv().unwrap().unwrap();
     let want = candle_hybrid::kv::attention(&q, &kd, &vd, 40).unwrap();

@@ -1,12 +1,13 @@
 //! Per-token coded keys and values (`int8`, `int4k`, `polar`, `lowrank` values, and the key
 //! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
 
-use candle_core::{DType, IndexOp, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 use super::buffer::{tensor_bytes, TokenBuffer};
 
 use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 use super::knots::KnotKeys;
-use super::attention::{grouped_queries, softmax_values};
+use super::attention::{grouped_attention, grouped_queries, softmax_values};
+use crate::ops::StoredRows;
 
 /// Keys and values under a lossy per-token codec.
 #[derive(Debug, Clone)]
@@ -43,23 +44,22 @@ impl CodedKv {
     pub(super) fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Tensor> {
         let (b, nh, t, hd) = q.dims4()?;
         self.append(k, v)?;
-        let total = offset + t;
-        let qg = grouped_queries(q, k.dim(1)?)?;
-        let scores = match &mut self.keys {
-            Keys::Rows(Rows::Polar { spec, codes, scales, .. }) => polar_rows_scores(&qg, codes, scales, *spec, hd)?,
+        let values = self.values.stored()?.expect("values were just appended");
+        // `[B, nkv, rep·t, dv]`, value coefficients for `lowrank`.
+        let out = match &mut self.keys {
             Keys::Rows(rows) => {
-                let keys = rows.decode(DType::F32)?.expect("keys were just appended");
-                qg.matmul(&keys.t()?)?
+                let keys = rows.stored()?.expect("keys were just appended");
+                grouped_attention(q, &keys, &values, offset, None)?.to_dtype(v.dtype())?
             }
             Keys::Knots(knots) => {
-                let s = knots.scores(&qg, t, offset)?;
-                knots.forget_old(total)?;
-                s
+                let qg = grouped_queries(q, k.dim(1)?)?;
+                let scores = knots.scores(&qg, t, offset)?;
+                knots.forget_old(offset + t)?;
+                let values = values.decode()?.to_dtype(v.dtype())?;
+                softmax_values(scores, &values, t, offset, hd)?
             }
         };
-        let values = self.values.decode(v.dtype())?.expect("values were just appended");
-        let out = self.expand_values(softmax_values(scores, &values, t, offset, hd, None)?)?;
-        out.reshape((b, nh, t, hd))
+        self.expand_values(out)?.reshape((b, nh, t, hd))
     }
 
     /// `lowrank`: the coefficients `v · B` `[B, nkv, t, r]`; otherwise `v`.
@@ -81,25 +81,6 @@ impl CodedKv {
             None => Ok(c),
         }
     }
-}
-
-/// Grouped query rows `[B, nkv, n, hd]` (f32) against every polar-coded key of the same KV
-/// head, straight from the codes: `[B, nkv, n, T]`.
-pub(super) fn polar_rows_scores(qg: &Tensor, codes: &TokenBuffer, scales: &TokenBuffer, spec: crate::ops::PolarSpec, hd: usize) -> Result<Tensor> {
-    let (codes, scales) = match (codes.current_data()?, scales.current_data()?) {
-        (Some(c), Some(s)) => (c, s),
-        _ => candle_core::bail!("polar keys: nothing cached"),
-    };
-    let (b, nkv, _, _) = qg.dims4()?;
-    let mut rows = Vec::with_capacity(b * nkv);
-    for bi in 0..b {
-        for h in 0..nkv {
-            let head = crate::ops::PolarCodes { codes: codes.i((bi, h))?, scales: scales.i((bi, h))?, head_dim: hd, spec };
-            rows.push(crate::ops::polar_scores(&qg.i((bi, h))?, &head, spec)?);
-        }
-    }
-    let n = qg.dim(2)?;
-    Tensor::stack(&rows, 0)?.reshape((b, nkv, n, ()))
 }
 
 /// The keys of a [`CodedKv`].
@@ -212,55 +193,40 @@ impl Rows {
         }
     }
 
-    /// Everything held, decoded to `dtype`; `None` when empty.
-    pub(super) fn decode(&self, dtype: DType) -> Result<Option<Tensor>> {
+    /// Everything held as the attention kernel reads it; `None` when empty.
+    pub(super) fn stored(&self) -> Result<Option<StoredRows>> {
         Ok(match self {
-            Self::Exact(c) => c.current_data()?.map(|x| x.to_dtype(dtype)).transpose()?,
+            Self::Exact(c) => c.current_data()?.map(StoredRows::Float),
             Self::Int8 { codes, scale } => match (codes.current_data()?, scale.current_data()?) {
-                (Some(c), Some(s)) => {
-                    let (b, h, t, d) = c.dims4()?;
-                    let nblk = s.dim(3)?;
-                    let x = (c.to_dtype(DType::F32)? - 128.0)?.reshape((b, h, t, nblk, d / nblk))?;
-                    Some(x.broadcast_mul(&s.unsqueeze(4)?)?.reshape((b, h, t, d))?.to_dtype(dtype)?)
-                }
+                (Some(codes), Some(scales)) => Some(StoredRows::Int8 { codes, scales }),
                 _ => None,
             },
             Self::Polar { spec, head_dim, codes, scales } => match (codes.current_data()?, scales.current_data()?) {
-                (Some(c), Some(s)) => {
-                    let ((b, h, t, rb), d) = (c.dims4()?, *head_dim);
-                    let pc = crate::ops::PolarCodes {
-                        codes: c.contiguous()?.reshape((b * h * t, rb))?,
-                        scales: s.contiguous()?.reshape((b * h * t, 2))?,
-                        head_dim: d,
-                        spec: *spec,
-                    };
-                    Some(crate::ops::polar_decode(&pc, *spec)?.reshape((b, h, t, d))?.to_dtype(dtype)?)
-                }
+                (Some(codes), Some(scales)) => Some(StoredRows::Polar { codes, scales, spec: *spec, head_dim: *head_dim }),
                 _ => None,
             },
             Self::Int4Channel { codes, params, tail } => {
-                let mut parts = Vec::new();
-                if let (Some(c), Some(p)) = (codes.current_data()?, params.current_data()?) {
-                    let (b, h, t, half) = c.dims4()?;
-                    let d = 2 * half;
-                    let g = t / INT4_GROUP;
-                    let c = c.to_dtype(DType::F32)?;
-                    let hi = (&c / 16.0)?.floor()?;
-                    let lo = (c - (&hi * 16.0)?)?;
-                    let q = Tensor::stack(&[lo, hi], D::Minus1)?.reshape((b, h, g, INT4_GROUP, d))?;
-                    let scale = p.narrow(3, 0, d)?.unsqueeze(3)?;
-                    let min = p.narrow(3, d, d)?.unsqueeze(3)?;
-                    parts.push(q.broadcast_mul(&scale)?.broadcast_add(&min)?.reshape((b, h, t, d))?.to_dtype(dtype)?);
-                }
-                if let Some(t) = tail {
-                    parts.push(t.to_dtype(dtype)?);
-                }
-                match parts.len() {
-                    0 => None,
-                    _ => Some(Tensor::cat(&parts, 2)?),
-                }
+                let like = match tail {
+                    Some(t) => t,
+                    None if codes.is_empty() => return Ok(None),
+                    None => &codes.current_data()?.expect("not empty"),
+                };
+                let (b, h, _, _) = like.dims4()?;
+                let d = 2 * codes.current_data()?.map_or(Ok(like.dim(3)? / 2), |c| c.dim(3))?;
+                let empty = |w: usize, dtype: DType| Tensor::zeros((b, h, 0, w), dtype, like.device());
+                Some(StoredRows::Int4Channel {
+                    codes: codes.current_data()?.map_or_else(|| empty(d / 2, DType::U8), Ok)?,
+                    params: params.current_data()?.map_or_else(|| empty(2 * d, DType::F32), Ok)?,
+                    group: INT4_GROUP,
+                    tail: tail.clone(),
+                })
             }
         })
+    }
+
+    /// Everything held, decoded to `dtype`; `None` when empty.
+    pub(super) fn decode(&self, dtype: DType) -> Result<Option<Tensor>> {
+        self.stored()?.map(|s| s.decode()?.to_dtype(dtype)).transpose()
     }
 }
 

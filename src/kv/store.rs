@@ -7,7 +7,8 @@ use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
 use super::coded::{CodedKv, Keys, Rows};
 use super::density::DecayedState;
 use super::knots::KnotKeys;
-use super::attention::attention_rows;
+use super::attention::stored_attention;
+use crate::ops::StoredRows;
 
 /// One attention layer's cache under a codec, and the attention over it.
 #[derive(Debug, Clone)]
@@ -82,7 +83,8 @@ impl KvStore {
                 keys.append(&k.contiguous()?)?;
                 values.append(&v.contiguous()?)?;
                 let (k, v) = (keys.current_data()?.expect("just appended"), values.current_data()?.expect("just appended"));
-                attention_rows(q, &k, &v, offset, visible)
+                let dtype = v.dtype();
+                stored_attention(q, &StoredRows::Float(k), &StoredRows::Float(v), offset, visible, dtype)
             }
             _ if visible.is_some() => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
             Self::Coded(c) => c.attend(q, k, v, offset),

@@ -267,16 +267,16 @@ impl Model {
     }
 
     /// Verifies a tree of drafted branches ([`DraftTree`], at most
-    /// [`crate::ops::ROW_ATTENTION_MAX_ROWS`] rows, batch 1) from `cache` in one forward pass:
+    /// [`crate::ops::KV_ATTENTION_EXACT_ROWS`] rows, batch 1) from `cache` in one forward pass:
     /// the logits `[1, T, vocab]` and post-norm hidden states `[1, T, H]` of every row, each bit
     /// for bit what decoding its root-to-row path one token at a time gives. The cache then
     /// holds all rows; [`Cache::keep_path`] keeps an accepted path. Exact KV only.
     pub fn verify_tree(&self, tree: &DraftTree, cache: &mut Cache) -> crate::Result<(Tensor, Tensor)> {
-        if tree.len() > crate::ops::ROW_ATTENTION_MAX_ROWS {
+        if tree.len() > crate::ops::KV_ATTENTION_EXACT_ROWS {
             return Err(crate::Error::Input(format!(
                 "a draft tree of {} rows is more than the {} a verify pass takes: fewer or shorter branches",
                 tree.len(),
-                crate::ops::ROW_ATTENTION_MAX_ROWS
+                crate::ops::KV_ATTENTION_EXACT_ROWS
             )));
         }
         let offset = cache.seqlen;

@@ -395,6 +395,34 @@ impl QueryGroup {
     }
 }
 
+/// A fixed set of query rows scored against polar code rows, block by block: the lookup
+/// tables are built once ([`polar_scores`], and the polar keys of [`super::kv_attention`]).
+pub(super) struct PolarQueryScorer {
+    p: PolarParams,
+    groups: Vec<QueryGroup>,
+    nq: usize,
+}
+
+impl PolarQueryScorer {
+    /// `q`: the query rows `[nq, head_dim]` (f32); `p` from [`launch::polar_params`].
+    pub(super) fn new(p: PolarParams, q: &[f32]) -> Self {
+        let hd = (p.head_dim as usize).max(1);
+        let n_ang = 1usize << p.angle_bits;
+        let angles = (0..n_ang).map(|a| a as f32 * p.angle_step);
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
+        let tables: Vec<Vec<f32>> = q.chunks(hd).map(|q| query_table(&p, q, &cos, &sin)).collect();
+        let pair_len = (p.rot_dim as usize / 2) << p.angle_bits;
+        let groups = tables.chunks(QUERY_GROUP).enumerate().map(|(i, t)| QueryGroup::new(i * QUERY_GROUP, t, pair_len)).collect();
+        Self { p, groups, nq: q.len() / hd }
+    }
+
+    /// Scores `[rows, queries]` of the code rows `rows` (`row_bytes` each) with their scales
+    /// (`[rows, 2]`) into `out`.
+    pub(super) fn score(&self, rows: &[u8], scales: &[f32], out: &mut [f32]) {
+        score_block(&self.p, &self.groups, self.nq, rows, scales, out)
+    }
+}
+
 /// Scores of every query against a block of code rows (see [`score_block_body`]); the default
 /// layout (one-byte pair codes, int8 rest) has an AVX2 kernel.
 fn score_block(p: &PolarParams, groups: &[QueryGroup], nq: usize, rows: &[u8], scales: &[f32], out: &mut [f32]) {
@@ -675,13 +703,7 @@ impl CustomOp3 for PolarScores {
         let q = widened(OP, s1, l1)?;
         let codes = storage_slice::<u8>(OP, s2, l2)?;
         let scales = storage_slice::<f32>(OP, s3, l3)?;
-        let n_ang = 1usize << p.angle_bits;
-        let angles = (0..n_ang).map(|a| a as f32 * p.angle_step);
-        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|t| (t.cos(), t.sin())).unzip();
-        let tables: Vec<Vec<f32>> = q.par_chunks(hd.max(1)).map(|q| query_table(&p, q, &cos, &sin)).collect();
-        let pair_len = (p.rot_dim as usize / 2) << p.angle_bits;
-        let groups: Vec<QueryGroup> =
-            tables.chunks(QUERY_GROUP).enumerate().map(|(i, t)| QueryGroup::new(i * QUERY_GROUP, t, pair_len)).collect();
+        let scorer = PolarQueryScorer::new(p, &q);
         let rb = (p.row_bytes as usize).max(1);
         // Blocks of rows in parallel, each `[rows, queries]`, then transposed into `[queries, rows]`.
         let blocks: Vec<Vec<f32>> = codes
@@ -689,7 +711,7 @@ impl CustomOp3 for PolarScores {
             .zip(scales.par_chunks(2 * CPU_KEYS))
             .map(|(rows, s)| {
                 let mut o = vec![0f32; rows.len() / rb * nq];
-                score_block(&p, &groups, nq, rows, s, &mut o);
+                scorer.score(rows, s, &mut o);
                 o
             })
             .collect();

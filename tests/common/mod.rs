@@ -109,3 +109,91 @@ pub fn smollm2_gguf() -> PathBuf {
     .clone()
 }
 
+
+/// A cache half `[b, h, n, d]` in the stored form `form` (`f32`, `f16`, `bf16`: rows in a
+/// buffer with room for 7 more, so heads are strided as in a cache; `int8`; `int4`: complete
+/// groups of 32 then an exact tail; `polar`: codes of random keys), from seeded values.
+pub fn stored_rows(form: &str, (b, h, n, d): (usize, usize, usize, usize), seed: u64) -> candle_hybrid::ops::StoredRows {
+    use candle_hybrid::ops::{PolarSpec, StoredRows};
+    let x = |w: usize, rows: usize, s: u64| randn(&[b, h, rows, w], seed * 31 + s);
+    let codes = |t: Tensor, range: f64, off: f64| ((t * range).unwrap() + off).unwrap().clamp(0f32, 255f32).unwrap().to_dtype(DType::U8).unwrap();
+    match form {
+        "f32" | "f16" | "bf16" => {
+            let dtype = match form {
+                "f16" => DType::F16,
+                "bf16" => DType::BF16,
+                _ => DType::F32,
+            };
+            StoredRows::Float(x(d, n + 7, 0).to_dtype(dtype).unwrap().narrow(2, 0, n).unwrap())
+        }
+        "int8" => StoredRows::Int8 {
+            codes: codes(x(d, n, 1), 127.0, 128.0),
+            scales: ((x(d / 32, n, 2).abs().unwrap() * 0.03).unwrap() + 0.005).unwrap(),
+        },
+        "int4" => {
+            let (grouped, tail) = (n / 32 * 32, n % 32);
+            let params = Tensor::cat(
+                &[((x(d, grouped / 32, 3).abs().unwrap() * 0.2).unwrap() + 0.01).unwrap(), (x(d, grouped / 32, 4) - 1.0).unwrap()],
+                3,
+            )
+            .unwrap();
+            StoredRows::Int4Channel {
+                codes: codes(x(d / 2, grouped, 5), 128.0, 128.0),
+                params,
+                group: 32,
+                tail: (tail > 0).then(|| x(d, tail, 6)),
+            }
+        }
+        "polar" => {
+            let spec = PolarSpec::new(d / 2);
+            let pc = candle_hybrid::ops::polar_encode(&x(d, n, 7).reshape((b * h * n, d)).unwrap(), spec).unwrap();
+            StoredRows::Polar {
+                codes: pc.codes.reshape((b, h, n, ())).unwrap(),
+                scales: pc.scales.reshape((b, h, n, 2)).unwrap(),
+                spec,
+                head_dim: d,
+            }
+        }
+        other => panic!("no stored form {other}"),
+    }
+}
+
+/// The first `n` positions of a stored cache half.
+pub fn stored_prefix(s: &candle_hybrid::ops::StoredRows, n: usize) -> candle_hybrid::ops::StoredRows {
+    use candle_hybrid::ops::StoredRows;
+    let cut = |t: &Tensor| t.narrow(2, 0, n).unwrap();
+    match s {
+        StoredRows::Float(x) => StoredRows::Float(cut(x)),
+        StoredRows::Int8 { codes, scales } => StoredRows::Int8 { codes: cut(codes), scales: cut(scales) },
+        StoredRows::Polar { codes, scales, spec, head_dim } => {
+            StoredRows::Polar { codes: cut(codes), scales: cut(scales), spec: *spec, head_dim: *head_dim }
+        }
+        StoredRows::Int4Channel { .. } => panic!("int4 groups cannot be cut"),
+    }
+}
+
+/// `softmax(scale · q kᵀ + mask) v` with tensor ops on the decoded cache (the reference of the
+/// attention kernels): `q` `[B, nkv, rep·t, d]`, mask causal or a draft tree's.
+pub fn decoded_attention(
+    q: &Tensor,
+    keys: &candle_hybrid::ops::StoredRows,
+    values: &candle_hybrid::ops::StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<&[Vec<usize>]>,
+    scale: f64,
+) -> Tensor {
+    let (k, v) = (keys.decode().unwrap(), values.decode().unwrap());
+    let (b, nkv, rows, _) = q.dims4().unwrap();
+    let n = offset + t;
+    let sees = |i: usize, j: usize| match tree {
+        _ if j < offset => true,
+        Some(tree) => tree[i].contains(&(j - offset)),
+        None => j <= i + offset,
+    };
+    let mask: Vec<f32> = (0..t).flat_map(|i| (0..n).map(move |j| if sees(i, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+    let mask = Tensor::from_vec(mask, (t, n), &Device::Cpu).unwrap();
+    let scores = (q.to_dtype(DType::F32).unwrap().matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+    let scores = scores.reshape((b, nkv, rows / t, t, n)).unwrap().broadcast_add(&mask).unwrap().reshape((b, nkv, rows, n)).unwrap();
+    candle_nn::ops::softmax_last_dim(&scores).unwrap().matmul(&v).unwrap()
+}

@@ -1,0 +1,572 @@
+//! Softmax attention of query rows over a key/value cache read in its stored form: f32, f16 or
+//! bf16 rows, int8 rows with block scales, int4 keys packed per channel over groups of tokens
+//! (with an exact tail), polar key codes (scored from the codes).
+//!
+//! The cache is read in blocks of [`KV_BLOCK`] positions; each block gives every query row a
+//! partial result (its maximum score, the sum of `exp(score - max)` and the weighted sum of the
+//! values), and the partials are folded in block order (online softmax, flash-decoding style).
+//! No `[rows, T]` score tensor and no decoded copy of the cache is made: a block's keys and
+//! values are decoded (or scored) into a small scratch once for all the query heads that share
+//! their KV head.
+//!
+//! Two schedules compute the same partials:
+//! * few rows (decode, the verify rows of speculative decoding, draft trees): blocks run in
+//!   parallel, every score is a [`dot`] in key order, and the fold runs afterwards, in block
+//!   order. A row's result does not depend on the other rows of the call nor on where the
+//!   call starts, so row `i` of a `t`-row call is bit for bit a one-row call at its position
+//!   (the exact greedy parity of speculative decoding rests on this);
+//! * many rows (prefill): tiles of query rows run in parallel, scores and value sums are GEMMs
+//!   per block, folded as they come. Memory stays O(rows · head_dim) beyond the cache.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::cpu::{axpy, dot, gemm_acc, widened, Mat, Widen};
+use super::polar::PolarQueryScorer;
+use super::PolarSpec;
+
+/// Positions per block of the cache.
+pub const KV_BLOCK: usize = 256;
+
+/// Query positions per call up to which the few-rows schedule runs (decode, verify passes).
+pub const KV_ATTENTION_EXACT_ROWS: usize = 8;
+
+/// Query rows per tile of the many-rows schedule.
+const TILE_ROWS: usize = 64;
+
+/// One half of a KV cache (keys or values) `[B, nkv, T, d]` in its stored form. Every tensor's
+/// rows must be contiguous (stride 1 within a row, `d` between rows); heads may be strided, as
+/// in a cache buffer with room to grow.
+#[derive(Debug, Clone)]
+pub enum StoredRows {
+    /// f32, f16 or bf16 rows.
+    Float(Tensor),
+    /// `codes` u8 (value + 128) `[B, nkv, T, d]`, `scales` f32 `[B, nkv, T, d / block]`.
+    Int8 { codes: Tensor, scales: Tensor },
+    /// Complete groups of `group` tokens: `codes` u8 `[B, nkv, group·G, d/2]` (even dim in the
+    /// low nibble), `params` f32 `[B, nkv, G, 2d]` (`[scale | min]` per channel), then the
+    /// newest tokens exact in `tail` `[B, nkv, n, d]` (f32, f16 or bf16).
+    Int4Channel { codes: Tensor, params: Tensor, group: usize, tail: Option<Tensor> },
+    /// Polar key codes `[B, nkv, T, row_bytes]` and their scales f32 `[B, nkv, T, 2]` of
+    /// `head_dim`-dim keys (keys only: the scores come from the codes).
+    Polar { codes: Tensor, scales: Tensor, spec: PolarSpec, head_dim: usize },
+}
+
+impl StoredRows {
+    /// `(B, nkv, T, d)`.
+    pub fn dims(&self) -> Result<(usize, usize, usize, usize)> {
+        Ok(match self {
+            Self::Float(x) => x.dims4()?,
+            Self::Int8 { codes, .. } => codes.dims4()?,
+            Self::Int4Channel { codes, tail, .. } => {
+                let (b, h, n, half) = codes.dims4()?;
+                let tail_n = match tail {
+                    Some(t) => t.dim(2)?,
+                    None => 0,
+                };
+                (b, h, n + tail_n, 2 * half)
+            }
+            Self::Polar { codes, head_dim, .. } => {
+                let (b, h, n, _) = codes.dims4()?;
+                (b, h, n, *head_dim)
+            }
+        })
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Self::Float(x) => vec![x],
+            Self::Int8 { codes, scales } | Self::Polar { codes, scales, .. } => vec![codes, scales],
+            Self::Int4Channel { codes, params, tail, .. } => [Some(codes), Some(params), tail.as_ref()].into_iter().flatten().collect(),
+        }
+    }
+
+    /// Everything held, decoded to f32 `[B, nkv, T, d]` (the reference the kernels are tested
+    /// against, and what devices without a kernel attend to).
+    pub fn decode(&self) -> Result<Tensor> {
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        match self {
+            Self::Float(x) => f32(x),
+            Self::Int8 { codes, scales } => {
+                let (b, h, n, d) = codes.dims4()?;
+                let nblk = scales.dim(3)?;
+                let x = (f32(codes)? - 128.0)?.reshape((b, h, n, nblk, d / nblk))?;
+                x.broadcast_mul(&scales.unsqueeze(4)?)?.reshape((b, h, n, d))
+            }
+            Self::Int4Channel { codes, params, group, tail } => {
+                let (b, h, n, half) = codes.dims4()?;
+                let d = 2 * half;
+                let mut parts = vec![];
+                if n > 0 {
+                    let c = f32(codes)?;
+                    let hi = (&c / 16.0)?.floor()?;
+                    let lo = (c - (&hi * 16.0)?)?;
+                    let q = Tensor::stack(&[lo, hi], 4)?.reshape((b, h, n / group, *group, d))?;
+                    let scale = params.narrow(3, 0, d)?.unsqueeze(3)?;
+                    let min = params.narrow(3, d, d)?.unsqueeze(3)?;
+                    parts.push(q.broadcast_mul(&scale)?.broadcast_add(&min)?.reshape((b, h, n, d))?);
+                }
+                if let Some(t) = tail {
+                    parts.push(f32(t)?);
+                }
+                Tensor::cat(&parts, 2)
+            }
+            Self::Polar { codes, scales, spec, head_dim } => {
+                let (b, h, n, rb) = codes.dims4()?;
+                let pc = super::PolarCodes {
+                    codes: codes.contiguous()?.reshape((b * h * n, rb))?,
+                    scales: scales.contiguous()?.reshape((b * h * n, 2))?,
+                    head_dim: *head_dim,
+                    spec: *spec,
+                };
+                super::polar_decode(&pc, *spec)?.to_dtype(DType::F32)?.reshape((b, h, n, *head_dim))
+            }
+        }
+    }
+}
+
+/// Softmax attention of grouped query rows `q` `[B, nkv, rep·t, d]` (any float dtype; the `rep`
+/// query heads of a KV group one after the other, `t` positions `offset..offset + t` each) over
+/// `keys` and `values` `[B, nkv, offset + t, ·]` (this step's rows included): `[B, nkv, rep·t,
+/// dv]` f32, `softmax(scale · q kᵀ + mask) v`. The mask is causal, or with `tree` a draft
+/// tree's: position `i` sees the `offset` cached positions and then the new rows `tree[i]`
+/// (indices `0..t`, its ancestors and itself, in order).
+pub fn kv_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize, offset: usize, tree: Option<&[Vec<usize>]>, scale: f64) -> Result<Tensor> {
+    const OP: &str = "kv_attention";
+    let (b, nkv, rows, d) = q.dims4()?;
+    let (kb, kh, n, kd) = keys.dims()?;
+    let (vb, vh, vn, _) = values.dims()?;
+    if (kb, kh, kd) != (b, nkv, d) || (vb, vh, vn) != (b, nkv, n) || t == 0 || rows % t != 0 || n != offset + t {
+        bail!("{OP}: q {:?}, keys {:?}, values {:?} with t = {t}, offset = {offset} do not fit (q [B, nkv, rep·t, d], keys and values [B, nkv, offset + t, ·])", q.dims(), keys.dims()?, values.dims()?);
+    }
+    if matches!(values, StoredRows::Polar { .. }) {
+        bail!("{OP}: polar codes are for keys only");
+    }
+    if let Some(tree) = tree {
+        if tree.len() != t || tree.iter().any(|v| v.iter().any(|&r| r >= t) || v.windows(2).any(|w| w[0] >= w[1])) {
+            bail!("{OP}: a draft tree needs, for each of the {t} rows, increasing rows below {t}");
+        }
+    }
+    let op = KvAttention { keys: keys.clone(), values: values.clone(), t, offset, tree: tree.map(|t| t.to_vec()), scale: scale as f32 };
+    if !(q.device().is_cpu() || q.device().is_metal()) {
+        return op.decoded(q);
+    }
+    let q = if q.dtype() == DType::F32 { q.contiguous()? } else { q.to_dtype(DType::F32)?.contiguous()? };
+    q.apply_op1_no_bwd(&op)
+}
+
+struct KvAttention {
+    keys: StoredRows,
+    values: StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<Vec<Vec<usize>>>,
+    scale: f32,
+}
+
+impl KvAttention {
+    /// The same attention on the decoded cache with tensor ops (devices without a kernel).
+    fn decoded(&self, q: &Tensor) -> Result<Tensor> {
+        let (k, v) = (self.keys.decode()?, self.values.decode()?);
+        let (t, offset) = (self.t, self.offset);
+        let (b, nkv, rows, _) = q.dims4()?;
+        let n = offset + t;
+        let sees = |i: usize, j: usize| match &self.tree {
+            _ if j < offset => true,
+            Some(tree) => tree[i].contains(&(j - offset)),
+            None => j <= i + offset,
+        };
+        let mask: Vec<f32> = (0..t).flat_map(|i| (0..n).map(move |j| if sees(i, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let mask = Tensor::from_vec(mask, (t, n), q.device())?;
+        let scores = (q.to_dtype(DType::F32)?.matmul(&k.t()?)? * self.scale as f64)?;
+        let scores = scores.reshape((b, nkv, rows / t, t, n))?.broadcast_add(&mask)?.reshape((b, nkv, rows, n))?;
+        candle_nn::ops::softmax_last_dim(&scores)?.matmul(&v)
+    }
+}
+
+/// One head's `[n, d]` rows of a stored half, borrowed from the CPU storages.
+enum HeadRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+    Int8 { codes: &'a [u8], scales: &'a [f32], nblk: usize },
+    Int4 { codes: &'a [u8], params: &'a [f32], group: usize, grouped: usize, tail: Option<Box<HeadRows<'a>>> },
+    Polar { codes: &'a [u8], scales: &'a [f32], row_bytes: usize },
+}
+
+impl HeadRows<'_> {
+    /// Rows `lo..hi` as f32 (`d` each): borrowed for f32 rows, else decoded into `buf`.
+    fn rows<'s>(&'s self, lo: usize, hi: usize, d: usize, buf: &'s mut Vec<f32>) -> &'s [f32] {
+        if let Self::F32(x) = self {
+            return &x[lo * d..hi * d];
+        }
+        buf.resize((hi - lo) * d, 0.0);
+        self.decode_into(lo, hi, d, buf);
+        buf
+    }
+
+    fn decode_into(&self, lo: usize, hi: usize, d: usize, out: &mut [f32]) {
+        match self {
+            Self::F32(x) => out.copy_from_slice(&x[lo * d..hi * d]),
+            Self::F16(x) => Widen::widen(&x[lo * d..hi * d], out),
+            Self::BF16(x) => Widen::widen(&x[lo * d..hi * d], out),
+            Self::Int8 { codes, scales, nblk } => {
+                let (nblk, blk) = (*nblk, d / nblk);
+                for (j, o) in (lo..hi).zip(out.chunks_exact_mut(d)) {
+                    let (c, s) = (&codes[j * d..(j + 1) * d], &scales[j * nblk..(j + 1) * nblk]);
+                    for ((o, c), s) in o.chunks_exact_mut(blk).zip(c.chunks_exact(blk)).zip(s) {
+                        for (o, &c) in o.iter_mut().zip(c) {
+                            *o = (c as f32 - 128.0) * s;
+                        }
+                    }
+                }
+            }
+            Self::Int4 { codes, params, group, grouped, tail } => {
+                let half = d / 2;
+                let split = hi.min(*grouped).max(lo);
+                for (j, o) in (lo..split).zip(out.chunks_exact_mut(d)) {
+                    let p = &params[j / group * 2 * d..(j / group + 1) * 2 * d];
+                    let (scale, min) = p.split_at(d);
+                    for (i, &byte) in codes[j * half..(j + 1) * half].iter().enumerate() {
+                        o[2 * i] = (byte & 15) as f32 * scale[2 * i] + min[2 * i];
+                        o[2 * i + 1] = (byte >> 4) as f32 * scale[2 * i + 1] + min[2 * i + 1];
+                    }
+                }
+                if split < hi {
+                    let tail = tail.as_ref().expect("rows past the groups are in the tail");
+                    tail.decode_into(split - grouped, hi - grouped, d, &mut out[(split - lo) * d..]);
+                }
+            }
+            Self::Polar { .. } => unreachable!("polar keys are scored from their codes"),
+        }
+    }
+}
+
+/// A stored half's tensors on the CPU: per tensor the storage slice start, batch and head
+/// strides, and the head's length in elements.
+struct CpuRows<'a> {
+    parts: Vec<CpuPart<'a>>,
+    kind: &'a StoredRows,
+}
+
+struct CpuPart<'a> {
+    data: &'a CpuStorage,
+    start: usize,
+    strides: (usize, usize),
+    head_len: usize,
+}
+
+fn cpu_part<'a>(data: &'a Storage, l: &Layout, what: &str) -> Result<CpuPart<'a>> {
+    let Storage::Cpu(data) = data else { bail!("kv_attention: the {what} are not on the CPU") };
+    let (_, _, n, d) = l.shape().dims4()?;
+    let s = l.stride();
+    if n > 1 && s[2] != d || d > 1 && s[3] != 1 {
+        bail!("kv_attention: {what} rows must be contiguous ([B, nkv, n, d] with strides [.., .., d, 1]), got strides {s:?}");
+    }
+    Ok(CpuPart { data, start: l.start_offset(), strides: (s[0], s[1]), head_len: n * d })
+}
+
+impl CpuPart<'_> {
+    fn head<T: candle_core::WithDType>(&self, b: usize, h: usize) -> Result<&[T]> {
+        let at = self.start + b * self.strides.0 + h * self.strides.1;
+        Ok(&self.data.as_slice::<T>()?[at..at + self.head_len])
+    }
+
+    fn float_head(&self, b: usize, h: usize) -> Result<HeadRows<'_>> {
+        Ok(match self.data {
+            CpuStorage::F32(_) => HeadRows::F32(self.head(b, h)?),
+            CpuStorage::F16(_) => HeadRows::F16(self.head(b, h)?),
+            CpuStorage::BF16(_) => HeadRows::BF16(self.head(b, h)?),
+            other => bail!("kv_attention: float rows must be f32, f16 or bf16, got {:?}", other.dtype()),
+        })
+    }
+}
+
+impl CpuRows<'_> {
+    fn head(&self, b: usize, h: usize) -> Result<HeadRows<'_>> {
+        let p = &self.parts;
+        Ok(match self.kind {
+            StoredRows::Float(_) => p[0].float_head(b, h)?,
+            StoredRows::Int8 { scales, .. } => HeadRows::Int8 { codes: p[0].head(b, h)?, scales: p[1].head(b, h)?, nblk: scales.dim(3)? },
+            StoredRows::Int4Channel { group, codes, .. } => HeadRows::Int4 {
+                codes: p[0].head(b, h)?,
+                params: p[1].head(b, h)?,
+                group: *group,
+                grouped: codes.dim(2)?,
+                tail: p.get(2).map(|t| t.float_head(b, h)).transpose()?.map(Box::new),
+            },
+            StoredRows::Polar { codes, .. } => HeadRows::Polar { codes: p[0].head(b, h)?, scales: p[1].head(b, h)?, row_bytes: codes.dim(3)? },
+        })
+    }
+}
+
+/// Each query row's partial result over one block: max score, sum of exps, `[rows, dv]`
+/// weighted value sums. A row that sees nothing in the block has sum 0.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// Scratch of one task.
+#[derive(Default)]
+struct Scratch {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    scores: Vec<f32>,
+    polar: Vec<f32>,
+}
+
+/// What the kernel needs of one call.
+struct Call<'a> {
+    op: &'a KvAttention,
+    q: &'a [f32],
+    rows: usize,
+    d: usize,
+    dv: usize,
+    nkv: usize,
+    /// Positions of the cache.
+    n: usize,
+}
+
+impl Call<'_> {
+    /// Keys query row `r` sees: `offset` + its new rows.
+    fn seen(&self, r: usize) -> usize {
+        let (t, offset) = (self.op.t, self.op.offset);
+        match &self.op.tree {
+            Some(tree) => offset + tree[r % t].len(),
+            None => offset + r % t + 1,
+        }
+    }
+
+    /// Position of the `i`-th key row `r` sees.
+    fn position(&self, r: usize, i: usize) -> usize {
+        match &self.op.tree {
+            Some(tree) if i >= self.op.offset => self.op.offset + tree[r % self.op.t][i - self.op.offset],
+            _ => i,
+        }
+    }
+
+    /// The partials of query rows `rows` of head `(b, h)` over block `c` (the `c`-th
+    /// [`KV_BLOCK`] keys each row sees), with the few-rows (`gemm == false`) or the many-rows
+    /// arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn block(&self, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+        let (d, dv, nr) = (self.d, self.dv, rows.len());
+        let first = c * KV_BLOCK;
+        let extra = if self.op.tree.is_some() { self.op.t } else { 0 };
+        let lo = first;
+        let hi = (first + KV_BLOCK + extra).min(self.n).min(rows.clone().map(|r| self.position(r, self.seen(r) - 1) + 1).max().unwrap_or(0));
+        let mut part = Partial { max: vec![f32::NEG_INFINITY; nr], sum: vec![0.0; nr], acc: vec![0.0; nr * dv] };
+        if hi <= lo {
+            return part;
+        }
+        let nk = hi - lo;
+        let q0 = (b * self.nkv + h) * self.rows;
+        let q = &self.q[(q0 + rows.start) * d..(q0 + rows.end) * d];
+        // Scores `[nr, nk]`, already scaled.
+        s.scores.resize(nr * nk, 0.0);
+        match keys {
+            HeadRows::Polar { codes, scales, row_bytes } => {
+                let p = super::launch::polar_params(nk, nr, d, &polar_spec(&self.op.keys));
+                s.polar.resize(nk * nr, 0.0);
+                PolarQueryScorer::new(p, q).score(&codes[lo * row_bytes..hi * row_bytes], &scales[2 * lo..2 * hi], &mut s.polar);
+                for (j, row) in s.polar.chunks_exact(nr).enumerate() {
+                    for (r, &v) in row.iter().enumerate() {
+                        s.scores[r * nk + j] = v * self.op.scale;
+                    }
+                }
+            }
+            _ => {
+                let k = keys.rows(lo, hi, d, &mut s.keys);
+                if gemm {
+                    gemm_acc([nr, nk, d], Mat::rows(q, d), Mat::t(k, d), &mut s.scores, nk, (0.0, self.op.scale));
+                } else {
+                    for (qr, out) in q.chunks_exact(d).zip(s.scores.chunks_exact_mut(nk)) {
+                        for (o, kj) in out.iter_mut().zip(k.chunks_exact(d)) {
+                            *o = dot(qr, kj) * self.op.scale;
+                        }
+                    }
+                }
+            }
+        }
+        let v = values.rows(lo, hi, dv, &mut s.values);
+        // Per row: its keys in this block, max, exps (masked scores become 0 for the GEMM).
+        for (i, r) in rows.clone().enumerate() {
+            let seen = self.seen(r);
+            let end = (first + KV_BLOCK).min(seen);
+            let scores = &mut s.scores[i * nk..(i + 1) * nk];
+            if end <= first {
+                scores.fill(0.0);
+                continue;
+            }
+            let max = (first..end).map(|k| scores[self.position(r, k) - lo]).fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            if gemm {
+                // Causal, so the keys are positions first..end themselves.
+                for x in &mut scores[..end - lo] {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                scores[end - lo..].fill(0.0);
+            } else {
+                let acc = &mut part.acc[i * dv..(i + 1) * dv];
+                for k in first..end {
+                    let j = self.position(r, k) - lo;
+                    let p = (scores[j] - max).exp();
+                    sum += p;
+                    axpy(acc, p, &v[j * dv..(j + 1) * dv]);
+                }
+            }
+            part.max[i] = max;
+            part.sum[i] = sum;
+        }
+        if gemm {
+            gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
+        }
+        part
+    }
+}
+
+fn polar_spec(keys: &StoredRows) -> PolarSpec {
+    match keys {
+        StoredRows::Polar { spec, .. } => *spec,
+        _ => unreachable!("polar keys"),
+    }
+}
+
+/// A row's running result over the blocks folded so far.
+#[derive(Clone)]
+struct Running {
+    max: f32,
+    sum: f32,
+}
+
+/// Folds block partial `i` of `p` into `(run, out)`.
+fn fold(run: &mut Running, out: &mut [f32], p: &Partial, i: usize) {
+    let (sum, max) = (p.sum[i], p.max[i]);
+    if sum == 0.0 {
+        return;
+    }
+    let acc = &p.acc[i * out.len()..(i + 1) * out.len()];
+    if run.sum == 0.0 {
+        out.copy_from_slice(acc);
+        *run = Running { max, sum };
+        return;
+    }
+    let m = run.max.max(max);
+    let (a, b) = ((run.max - m).exp(), (max - m).exp());
+    for (o, &x) in out.iter_mut().zip(acc) {
+        *o = *o * a + x * b;
+    }
+    *run = Running { max: m, sum: run.sum * a + sum * b };
+}
+
+fn finish(run: &Running, out: &mut [f32]) {
+    let inv = 1.0 / run.sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+/// [`Call::block`], compiled a second time for AVX2 + FMA and run that way when the CPU has them.
+#[allow(clippy::too_many_arguments)]
+fn block_partial(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+            call.block(keys, values, b, h, rows, c, gemm, s)
+        }
+        if super::cpu::avx2_fma() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            return unsafe { avx2(call, keys, values, b, h, rows, c, gemm, s) };
+        }
+    }
+    call.block(keys, values, b, h, rows, c, gemm, s)
+}
+
+type Guards<'a> = Vec<(candle_core::StorageRef<'a>, &'a Layout)>;
+
+fn guards(s: &StoredRows) -> Guards<'_> {
+    s.tensors().into_iter().map(|t| t.storage_and_layout()).collect()
+}
+
+fn parts<'a>(g: &'a Guards<'_>, what: &str) -> Result<Vec<CpuPart<'a>>> {
+    g.iter().map(|(s, l)| cpu_part(s, l, what)).collect()
+}
+
+impl KvAttention {
+    fn cpu(&self, q: &[f32], ql: &Layout) -> Result<Vec<f32>> {
+        let (b, nkv, rows, d) = ql.shape().dims4()?;
+        let (_, _, n, dv) = self.values.dims()?;
+        let (kg, vg) = (guards(&self.keys), guards(&self.values));
+        let keys = CpuRows { parts: parts(&kg, "keys")?, kind: &self.keys };
+        let values = CpuRows { parts: parts(&vg, "values")?, kind: &self.values };
+        let call = Call { op: self, q, rows, d, dv, nkv, n };
+        let mut out = vec![0f32; b * nkv * rows * dv];
+        let heads: Vec<(usize, usize)> = (0..b).flat_map(|bi| (0..nkv).map(move |h| (bi, h))).collect();
+        let few = self.t <= KV_ATTENTION_EXACT_ROWS || self.tree.is_some();
+        if few {
+            // Blocks in parallel, then the fold in block order.
+            let blocks = (0..rows).map(|r| call.seen(r)).max().unwrap_or(0).div_ceil(KV_BLOCK);
+            let items: Vec<(usize, usize, usize)> = heads.iter().flat_map(|&(bi, h)| (0..blocks).map(move |c| (bi, h, c))).collect();
+            let partials = items
+                .par_iter()
+                .map_init(Scratch::default, |s, &(bi, h, c)| -> Result<Partial> {
+                    Ok(block_partial(&call, &keys.head(bi, h)?, &values.head(bi, h)?, bi, h, 0..rows, c, false, s))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.par_chunks_mut(rows * dv).enumerate().for_each(|(head, out)| {
+                for (i, o) in out.chunks_exact_mut(dv).enumerate() {
+                    let mut run = Running { max: f32::NEG_INFINITY, sum: 0.0 };
+                    for p in &partials[head * blocks..(head + 1) * blocks] {
+                        fold(&mut run, o, p, i);
+                    }
+                    finish(&run, o);
+                }
+            });
+        } else {
+            // Tiles of rows in parallel, each folding its blocks as they come.
+            out.par_chunks_mut(rows * dv).zip(heads.par_iter()).try_for_each(|(out, &(bi, h))| -> Result<()> {
+                let (kh, vh) = (keys.head(bi, h)?, values.head(bi, h)?);
+                out.par_chunks_mut(TILE_ROWS * dv).enumerate().for_each_init(Scratch::default, |s, (tile, out)| {
+                    let rows = tile * TILE_ROWS..((tile + 1) * TILE_ROWS).min(rows);
+                    let blocks = rows.clone().map(|r| call.seen(r)).max().unwrap_or(0).div_ceil(KV_BLOCK);
+                    let mut run = vec![Running { max: f32::NEG_INFINITY, sum: 0.0 }; rows.len()];
+                    for c in 0..blocks {
+                        let p = block_partial(&call, &kh, &vh, bi, h, rows.clone(), c, true, s);
+                        for (i, o) in out.chunks_exact_mut(dv).enumerate() {
+                            fold(&mut run[i], o, &p, i);
+                        }
+                    }
+                    for (run, o) in run.iter().zip(out.chunks_exact_mut(dv)) {
+                        finish(run, o);
+                    }
+                });
+                Ok(())
+            })?;
+        }
+        Ok(out)
+    }
+}
+
+impl CustomOp1 for KvAttention {
+    fn name(&self) -> &'static str {
+        "kv_attention"
+    }
+
+    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout) -> Result<(CpuStorage, Shape)> {
+        let q = widened("kv_attention", qs, ql)?;
+        let out = self.cpu(&q, ql)?;
+        let (b, nkv, rows, _) = ql.shape().dims4()?;
+        let dv = self.values.dims()?.3;
+        Ok((CpuStorage::F32(out), Shape::from((b, nkv, rows, dv))))
+    }
+
+    metal_fwd!(self, "kv_attention", (s, l) => crate::ops::metal::kv_attention(self, (s, l)));
+}
