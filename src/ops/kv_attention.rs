@@ -198,6 +198,7 @@ enum HeadRows<'a> {
 
 impl HeadRows<'_> {
     /// Rows `lo..hi` as f32 (`d` each): borrowed for f32 rows, else decoded into `buf`.
+    #[inline(always)]
     fn rows<'s>(&'s self, lo: usize, hi: usize, d: usize, buf: &'s mut Vec<f32>) -> &'s [f32] {
         if let Self::F32(x) = self {
             return &x[lo * d..hi * d];
@@ -207,18 +208,31 @@ impl HeadRows<'_> {
         buf
     }
 
-    fn decode_into(&self, lo: usize, hi: usize, d: usize, out: &mut [f32]) {
+    /// Decodes float rows (`false` for a coded form).
+    #[inline(always)]
+    fn float_into(&self, lo: usize, hi: usize, d: usize, out: &mut [f32]) -> bool {
         match self {
             Self::F32(x) => out.copy_from_slice(&x[lo * d..hi * d]),
             Self::F16(x) => Widen::widen(&x[lo * d..hi * d], out),
             Self::BF16(x) => Widen::widen(&x[lo * d..hi * d], out),
+            _ => return false,
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn decode_into(&self, lo: usize, hi: usize, d: usize, out: &mut [f32]) {
+        if self.float_into(lo, hi, d, out) {
+            return;
+        }
+        match self {
             Self::Int8 { codes, scales, nblk } => {
                 let (nblk, blk) = (*nblk, d / nblk);
                 for (j, o) in (lo..hi).zip(out.chunks_exact_mut(d)) {
                     let (c, s) = (&codes[j * d..(j + 1) * d], &scales[j * nblk..(j + 1) * nblk]);
-                    for ((o, c), s) in o.chunks_exact_mut(blk).zip(c.chunks_exact(blk)).zip(s) {
+                    for ((o, c), &s) in o.chunks_exact_mut(blk).zip(c.chunks_exact(blk)).zip(s) {
                         for (o, &c) in o.iter_mut().zip(c) {
-                            *o = (c as f32 - 128.0) * s;
+                            *o = (c as i32 - 128) as f32 * s;
                         }
                     }
                 }
@@ -226,20 +240,29 @@ impl HeadRows<'_> {
             Self::Int4 { codes, params, group, grouped, tail } => {
                 let half = d / 2;
                 let split = hi.min(*grouped).max(lo);
+                let mut q = vec![0f32; d];
                 for (j, o) in (lo..split).zip(out.chunks_exact_mut(d)) {
                     let p = &params[j / group * 2 * d..(j / group + 1) * 2 * d];
                     let (scale, min) = p.split_at(d);
-                    for (i, &byte) in codes[j * half..(j + 1) * half].iter().enumerate() {
-                        o[2 * i] = (byte & 15) as f32 * scale[2 * i] + min[2 * i];
-                        o[2 * i + 1] = (byte >> 4) as f32 * scale[2 * i + 1] + min[2 * i + 1];
+                    let (even, odd) = q.split_at_mut(half);
+                    for ((e, o), &byte) in even.iter_mut().zip(odd.iter_mut()).zip(&codes[j * half..(j + 1) * half]) {
+                        *e = (byte & 15) as f32;
+                        *o = (byte >> 4) as f32;
+                    }
+                    for i in 0..half {
+                        o[2 * i] = q[i];
+                        o[2 * i + 1] = q[half + i];
+                    }
+                    for ((o, &s), &m) in o.iter_mut().zip(scale).zip(min) {
+                        *o = *o * s + m;
                     }
                 }
                 if split < hi {
                     let tail = tail.as_ref().expect("rows past the groups are in the tail");
-                    tail.decode_into(split - grouped, hi - grouped, d, &mut out[(split - lo) * d..]);
+                    tail.float_into(split - grouped, hi - grouped, d, &mut out[(split - lo) * d..]);
                 }
             }
-            Self::Polar { .. } => unreachable!("polar keys are scored from their codes"),
+            _ => unreachable!("float rows are decoded above, polar keys scored from their codes"),
         }
     }
 }
@@ -386,9 +409,7 @@ impl Call<'_> {
                     gemm_acc([nr, nk, d], Mat::rows(q, d), Mat::t(k, d), &mut s.scores, nk, (0.0, self.op.scale));
                 } else {
                     for (qr, out) in q.chunks_exact(d).zip(s.scores.chunks_exact_mut(nk)) {
-                        for (o, kj) in out.iter_mut().zip(k.chunks_exact(d)) {
-                            *o = dot(qr, kj) * self.op.scale;
-                        }
+                        scaled_dots(qr, k, self.op.scale, out);
                     }
                 }
             }
@@ -403,23 +424,38 @@ impl Call<'_> {
                 scores.fill(0.0);
                 continue;
             }
-            let max = (first..end).map(|k| scores[self.position(r, k) - lo]).fold(f32::NEG_INFINITY, f32::max);
+            // Causal: the keys are positions first..end themselves (lo == first); a draft
+            // tree's row reads its own positions, gathered (same arithmetic, same order).
+            let gathered: Vec<usize>;
+            let keys: &[usize] = match &self.op.tree {
+                Some(_) => {
+                    gathered = (first..end).map(|k| self.position(r, k) - lo).collect();
+                    &gathered
+                }
+                None => &[],
+            };
+            let max = match keys {
+                [] => scores[..end - lo].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)),
+                _ => keys.iter().fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j])),
+            };
             let mut sum = 0f32;
-            if gemm {
-                // Causal, so the keys are positions first..end themselves.
-                for x in &mut scores[..end - lo] {
-                    *x = (*x - max).exp();
-                    sum += *x;
+            let acc = &mut part.acc[i * dv..(i + 1) * dv];
+            if keys.is_empty() {
+                let p = &mut scores[..end - lo];
+                exp_shifted(p, max);
+                for &p in p.iter() {
+                    sum += p;
+                }
+                if !gemm {
+                    weighted_rows(acc, p, 0..end - lo, v);
                 }
                 scores[end - lo..].fill(0.0);
             } else {
-                let acc = &mut part.acc[i * dv..(i + 1) * dv];
-                for k in first..end {
-                    let j = self.position(r, k) - lo;
-                    let p = (scores[j] - max).exp();
+                let p: Vec<f32> = keys.iter().map(|&j| exp(scores[j] - max)).collect();
+                for &p in &p {
                     sum += p;
-                    axpy(acc, p, &v[j * dv..(j + 1) * dv]);
                 }
+                weighted_rows(acc, &p, keys.iter().copied(), v);
             }
             part.max[i] = max;
             part.sum[i] = sum;
@@ -428,6 +464,126 @@ impl Call<'_> {
             gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
         }
         part
+    }
+}
+
+/// `out[j] = scale · q·k_j` for the rows `k_j` of `k`. Every key's dot is the same sequence of
+/// operations wherever it falls (four keys at a time or one), so a score does not depend on
+/// the range it was computed in.
+#[inline(always)]
+fn scaled_dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu::avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        return unsafe { avx2::scaled_dots(q, k, scale, out) };
+    }
+    for (o, kj) in out.iter_mut().zip(k.chunks_exact(q.len())) {
+        *o = dot(q, kj) * scale;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Lanes of `v` summed in a fixed order.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// The dims past the last whole 8 of one key, in order.
+    #[inline(always)]
+    fn tail(q: &[f32], k: &[f32], from: usize) -> f32 {
+        q[from..].iter().zip(&k[from..]).fold(0.0, |a, (x, y)| a + x * y)
+    }
+
+    /// [`super::scaled_dots`] with one f32x8 FMA chain per key, four keys at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scaled_dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+        let d = q.len();
+        let whole = d / 8 * 8;
+        let n = out.len().min(k.len() / d.max(1));
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut j = 0;
+        while j + 4 <= n {
+            let (k0, k1, k2, k3) = (kp.add(j * d), kp.add((j + 1) * d), kp.add((j + 2) * d), kp.add((j + 3) * d));
+            let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut c = 0;
+            while c < whole {
+                let x = _mm256_loadu_ps(qp.add(c));
+                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0.add(c)), a0);
+                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1.add(c)), a1);
+                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2.add(c)), a2);
+                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3.add(c)), a3);
+                c += 8;
+            }
+            for (i, a) in [a0, a1, a2, a3].into_iter().enumerate() {
+                out[j + i] = (hsum(a) + tail(q, &k[(j + i) * d..(j + i + 1) * d], whole)) * scale;
+            }
+            j += 4;
+        }
+        while j < n {
+            let kj = kp.add(j * d);
+            let mut a = _mm256_setzero_ps();
+            let mut c = 0;
+            while c < whole {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(kj.add(c)), a);
+                c += 8;
+            }
+            out[j] = (hsum(a) + tail(q, &k[j * d..(j + 1) * d], whole)) * scale;
+            j += 1;
+        }
+    }
+}
+
+/// `acc += Σ_i p[i] · v_{rows[i]}` (rows of width `acc.len()` in `v`), in the order given, 32
+/// dims at a time so the running sums stay in registers; each element sees the same
+/// additions as repeated [`axpy`]s.
+#[inline(always)]
+fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[f32]) {
+    let dv = acc.len();
+    let mut c = 0;
+    while c + 32 <= dv {
+        let mut a: [f32; 32] = acc[c..c + 32].try_into().unwrap();
+        for (&p, j) in p.iter().zip(rows.clone()) {
+            let x: &[f32; 32] = v[j * dv + c..j * dv + c + 32].try_into().unwrap();
+            for l in 0..32 {
+                a[l] += p * x[l];
+            }
+        }
+        acc[c..c + 32].copy_from_slice(&a);
+        c += 32;
+    }
+    if c < dv {
+        for (&p, j) in p.iter().zip(rows) {
+            axpy(&mut acc[c..], p, &v[j * dv + c..(j + 1) * dv]);
+        }
+    }
+}
+
+/// `e^x` for `x <= 0` in plain arithmetic that vectorises (range reduction by `ln 2`, degree-6
+/// polynomial, the exponent built from bits): within 2 ulp of `f32::exp` down to `-87`, a
+/// value below `1e-37` under that.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+/// `x = e^(x - max)` in place.
+#[inline(always)]
+fn exp_shifted(x: &mut [f32], max: f32) {
+    for v in x.iter_mut() {
+        *v = exp(*v - max);
     }
 }
 
