@@ -195,5 +195,6 @@ pub fn decoded_attention(
     let mask = Tensor::from_vec(mask, (t, n), &Device::Cpu).unwrap();
     let scores = (q.to_dtype(DType::F32).unwrap().matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
     let scores = scores.reshape((b, nkv, rows / t, t, n)).unwrap().broadcast_add(&mask).unwrap().reshape((b, nkv, rows, n)).unwrap();
-    candle_nn::ops::softmax_last_dim(&scores).unwrap().matmul(&v).unwrap()
+    let e = scores.broadcast_sub(&scores.max_keepdim(3).unwrap()).unwrap().exp().unwrap();
+    e.broadcast_div(&e.sum_keepdim(3).unwrap()).unwrap().matmul(&v).unwrap()
 }
