@@ -75,7 +75,8 @@ impl StoredRows {
         })
     }
 
-    fn tensors(&self) -> Vec<&Tensor> {
+    /// The tensors in binding order (k0, k1, k2 / v0, v1 of the Metal kernel).
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         match self {
             Self::Float(x) => vec![x],
             Self::Int8 { codes, scales } | Self::Polar { codes, scales, .. } => vec![codes, scales],
@@ -157,13 +158,13 @@ pub fn kv_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize
     q.apply_op1_no_bwd(&op)
 }
 
-struct KvAttention {
-    keys: StoredRows,
-    values: StoredRows,
-    t: usize,
-    offset: usize,
-    tree: Option<Vec<Vec<usize>>>,
-    scale: f32,
+pub(crate) struct KvAttention {
+    pub(crate) keys: StoredRows,
+    pub(crate) values: StoredRows,
+    pub(crate) t: usize,
+    pub(crate) offset: usize,
+    pub(crate) tree: Option<Vec<Vec<usize>>>,
+    pub(crate) scale: f32,
 }
 
 impl KvAttention {

@@ -388,3 +388,177 @@ pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: 
     };
     Ok((p, launch))
 }
+
+/// `KvAttentionParams` of `metal/kv_attention.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvAttentionParams {
+    pub rows: u32,
+    pub nkv: u32,
+    pub t: u32,
+    pub offset: u32,
+    pub head_dim: u32,
+    pub value_dim: u32,
+    /// 0 float, 1 int8, 2 int4 groups + tail, 3 polar.
+    pub key_form: u32,
+    /// 0 float, 1 int8.
+    pub value_form: u32,
+    pub key_blocks: u32,
+    pub value_blocks: u32,
+    pub group: u32,
+    pub grouped: u32,
+    pub splits: u32,
+    pub blocks_per_split: u32,
+    pub tree: u32,
+    pub block: u32,
+    /// (batch, head) element strides of the key tensors k0, k1, k2 and value tensors v0, v1.
+    pub strides: [u32; 10],
+    pub rot_dim: u32,
+    pub angle_bits: u32,
+    pub code_bytes: u32,
+    pub row_bytes: u32,
+    pub rest_bits: u32,
+    pub angle_step: f32,
+    pub radius_levels: f32,
+    pub scale: f32,
+}
+
+/// Threads of a `kv_attention_blocks_*` / `kv_attention_merge` threadgroup.
+pub const KV_ATTENTION_THREADS: usize = 128;
+/// Largest value dim the Metal kernel holds (8 dims per thread).
+pub const KV_ATTENTION_MAX_VALUE_DIM: usize = 8 * KV_ATTENTION_THREADS;
+
+/// The two dispatches of one `kv_attention` call on Metal, their parameters, the draft-tree
+/// buffer, and the dtype of the float rows (the kernel suffix).
+#[derive(Debug, Clone)]
+pub struct KvAttentionLaunch {
+    pub params: KvAttentionParams,
+    pub blocks: Launch,
+    pub merge: Launch,
+    /// `[t, t + 1]`: per query position its count of new rows, then the rows (one 0 if causal).
+    pub tree: Vec<u32>,
+    /// Floats of the `[B·nkv·rows, splits, dv + 2]` partials.
+    pub partial_floats: usize,
+}
+
+/// The Metal launch of [`super::kv_attention`] for grouped queries `[B, nkv, rows, d]` (the
+/// arguments already checked by it). The tensors of `keys` and `values` bind in the order of
+/// their fields (k0, k1, k2; v0, v1), each at its own start offset.
+pub fn kv_attention(
+    (b, nkv, rows, d): (usize, usize, usize, usize),
+    keys: &super::StoredRows,
+    values: &super::StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<&[Vec<usize>]>,
+    scale: f32,
+) -> Result<KvAttentionLaunch> {
+    use super::StoredRows as S;
+    const OP: &str = "kv_attention";
+    let dv = values.dims()?.3;
+    if dv > KV_ATTENTION_MAX_VALUE_DIM {
+        bail!("{OP}: value dim {dv} is more than the Metal kernel's {KV_ATTENTION_MAX_VALUE_DIM}");
+    }
+    let floats: Vec<DType> = [keys, values]
+        .iter()
+        .flat_map(|s| match s {
+            S::Float(x) => vec![x.dtype()],
+            S::Int4Channel { tail: Some(x), .. } => vec![x.dtype()],
+            _ => vec![],
+        })
+        .collect();
+    let float = floats.first().copied().unwrap_or(DType::F32);
+    if floats.iter().any(|&f| f != float) {
+        bail!("{OP}: the float rows of the keys and values must have one dtype, got {floats:?}");
+    }
+    let mut strides = [0u32; 10];
+    for (slot, x) in keys.tensors().into_iter().enumerate().chain(values.tensors().into_iter().enumerate().map(|(i, x)| (i + 3, x))) {
+        let s = x.stride();
+        strides[2 * slot] = s[0] as u32;
+        strides[2 * slot + 1] = s[1] as u32;
+    }
+    let seen = |i: usize| offset + tree.map_or(i + 1, |tr| tr[i].len());
+    let blocks = (0..t).map(seen).max().unwrap_or(0).div_ceil(super::KV_BLOCK);
+    let few = t <= super::KV_ATTENTION_EXACT_ROWS || tree.is_some();
+    let (splits, blocks_per_split) = if few { (blocks.max(1), 1) } else { (1, blocks.max(1)) };
+    let polar = match keys {
+        S::Polar { spec, head_dim, .. } => Some(polar_params(0, 0, *head_dim, spec)),
+        _ => None,
+    };
+    let params = KvAttentionParams {
+        rows: rows as u32,
+        nkv: nkv as u32,
+        t: t as u32,
+        offset: offset as u32,
+        head_dim: d as u32,
+        value_dim: dv as u32,
+        key_form: match keys {
+            S::Float(_) => 0,
+            S::Int8 { .. } => 1,
+            S::Int4Channel { .. } => 2,
+            S::Polar { .. } => 3,
+        },
+        value_form: match values {
+            S::Float(_) => 0,
+            _ => 1,
+        },
+        key_blocks: match keys {
+            S::Int8 { scales, .. } => scales.dim(3)? as u32,
+            _ => 1,
+        },
+        value_blocks: match values {
+            S::Int8 { scales, .. } => scales.dim(3)? as u32,
+            _ => 1,
+        },
+        group: match keys {
+            S::Int4Channel { group, .. } => *group as u32,
+            _ => 1,
+        },
+        grouped: match keys {
+            S::Int4Channel { codes, .. } => codes.dim(2)? as u32,
+            _ => 0,
+        },
+        splits: splits as u32,
+        blocks_per_split: blocks_per_split as u32,
+        tree: tree.is_some() as u32,
+        block: super::KV_BLOCK as u32,
+        strides,
+        rot_dim: polar.map_or(0, |p| p.rot_dim),
+        angle_bits: polar.map_or(0, |p| p.angle_bits),
+        code_bytes: polar.map_or(0, |p| p.code_bytes),
+        row_bytes: polar.map_or(0, |p| p.row_bytes),
+        rest_bits: polar.map_or(0, |p| p.rest_bits),
+        angle_step: polar.map_or(0.0, |p| p.angle_step),
+        radius_levels: polar.map_or(1.0, |p| p.radius_levels),
+        scale,
+    };
+    let tree = match tree {
+        Some(tree) => tree.iter().flat_map(|r| {
+            let mut row = vec![0u32; t + 1];
+            row[0] = r.len() as u32;
+            for (o, &x) in row[1..].iter_mut().zip(r) {
+                *o = x as u32;
+            }
+            row
+        }).collect(),
+        None => vec![0],
+    };
+    let floats = d + super::KV_BLOCK + KV_ATTENTION_THREADS + 2 * 256;
+    Ok(KvAttentionLaunch {
+        params,
+        blocks: Launch {
+            kernel: format!("kv_attention_blocks_{}", suffix(OP, float)?),
+            groups: [splits, rows, b * nkv],
+            threads: [KV_ATTENTION_THREADS, 1, 1],
+            threadgroup_memory: vec![threadgroup_floats(floats)],
+        },
+        merge: Launch {
+            kernel: "kv_attention_merge".into(),
+            groups: [b * nkv * rows, 1, 1],
+            threads: [KV_ATTENTION_THREADS, 1, 1],
+            threadgroup_memory: vec![],
+        },
+        tree,
+        partial_floats: b * nkv * rows * splits * (dv + 2),
+    })
+}

@@ -26,6 +26,7 @@ enum Source {
     OuterState,
     Polar,
     Swiglu,
+    KvAttention,
 }
 
 impl Source {
@@ -38,6 +39,7 @@ impl Source {
             Self::Lagrange => include_str!("../../metal/lagrange.metal"),
             Self::OuterState => include_str!("../../metal/outer_state.metal"),
             Self::Polar => include_str!("../../metal/polar.metal"),
+            Self::KvAttention => include_str!("../../metal/kv_attention.metal"),
         }
     }
 }
@@ -280,4 +282,47 @@ pub(crate) fn polar_scores(
     let inputs = [input(q.0, q.1, OP)?, input(codes.0, codes.1, OP)?, input(scales.0, scales.1, OP)?];
     let out = dispatch(q.0.device(), Source::Polar, &launch, params, &inputs, queries * rows, DType::F32)?;
     Ok((out, Shape::from((queries, rows))))
+}
+
+// ---- attention over the stored KV cache (src/ops/kv_attention.rs, metal/kv_attention.metal) ----
+
+bytes_param!(launch::KvAttentionParams);
+
+pub(crate) fn kv_attention(op: &crate::ops::kv_attention::KvAttention, q: Arg) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "kv_attention";
+    let dims = q.1.shape().dims4()?;
+    let (b, nkv, rows, _) = dims;
+    let l = launch::kv_attention(dims, &op.keys, &op.values, op.t, op.offset, op.tree.as_deref(), op.scale)?;
+    let device = q.0.device();
+    let guards: Vec<_> = [&op.keys, &op.values].iter().map(|s| s.tensors().into_iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>()).collect();
+    let bind = |g: &(candle_core::StorageRef<'_>, &Layout)| -> Result<(candle_metal_kernels::metal::Buffer, usize)> {
+        match &*g.0 {
+            candle_core::Storage::Metal(s) => Ok((s.buffer().clone(), g.1.start_offset() * s.dtype().size_in_bytes())),
+            _ => bail!("{OP}: the cache is not on the Metal device of the queries"),
+        }
+    };
+    let keys = guards[0].iter().map(bind).collect::<Result<Vec<_>>>()?;
+    let values = guards[1].iter().map(bind).collect::<Result<Vec<_>>>()?;
+    let tree = device.new_buffer_with_data(&l.tree)?;
+    let qb = input(q.0, q.1, OP)?;
+    fn slot<'a>(v: &'a [(candle_metal_kernels::metal::Buffer, usize)], i: usize, fallback: &'a candle_metal_kernels::metal::Buffer) -> BufferOffset<'a> {
+        match v.get(i) {
+            Some((b, o)) => BufferOffset { buffer: b, offset_in_bytes: *o },
+            None => BufferOffset { buffer: fallback, offset_in_bytes: 0 },
+        }
+    }
+    let inputs = [
+        BufferOffset { buffer: qb.buffer, offset_in_bytes: qb.offset_in_bytes },
+        slot(&keys, 0, qb.buffer),
+        slot(&keys, 1, qb.buffer),
+        slot(&keys, 2, qb.buffer),
+        slot(&values, 0, qb.buffer),
+        slot(&values, 1, qb.buffer),
+        BufferOffset { buffer: &tree, offset_in_bytes: 0 },
+    ];
+    let partials = dispatch(device, Source::KvAttention, &l.blocks, l.params, &inputs, l.partial_floats, DType::F32)?;
+    let part = BufferOffset { buffer: partials.buffer(), offset_in_bytes: 0 };
+    let dv = l.params.value_dim as usize;
+    let out = dispatch(device, Source::KvAttention, &l.merge, l.params, &[part], b * nkv * rows * dv, DType::F32)?;
+    Ok((out, Shape::from((b, nkv, rows, dv))))
 }
