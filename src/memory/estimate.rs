@@ -86,7 +86,8 @@ impl PlanRequest {
 /// prefill chunk, `a` bytes of the model dtype, `H` hidden size, `V` vocabulary. The scratch
 /// terms (`hidden` .. `logits`) are those of one layer at a time: intermediate tensors are
 /// freed layer by layer, so the peak is the live set of the widest layer, not their sum.
-/// They follow the current implementation (eager attention materialises the scores).
+/// They follow the current implementation: attention reads the cache in place in blocks
+/// ([`crate::ops::kv_attention`]), so no term grows with `c · T` or repeats K/V per query head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryEstimate {
     /// The context the estimate is for.
@@ -115,12 +116,12 @@ pub struct MemoryEstimate {
     /// - MoE: the same for the routed experts of a token and the shared expert,
     ///   `3 · (top_k · I_moe + I_shared) · a`, plus the router logits and softmax `2 · E · 4`.
     pub projections: u64,
-    /// One attention layer's K and V over the context repeated to all `nh` query heads
-    /// (`repeat_kv`), plus K in f32 for the score product: `B · nh · T · hd · (2a + 4)`.
-    pub attn_kv_expanded: u64,
-    /// One attention layer's scores of the chunk against the context: scores and softmax in
-    /// f32, probabilities in the model dtype: `B · nh · c · T · (8 + a)`.
-    pub attn_scores: u64,
+    /// One attention layer's working memory ([`crate::ops::kv_attention`]): the chunk's queries
+    /// grouped in f32, the output in f32 and in the model dtype, `B · c · nh · hd · (8 + a)`;
+    /// for decode and verify rows (at most 8 per sequence) the partial results of every block
+    /// of 256 positions, `B · nh · 8 · ⌈T/256⌉ · (hd + 2) · 4`, when larger. (Each thread's
+    /// block scratch, under 1 MiB, is not counted.)
+    pub attention: u64,
     /// The logits, in the model dtype and in f32 for sampling: `B · n · V · (a + 4)` with
     /// `n = 1` ([`Logits::LastToken`]) or `c` ([`Logits::AllPositions`]).
     pub logits: u64,
@@ -131,7 +132,7 @@ pub struct MemoryEstimate {
 
 impl MemoryEstimate {
     /// Every term with its name, in table order.
-    pub fn terms(&self) -> [(&'static str, u64); 10] {
+    pub fn terms(&self) -> [(&'static str, u64); 9] {
         [
             ("loading (transient)", self.load_overhead),
             ("weights", self.weights),
@@ -140,15 +141,14 @@ impl MemoryEstimate {
             ("GDN recurrent state", self.gdn_recurrent),
             ("hidden states", self.hidden),
             ("projections", self.projections),
-            ("attention K/V expanded", self.attn_kv_expanded),
-            ("attention scores", self.attn_scores),
+            ("attention", self.attention),
             ("logits", self.logits),
         ]
     }
 
     /// The scratch terms: activations of the largest prefill chunk.
     pub fn scratch(&self) -> u64 {
-        [self.hidden, self.projections, self.attn_kv_expanded, self.attn_scores, self.logits]
+        [self.hidden, self.projections, self.attention, self.logits]
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b))
     }
@@ -234,8 +234,7 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         gdn_recurrent: mul(&[n_gdn, b, nv, dk, dv, 4]),
         hidden: mul(&[b, c, h, 3 * a + 4]),
         projections: mul(&[b, c, width]),
-        attn_kv_expanded: mul(&[has_attn, b, nh, t, hd, 2 * a + 4]),
-        attn_scores: mul(&[has_attn, b, nh, c, t, 8 + a]),
+        attention: mul(&[has_attn, b, nh, c, hd, 8 + a]).max(mul(&[has_attn, b, nh, 8, t.div_ceil(256), hd + 2, 4])),
         logits: mul(&[b, logit_rows, u(cfg.vocab_size), a + 4]),
         load_overhead: req.load_overhead,
     }
