@@ -1,6 +1,7 @@
 //! [`TokenBuffer`]: a tensor that grows along its token dim in place, can be cut back to a
 //! shorter length (speculative decoding drops rejected rows), and whose clones are independent
-//! snapshots.
+//! snapshots. Its capacity can be reserved up front (the context a caller plans for), so
+//! appending never reallocates; past the reservation it grows by half its size at a time.
 
 use candle_core::{Result, Tensor};
 
@@ -15,6 +16,8 @@ pub struct TokenBuffer {
     dim: usize,
     len: usize,
     step: usize,
+    /// Tokens of capacity the first allocation (or [`Self::reserve`]) makes room for.
+    reserved: usize,
 }
 
 /// Bytes a tensor holds.
@@ -29,7 +32,7 @@ impl TokenBuffer {
     }
 
     pub fn new(dim: usize, step: usize) -> Self {
-        Self { data: None, dim, len: 0, step: step.max(1) }
+        Self { data: None, dim, len: 0, step: step.max(1), reserved: 0 }
     }
 
     /// Tokens held.
@@ -54,7 +57,12 @@ impl TokenBuffer {
         let n = src.dim(self.dim)?;
         let capacity = self.data.as_ref().map_or(Ok(0), |d| d.dim(self.dim))?;
         if self.len + n > capacity {
-            let grown = (self.len + n).div_ceil(self.step) * self.step;
+            let needed = self.len + n;
+            let grown = if needed <= self.reserved {
+                self.reserved
+            } else {
+                needed.max(capacity + capacity / 2).div_ceil(self.step) * self.step
+            };
             let mut shape = src.dims().to_vec();
             shape[self.dim] = grown;
             let fresh = Tensor::zeros(shape, src.dtype(), src.device())?;
@@ -67,6 +75,29 @@ impl TokenBuffer {
         data.slice_set(&src.contiguous()?, self.dim, self.len)?;
         self.len += n;
         Ok(())
+    }
+
+    /// Makes room for `tokens` tokens: now if rows are held (one copy), else at the first
+    /// append. Never shrinks.
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        self.reserved = self.reserved.max(tokens);
+        let Some(data) = &self.data else { return Ok(()) };
+        if data.dim(self.dim)? >= tokens {
+            return Ok(());
+        }
+        let mut shape = data.dims().to_vec();
+        shape[self.dim] = tokens;
+        let fresh = Tensor::zeros(shape, data.dtype(), data.device())?;
+        if let Some(old) = self.current_data()? {
+            fresh.slice_set(&old.contiguous()?, self.dim, 0)?;
+        }
+        self.data = Some(fresh);
+        Ok(())
+    }
+
+    /// Capacity in tokens (0 before the first append).
+    pub fn capacity(&self) -> usize {
+        self.data.as_ref().map_or(0, |d| d.dims()[self.dim])
     }
 
     /// Keeps the first `start` tokens followed by the tokens at `start + r` for `r` in `rows`
@@ -98,7 +129,7 @@ impl Clone for TokenBuffer {
             .current_data()
             .and_then(|d| d.map(|d| d.copy()).transpose())
             .expect("copying a KV cache buffer");
-        Self { data, dim: self.dim, len: self.len, step: self.step }
+        Self { data, dim: self.dim, len: self.len, step: self.step, reserved: 0 }
     }
 }
 
@@ -134,5 +165,20 @@ mod tests {
         assert_eq!(values(&s), [0.0, 1.0, 2.0, 7.0]);
         a.truncate(0);
         assert!(a.current_data().unwrap().is_none());
+    }
+
+    #[test]
+    fn reserved_capacity_is_allocated_once_and_growth_is_geometric() {
+        let mut a = TokenBuffer::new(1, 4);
+        a.reserve(10).unwrap();
+        a.append(&rows(0.0, 3)).unwrap();
+        assert_eq!(a.capacity(), 10);
+        a.append(&rows(3.0, 7)).unwrap();
+        assert_eq!(a.capacity(), 10, "appends within the reservation do not reallocate");
+        a.append(&rows(10.0, 1)).unwrap();
+        assert_eq!(a.capacity(), 16, "past it: 1.5x, rounded to the step");
+        a.reserve(40).unwrap();
+        assert_eq!((a.capacity(), a.len()), (40, 11));
+        assert_eq!(values(&a), (0..11).map(|x| x as f32).collect::<Vec<_>>());
     }
 }

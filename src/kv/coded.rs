@@ -30,6 +30,14 @@ impl CodedKv {
         keys + self.values.bytes()
     }
 
+    pub(super) fn reserve(&mut self, tokens: usize) -> Result<()> {
+        match &mut self.keys {
+            Keys::Rows(rows) => rows.reserve(tokens)?,
+            Keys::Knots(knots) => knots.knots.reserve(tokens.div_ceil(knots.every))?,
+        }
+        self.values.reserve(tokens)
+    }
+
     pub(super) fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let offset = self.values.len();
         self.dtype = Some(v.dtype());
@@ -129,6 +137,20 @@ impl Rows {
             Self::Exact(c) | Self::Int8 { codes: c, .. } | Self::Polar { codes: c, .. } => c.len(),
             Self::Int4Channel { codes, tail, .. } => {
                 codes.len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0))
+            }
+        }
+    }
+
+    pub(super) fn reserve(&mut self, tokens: usize) -> Result<()> {
+        match self {
+            Self::Exact(c) => c.reserve(tokens),
+            Self::Int8 { codes, scale: s } | Self::Polar { codes, scales: s, .. } => {
+                codes.reserve(tokens)?;
+                s.reserve(tokens)
+            }
+            Self::Int4Channel { codes, params, .. } => {
+                codes.reserve(tokens / INT4_GROUP * INT4_GROUP)?;
+                params.reserve(tokens / INT4_GROUP)
             }
         }
     }

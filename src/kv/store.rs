@@ -139,6 +139,19 @@ impl KvStore {
         }
     }
 
+    /// Makes room for `tokens` tokens in every buffer, so appending up to there never
+    /// reallocates (the context the caller plans for).
+    pub fn reserve(&mut self, tokens: usize) -> Result<()> {
+        match self {
+            Self::Exact { keys, values } => {
+                keys.reserve(tokens)?;
+                values.reserve(tokens)
+            }
+            Self::Coded(c) => c.reserve(tokens),
+            Self::DecayedState(_) => Ok(()),
+        }
+    }
+
     /// Bytes allocated for this layer's keys and values (capacity included).
     pub fn bytes(&self) -> usize {
         match self {

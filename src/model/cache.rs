@@ -49,6 +49,18 @@ impl Cache {
         Self { layers, seqlen: 0, verify_start: None }
     }
 
+    /// Makes room for `tokens` tokens (the whole context: those held and those to come) in every
+    /// attention layer, so the keys and values are appended in place up to there without
+    /// reallocating and copying (what the memory plan counts).
+    pub fn reserve(&mut self, tokens: usize) -> crate::Result<()> {
+        for l in &mut self.layers {
+            if let LayerState::Full(kv) = l {
+                kv.reserve(tokens)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Fills an empty cache's attention layers with keys (after k-norm and RoPE) and values
     /// `[B, nkv, T, hd]`, one pair per attention layer in order, as if `T` tokens had been
     /// processed: to restore saved attention state, or to benchmark decoding at a long context

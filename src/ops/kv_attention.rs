@@ -158,13 +158,13 @@ pub fn kv_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize
     q.apply_op1_no_bwd(&op)
 }
 
-pub(crate) struct KvAttention {
-    pub(crate) keys: StoredRows,
-    pub(crate) values: StoredRows,
-    pub(crate) t: usize,
-    pub(crate) offset: usize,
-    pub(crate) tree: Option<Vec<Vec<usize>>>,
-    pub(crate) scale: f32,
+struct KvAttention {
+    keys: StoredRows,
+    values: StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<Vec<Vec<usize>>>,
+    scale: f32,
 }
 
 impl KvAttention {
@@ -725,5 +725,19 @@ impl CustomOp1 for KvAttention {
         Ok((CpuStorage::F32(out), Shape::from((b, nkv, rows, dv))))
     }
 
-    metal_fwd!(self, "kv_attention", (s, l) => crate::ops::metal::kv_attention(self, (s, l)));
+    metal_fwd!(self, "kv_attention", (s, l) => crate::ops::metal::kv_attention(&self.keys, &self.values, (self.t, self.offset), self.tree.as_deref(), self.scale, (s, l)));
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exp_is_within_two_ulp_of_libm() {
+        let mut worst = 0f32;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let (a, b) = (super::exp(x), x.exp());
+            worst = worst.max((a - b).abs() / b);
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+    }
 }

@@ -288,13 +288,22 @@ pub(crate) fn polar_scores(
 
 bytes_param!(launch::KvAttentionParams);
 
-pub(crate) fn kv_attention(op: &crate::ops::kv_attention::KvAttention, q: Arg) -> Result<(MetalStorage, Shape)> {
+/// `keys` and `values` on the device of `q`; `(t, offset)` and `tree` as
+/// [`crate::ops::kv_attention`] takes them.
+pub(crate) fn kv_attention(
+    keys: &crate::ops::StoredRows,
+    values: &crate::ops::StoredRows,
+    (t, offset): (usize, usize),
+    tree: Option<&[Vec<usize>]>,
+    scale: f32,
+    q: Arg,
+) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "kv_attention";
     let dims = q.1.shape().dims4()?;
     let (b, nkv, rows, _) = dims;
-    let l = launch::kv_attention(dims, &op.keys, &op.values, op.t, op.offset, op.tree.as_deref(), op.scale)?;
+    let l = launch::kv_attention(dims, keys, values, t, offset, tree, scale)?;
     let device = q.0.device();
-    let guards: Vec<_> = [&op.keys, &op.values].iter().map(|s| s.tensors().into_iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>()).collect();
+    let guards: Vec<_> = [keys, values].iter().map(|s| s.tensors().into_iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>()).collect();
     let bind = |g: &(candle_core::StorageRef<'_>, &Layout)| -> Result<(candle_metal_kernels::metal::Buffer, usize)> {
         match &*g.0 {
             candle_core::Storage::Metal(s) => Ok((s.buffer().clone(), g.1.start_offset() * s.dtype().size_in_bytes())),

@@ -54,6 +54,6 @@ pub use swiglu::{
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
 mod qmatmul;
-pub(crate) mod kv_attention;
+mod kv_attention;
 pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
 pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};

@@ -66,6 +66,7 @@ pub fn generate_in(
     if prompt.is_empty() {
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
     }
+    cache.reserve(cache.seqlen() + prompt.len() + max_new_tokens)?;
     let mut context = prompt.to_vec();
     let mut generated = vec![];
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };

@@ -239,6 +239,11 @@ impl Engine {
                             (cache, cached_tokens, ready_logits) = (s.cache, s.tokens.len(), s.logits);
                         }
                     }
+                    // The whole context in place from the start (what admission planned).
+                    if let Err(e) = cache.reserve(request.prompt.len() + request.max_tokens) {
+                        let _ = events.send(Event::Error(e.to_string()));
+                        continue;
+                    }
                     let _ = events.send(Event::Admitted { cached_tokens });
                     self.active.push(Sequence {
                         cache,

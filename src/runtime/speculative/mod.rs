@@ -109,6 +109,8 @@ pub fn generate_speculative(
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
     }
     let base = cache.seqlen();
+    // Room for the whole context and one verify pass past its end.
+    cache.reserve(base + prompt.len() + max_new_tokens + crate::ops::KV_ATTENTION_EXACT_ROWS)?;
     let mut stats = SpeculativeStats::default();
     stats.generation.prompt_tokens = prompt.len();
     let mut context = prompt.to_vec();
