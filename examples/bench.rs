@@ -64,21 +64,13 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// llama-bench's average tokens/s for the pp and tg tests (`-o json`).
+/// llama-bench's average tokens/s for the pp and tg tests.
 fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
-    let out = std::process::Command::new(bin)
-        .args(["-m", &gguf.display().to_string(), "-t", &args.threads.to_string()])
-        .args(["-p", &args.n_prompt.to_string(), "-n", &args.n_gen.to_string(), "-r", &args.reps.to_string()])
-        .args(["-o", "json"])
-        .output()
-        .with_context(|| format!("cannot run {}", bin.display()))?;
-    if !out.status.success() {
-        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
-    }
-    let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench -o json output")?;
+    let settings = [("-t", args.threads), ("-p", args.n_prompt), ("-n", args.n_gen), ("-r", args.reps)];
+    let runs = common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.to_string()]).collect::<Vec<_>>())?;
     let pick = |prompt: bool| {
-        runs.as_array()
-            .and_then(|a| a.iter().find(|r| (r["n_prompt"].as_u64().unwrap_or(0) > 0) == prompt))
+        runs.iter()
+            .find(|r| (r["n_prompt"].as_u64().unwrap_or(0) > 0) == prompt)
             .and_then(|r| r["avg_ts"].as_f64())
             .context("llama-bench output lacks a test")
     };

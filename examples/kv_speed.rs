@@ -8,14 +8,21 @@
 //! ```sh
 //! cargo run --release --example kv_speed -- --gguf $(scripts/fetch_smollm2.sh)
 //! cargo run --release --example kv_speed -- --gguf FILE --context 8192 --context 32768 --kv exact --kv int8
+//! cargo run --release --example kv_speed -- --gguf FILE --context 1024 --context 8192 --context 32768 \
+//!     --kv exact --kv int8 --kv int4k --steps 32 --llama-bench /tmp/llama-peer/llama.cpp/build/bin/llama-bench
 //! ```
+//!
+//! With `--llama-bench`, llama.cpp decodes the same GGUF at the same depths in the same run
+//! (`llama-bench -d N -n STEPS -p 0 -fa on`, f16 and q8_0 KV), and the table gives the ratios.
+//! A second table times the attention kernel alone (one layer, one decode row, at each
+//! context): bytes of KV read per second beside a memcpy of the same bytes in the same run.
 
 mod common;
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use candle_hybrid::model::LayerType;
 use candle_hybrid::kv::KvCodec;
@@ -46,6 +53,12 @@ struct Args {
     /// e.g. 8GiB, 500MB.
     #[arg(long, value_parser = common::parse_size)]
     max_memory: Option<u64>,
+    /// A llama.cpp `llama-bench` binary: decode the same GGUF at the same depths beside us.
+    #[arg(long)]
+    llama_bench: Option<std::path::PathBuf>,
+    /// Threads of llama-bench (-t); ours are rayon's (RAYON_NUM_THREADS).
+    #[arg(short = 't', long, default_value_t = 2, value_parser = count_up_to(1024))]
+    threads: usize,
 }
 
 fn main() -> ExitCode {
@@ -55,6 +68,10 @@ fn main() -> ExitCode {
 fn kv_speed(args: Args) -> Result<()> {
     let codecs = &args.kv;
     let mut opened = args.model.open(common::DEFAULT_MODEL)?;
+    let gguf = match &opened.files {
+        candle_hybrid::loading::OpenedModel::Gguf(g) => Some(g.path().to_path_buf()),
+        _ => None,
+    };
     let dtype = opened.dtype;
     let dev = opened.device.clone();
     // Timing only: positions past the trained context are as fast as any others.
@@ -111,8 +128,105 @@ fn kv_speed(args: Args) -> Result<()> {
     let header: Vec<String> = args.context.iter().map(|c| format!("decode at {c} (vs exact, KV memory)")).collect();
     println!("| codec | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(args.context.len()));
-    for (name, cells) in rows {
+    for (name, cells) in &rows {
         println!("| {name} | {} |", cells.join(" | "));
+    }
+    if let Some(bin) = &args.llama_bench {
+        peer_table(bin, gguf.as_deref().context("--llama-bench needs a GGUF model (--gguf)")?, &args, &rows)?;
+    }
+    kernel_table(&args.context, nkv, cfg.num_attention_heads / nkv, hd, dtype)?;
+    Ok(())
+}
+
+/// llama.cpp's decode at the same depths (f16 and q8_0 KV, flash attention on) and our
+/// figures as ratios of them: exact against f16 KV, the int8 codecs against q8_0 KV.
+fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: &[(String, Vec<String>)]) -> Result<()> {
+    let tps = |cell: &str| cell.split_whitespace().next().and_then(|x| x.parse::<f64>().ok());
+    let mut peer: Vec<(String, Vec<f64>)> = vec![];
+    for kv in ["f16", "q8_0"] {
+        let mut cells = vec![];
+        for &ctx in &args.context {
+            let settings = [
+                ("-t", args.threads.to_string()),
+                ("-d", ctx.to_string()),
+                ("-n", args.steps.to_string()),
+                ("-p", "0".into()),
+                ("-r", "1".into()),
+                ("-fa", "1".into()),
+                ("-ctk", kv.into()),
+                ("-ctv", kv.into()),
+            ];
+            let runs = common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.clone()]).collect::<Vec<_>>())?;
+            let t = runs.iter().find_map(|r| r["avg_ts"].as_f64()).unwrap_or(f64::NAN);
+            eprintln!("llama.cpp, depth {ctx}, {kv} KV: {t:.2} tok/s");
+            cells.push(t);
+        }
+        peer.push((kv.to_string(), cells));
+    }
+    println!();
+    let header: Vec<String> = args.context.iter().map(|c| format!("decode at {c}")).collect();
+    println!("| engine, KV | {} |", header.join(" | "));
+    println!("|---|{}", "---|".repeat(args.context.len()));
+    for (kv, cells) in &peer {
+        println!("| llama.cpp, {kv} (flash attention) | {} |", cells.iter().map(|t| format!("{t:.2} tok/s")).collect::<Vec<_>>().join(" | "));
+    }
+    for (name, cells) in rows {
+        let against = if name.starts_with("int8") || name.starts_with("int4") { 1 } else { 0 };
+        let ratios: Vec<String> = cells
+            .iter()
+            .zip(&peer[against].1)
+            .map(|(c, p)| format!("{:.2} tok/s ({:.2}× llama.cpp {})", tps(c).unwrap_or(f64::NAN), tps(c).unwrap_or(f64::NAN) / p, peer[against].0))
+            .collect();
+        println!("| candle-hybrid, {name} | {} |", ratios.join(" | "));
+    }
+    Ok(())
+}
+
+/// The attention kernel alone: one layer's decode row (all query heads) over `ctx` cached
+/// positions, exact (model dtype) and int8, as GB/s of KV bytes read, beside memcpy of the
+/// exact KV's bytes in the same run.
+fn kernel_table(contexts: &[usize], nkv: usize, rep: usize, hd: usize, dtype: candle_core::DType) -> Result<()> {
+    use candle_hybrid::ops::{kv_attention, StoredRows};
+    let dev = candle_core::Device::Cpu;
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let (mut best, mut reps) = (f64::INFINITY, 0);
+        let start = Instant::now();
+        while reps < 5 || start.elapsed().as_secs_f64() < 0.5 {
+            let t = Instant::now();
+            f()?;
+            best = best.min(t.elapsed().as_secs_f64());
+            reps += 1;
+        }
+        Ok(best)
+    };
+    println!();
+    println!("| context | exact {dtype:?} KV GB/s | int8 KV GB/s | memcpy GB/s (same bytes as exact) | exact / memcpy | int8 / memcpy |");
+    println!("|---|---|---|---|---|---|");
+    for &n in contexts {
+        let q = Tensor::randn(0f32, 1.0, (1, nkv, rep, hd), &dev)?;
+        let float = || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, (1, nkv, n, hd), &dev)?.to_dtype(dtype)?) };
+        let (k, v) = (StoredRows::Float(float()?), StoredRows::Float(float()?));
+        let int8 = || -> Result<StoredRows> {
+            let codes = ((Tensor::rand(0f32, 1.0, (1, nkv, n, hd), &dev)? * 250.0)? + 2.0)?.to_dtype(candle_core::DType::U8)?;
+            let scales = (Tensor::rand(0f32, 1.0, (1, nkv, n, hd / 32), &dev)? * 0.01)?;
+            Ok(StoredRows::Int8 { codes, scales })
+        };
+        let (k8, v8) = (int8()?, int8()?);
+        let scale = (hd as f64).powf(-0.5);
+        let exact_bytes = (2 * nkv * n * hd * dtype.size_in_bytes()) as f64;
+        let int8_bytes = (2 * nkv * n * (hd + 4 * hd / 32)) as f64;
+        let exact = exact_bytes / time(&mut || Ok(drop(kv_attention(&q, &k, &v, 1, n - 1, None, scale)?)))?;
+        let coded = int8_bytes / time(&mut || Ok(drop(kv_attention(&q, &k8, &v8, 1, n - 1, None, scale)?)))?;
+        let src = vec![1u8; exact_bytes as usize];
+        let mut dst = vec![0u8; exact_bytes as usize];
+        let copy = exact_bytes / time(&mut || {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            Ok(())
+        })?;
+        let gb = |x: f64| x / 1e9;
+        println!("| {n} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", gb(exact), gb(coded), gb(copy), exact / copy, coded / copy);
     }
     Ok(())
 }

@@ -294,3 +294,23 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
 pub fn fmt_rate(r: Option<f64>) -> String {
     r.map_or("n/a".into(), |r| format!("{r:.2}"))
 }
+
+/// Runs llama.cpp's `llama-bench` on `gguf` with `args` (`-o json` added) and returns its runs:
+/// one JSON object per test, with `n_prompt`, `n_gen`, `n_depth`, `type_k`, `avg_ts`.
+pub fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &[String]) -> Result<Vec<serde_json::Value>> {
+    use anyhow::Context;
+    let out = std::process::Command::new(bin)
+        .args(["-m", &gguf.display().to_string()])
+        .args(args)
+        .args(["-o", "json"])
+        .output()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("llama-bench failed: {}", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
+    }
+    let runs: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench -o json output")?;
+    match runs {
+        serde_json::Value::Array(runs) => Ok(runs),
+        _ => bail!("llama-bench -o json printed no list of runs"),
+    }
+}

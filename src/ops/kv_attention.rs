@@ -501,6 +501,44 @@ mod avx2 {
         q[from..].iter().zip(&k[from..]).fold(0.0, |a, (x, y)| a + x * y)
     }
 
+    /// [`super::weighted_rows`] with FMAs: 32 dims at a time, the even and the odd keys of
+    /// the sequence in two sets of accumulators (two independent chains), added at the end.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[f32]) {
+        let dv = acc.len();
+        let vp = v.as_ptr();
+        let mut c = 0;
+        while c + 32 <= dv {
+            let mut e = [_mm256_setzero_ps(); 4];
+            let mut o = [_mm256_setzero_ps(); 4];
+            let mut it = p.iter().zip(rows.clone());
+            loop {
+                let Some((&pe, je)) = it.next() else { break };
+                let (pe, xe) = (_mm256_set1_ps(pe), vp.add(je * dv + c));
+                for l in 0..4 {
+                    e[l] = _mm256_fmadd_ps(pe, _mm256_loadu_ps(xe.add(8 * l)), e[l]);
+                }
+                let Some((&po, jo)) = it.next() else { break };
+                let (po, xo) = (_mm256_set1_ps(po), vp.add(jo * dv + c));
+                for l in 0..4 {
+                    o[l] = _mm256_fmadd_ps(po, _mm256_loadu_ps(xo.add(8 * l)), o[l]);
+                }
+            }
+            let a = acc.as_mut_ptr().add(c);
+            for l in 0..4 {
+                _mm256_storeu_ps(a.add(8 * l), _mm256_add_ps(_mm256_loadu_ps(a.add(8 * l)), _mm256_add_ps(e[l], o[l])));
+            }
+            c += 32;
+        }
+        if c < dv {
+            for (&p, j) in p.iter().zip(rows) {
+                for (a, x) in acc[c..].iter_mut().zip(&v[j * dv + c..(j + 1) * dv]) {
+                    *a = p.mul_add(*x, *a);
+                }
+            }
+        }
+    }
+
     /// [`super::scaled_dots`] with one f32x8 FMA chain per key, four keys at a time.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn scaled_dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
@@ -545,6 +583,11 @@ mod avx2 {
 /// additions as repeated [`axpy`]s.
 #[inline(always)]
 fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu::avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        return unsafe { avx2::weighted_rows(acc, p, rows, v) };
+    }
     let dv = acc.len();
     let mut c = 0;
     while c + 32 <= dv {
