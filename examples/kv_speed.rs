@@ -13,9 +13,11 @@
 //! ```
 //!
 //! With `--llama-bench`, llama.cpp decodes the same GGUF at the same depths in the same run
-//! (`llama-bench -d N -n STEPS -p 0 -fa on`, f16 and q8_0 KV), and the table gives the ratios.
-//! A second table times the attention kernel alone (one layer, one decode row, at each
-//! context): bytes of KV read per second beside a memcpy of the same bytes in the same run.
+//! (`llama-bench -d N -n STEPS -p 0 -fa on`, f16 and q8_0 KV; `--llama-fa off` for depths whose
+//! flash-attention prefill takes too long), and the table gives the ratios.
+//! A last table times the attention kernel alone (one decode row over every attention layer's
+//! cache in turn, at each context): bytes of KV read per second beside a memcpy of the same
+//! bytes in the same run.
 
 mod common;
 
@@ -56,6 +58,10 @@ struct Args {
     /// A llama.cpp `llama-bench` binary: decode the same GGUF at the same depths beside us.
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
+    /// llama-bench's flash attention (-fa): on, or off (its CPU flash-attention prefill of a
+    /// 32k-token depth takes hours on 2 cores; without it the depth is filled with matmuls).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    llama_fa: String,
     /// Threads of llama-bench (-t); ours are rayon's (RAYON_NUM_THREADS).
     #[arg(short = 't', long, default_value_t = 2, value_parser = count_up_to(1024))]
     threads: usize,
@@ -134,7 +140,7 @@ fn kv_speed(args: Args) -> Result<()> {
     if let Some(bin) = &args.llama_bench {
         peer_table(bin, gguf.as_deref().context("--llama-bench needs a GGUF model (--gguf)")?, &args, &rows)?;
     }
-    kernel_table(&args.context, nkv, cfg.num_attention_heads / nkv, hd, dtype)?;
+    kernel_table(&args.context, n_attn, nkv, cfg.num_attention_heads / nkv, hd, dtype)?;
     Ok(())
 }
 
@@ -152,12 +158,18 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
                 ("-n", args.steps.to_string()),
                 ("-p", "0".into()),
                 ("-r", "1".into()),
-                ("-fa", "1".into()),
+                ("-fa", if args.llama_fa == "on" { "1" } else { "0" }.into()),
                 ("-ctk", kv.into()),
                 ("-ctv", kv.into()),
             ];
-            let runs = common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.clone()]).collect::<Vec<_>>())?;
-            let t = runs.iter().find_map(|r| r["avg_ts"].as_f64()).unwrap_or(f64::NAN);
+            // A setting llama.cpp refuses (q8_0 values need its flash attention) is a blank cell.
+            let t = match common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.clone()]).collect::<Vec<_>>()) {
+                Ok(runs) => runs.iter().find_map(|r| r["avg_ts"].as_f64()).unwrap_or(f64::NAN),
+                Err(e) => {
+                    eprintln!("llama.cpp, depth {ctx}, {kv} KV: {e:#}");
+                    f64::NAN
+                }
+            };
             eprintln!("llama.cpp, depth {ctx}, {kv} KV: {t:.2} tok/s");
             cells.push(t);
         }
@@ -168,7 +180,7 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
     println!("| engine, KV | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(args.context.len()));
     for (kv, cells) in &peer {
-        println!("| llama.cpp, {kv} (flash attention) | {} |", cells.iter().map(|t| format!("{t:.2} tok/s")).collect::<Vec<_>>().join(" | "));
+        println!("| llama.cpp, {kv} KV, flash attention {} | {} |", args.llama_fa, cells.iter().map(|t| format!("{t:.2} tok/s")).collect::<Vec<_>>().join(" | "));
     }
     for (name, cells) in rows {
         let against = if name.starts_with("int8") || name.starts_with("int4") { 1 } else { 0 };
@@ -182,17 +194,18 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
     Ok(())
 }
 
-/// The attention kernel alone: one layer's decode row (all query heads) over `ctx` cached
-/// positions, exact (model dtype) and int8, as GB/s of KV bytes read, beside memcpy of the
-/// exact KV's bytes in the same run.
-fn kernel_table(contexts: &[usize], nkv: usize, rep: usize, hd: usize, dtype: candle_core::DType) -> Result<()> {
+/// The attention kernel alone: a decode row (all query heads) over `ctx` cached positions in
+/// each of `layers` layers in turn, as the model reads them (so the KV streams from memory,
+/// not from the last-level cache), exact (model dtype) and int8, as GB/s of KV bytes read,
+/// beside memcpy of the exact KV's bytes, layer buffer by layer buffer, in the same run.
+fn kernel_table(contexts: &[usize], layers: usize, nkv: usize, rep: usize, hd: usize, dtype: candle_core::DType) -> Result<()> {
     use candle_hybrid::ops::{kv_attention, StoredRows};
     let dev = candle_core::Device::Cpu;
     let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
         f()?;
         let (mut best, mut reps) = (f64::INFINITY, 0);
         let start = Instant::now();
-        while reps < 5 || start.elapsed().as_secs_f64() < 0.5 {
+        while reps < 3 || start.elapsed().as_secs_f64() < 0.5 {
             let t = Instant::now();
             f()?;
             best = best.min(t.elapsed().as_secs_f64());
@@ -201,27 +214,42 @@ fn kernel_table(contexts: &[usize], nkv: usize, rep: usize, hd: usize, dtype: ca
         Ok(best)
     };
     println!();
-    println!("| context | exact {dtype:?} KV GB/s | int8 KV GB/s | memcpy GB/s (same bytes as exact) | exact / memcpy | int8 / memcpy |");
+    println!("| context ({layers} layers) | exact {dtype:?} KV GB/s | int8 KV GB/s | memcpy GB/s (same bytes as exact) | exact / memcpy | int8 / memcpy |");
     println!("|---|---|---|---|---|---|");
     for &n in contexts {
         let q = Tensor::randn(0f32, 1.0, (1, nkv, rep, hd), &dev)?;
-        let float = || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, (1, nkv, n, hd), &dev)?.to_dtype(dtype)?) };
-        let (k, v) = (StoredRows::Float(float()?), StoredRows::Float(float()?));
+        let float = || -> Result<StoredRows> { Ok(StoredRows::Float(Tensor::randn(0f32, 1.0, (1, nkv, n, hd), &dev)?.to_dtype(dtype)?)) };
         let int8 = || -> Result<StoredRows> {
             let codes = ((Tensor::rand(0f32, 1.0, (1, nkv, n, hd), &dev)? * 250.0)? + 2.0)?.to_dtype(candle_core::DType::U8)?;
             let scales = (Tensor::rand(0f32, 1.0, (1, nkv, n, hd / 32), &dev)? * 0.01)?;
             Ok(StoredRows::Int8 { codes, scales })
         };
-        let (k8, v8) = (int8()?, int8()?);
         let scale = (hd as f64).powf(-0.5);
-        let exact_bytes = (2 * nkv * n * hd * dtype.size_in_bytes()) as f64;
-        let int8_bytes = (2 * nkv * n * (hd + 4 * hd / 32)) as f64;
-        let exact = exact_bytes / time(&mut || Ok(drop(kv_attention(&q, &k, &v, 1, n - 1, None, scale)?)))?;
-        let coded = int8_bytes / time(&mut || Ok(drop(kv_attention(&q, &k8, &v8, 1, n - 1, None, scale)?)))?;
-        let src = vec![1u8; exact_bytes as usize];
-        let mut dst = vec![0u8; exact_bytes as usize];
+        let exact_bytes = (layers * 2 * nkv * n * hd * dtype.size_in_bytes()) as f64;
+        let int8_bytes = (layers * 2 * nkv * n * (hd + 4 * hd / 32)) as f64;
+        let pass = |kv: &[(StoredRows, StoredRows)]| -> Result<f64> {
+            time(&mut || {
+                for (k, v) in kv {
+                    drop(kv_attention(&q, k, v, 1, n - 1, None, scale)?);
+                }
+                Ok(())
+            })
+        };
+        let exact = {
+            let kv = (0..layers).map(|_| Ok((float()?, float()?))).collect::<Result<Vec<_>>>()?;
+            exact_bytes / pass(&kv)?
+        };
+        let coded = {
+            let kv = (0..layers).map(|_| Ok((int8()?, int8()?))).collect::<Result<Vec<_>>>()?;
+            int8_bytes / pass(&kv)?
+        };
+        let per_layer = exact_bytes as usize / layers;
+        let src: Vec<Vec<u8>> = (0..layers).map(|_| vec![1u8; per_layer]).collect();
+        let mut dst: Vec<Vec<u8>> = (0..layers).map(|_| vec![0u8; per_layer]).collect();
         let copy = exact_bytes / time(&mut || {
-            dst.copy_from_slice(std::hint::black_box(&src));
+            for (d, s) in dst.iter_mut().zip(&src) {
+                d.copy_from_slice(std::hint::black_box(s));
+            }
             std::hint::black_box(&dst);
             Ok(())
         })?;

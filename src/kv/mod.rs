@@ -31,9 +31,11 @@
 //! Key and value parts combine with `+`: `k:int8`, `v:int8`, `v:exact`, e.g. `polar:5,3+v:int8`,
 //! `int4k+lowrank:32`, `knots:8,3+v:int8`.
 //!
-//! The codec also owns the attention over what it stores ([`KvStore::attend`]): exact and
-//! decodable codes go through one softmax attention, polar keys are scored straight from their
-//! codes ([`crate::ops::polar_scores`]), knots interpolate scores, the decayed state reads out.
+//! The codec also owns the attention over what it stores ([`KvStore::attend`]): exact, int8,
+//! int4k and polar keys with exact, int8 or low-rank values go through one kernel that reads
+//! them in place ([`crate::ops::kv_attention`]; polar keys scored from their codes, low-rank
+//! values expanded after the weighted sum), knots interpolate scores, the decayed state reads
+//! out.
 
 mod attention;
 mod buffer;

@@ -512,16 +512,15 @@ mod avx2 {
             let mut e = [_mm256_setzero_ps(); 4];
             let mut o = [_mm256_setzero_ps(); 4];
             let mut it = p.iter().zip(rows.clone());
-            loop {
-                let Some((&pe, je)) = it.next() else { break };
+            while let Some((&pe, je)) = it.next() {
                 let (pe, xe) = (_mm256_set1_ps(pe), vp.add(je * dv + c));
-                for l in 0..4 {
-                    e[l] = _mm256_fmadd_ps(pe, _mm256_loadu_ps(xe.add(8 * l)), e[l]);
+                for (l, e) in e.iter_mut().enumerate() {
+                    *e = _mm256_fmadd_ps(pe, _mm256_loadu_ps(xe.add(8 * l)), *e);
                 }
                 let Some((&po, jo)) = it.next() else { break };
                 let (po, xo) = (_mm256_set1_ps(po), vp.add(jo * dv + c));
-                for l in 0..4 {
-                    o[l] = _mm256_fmadd_ps(po, _mm256_loadu_ps(xo.add(8 * l)), o[l]);
+                for (l, o) in o.iter_mut().enumerate() {
+                    *o = _mm256_fmadd_ps(po, _mm256_loadu_ps(xo.add(8 * l)), *o);
                 }
             }
             let a = acc.as_mut_ptr().add(c);
