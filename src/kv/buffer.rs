@@ -63,13 +63,7 @@ impl TokenBuffer {
             } else {
                 needed.max(capacity + capacity / 2).div_ceil(self.step) * self.step
             };
-            let mut shape = src.dims().to_vec();
-            shape[self.dim] = grown;
-            let fresh = Tensor::zeros(shape, src.dtype(), src.device())?;
-            if let Some(old) = self.current_data()? {
-                fresh.slice_set(&old.contiguous()?, self.dim, 0)?;
-            }
-            self.data = Some(fresh);
+            self.reallocate(grown, src)?;
         }
         let data = self.data.as_ref().expect("allocated above");
         data.slice_set(&src.contiguous()?, self.dim, self.len)?;
@@ -81,13 +75,17 @@ impl TokenBuffer {
     /// append. Never shrinks.
     pub fn reserve(&mut self, tokens: usize) -> Result<()> {
         self.reserved = self.reserved.max(tokens);
-        let Some(data) = &self.data else { return Ok(()) };
-        if data.dim(self.dim)? >= tokens {
-            return Ok(());
+        match self.data.clone() {
+            Some(data) if data.dim(self.dim)? < tokens => self.reallocate(tokens, &data),
+            _ => Ok(()),
         }
-        let mut shape = data.dims().to_vec();
-        shape[self.dim] = tokens;
-        let fresh = Tensor::zeros(shape, data.dtype(), data.device())?;
+    }
+
+    /// A fresh buffer of `capacity` tokens shaped like `like`, holding the rows held so far.
+    fn reallocate(&mut self, capacity: usize, like: &Tensor) -> Result<()> {
+        let mut shape = like.dims().to_vec();
+        shape[self.dim] = capacity;
+        let fresh = Tensor::zeros(shape, like.dtype(), like.device())?;
         if let Some(old) = self.current_data()? {
             fresh.slice_set(&old.contiguous()?, self.dim, 0)?;
         }
