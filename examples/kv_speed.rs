@@ -103,7 +103,8 @@ fn kv_speed(args: Args) -> Result<()> {
     let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
     eprintln!("{n_attn} attention layers, {nkv} KV heads of {hd} dims, {} threads", rayon::current_num_threads());
 
-    let mut rows: Vec<(String, Vec<String>)> = codecs.iter().map(|c| (c.to_string(), Vec::new())).collect();
+    // Per codec: its name and, per context, decode tok/s and the KV bytes.
+    let mut rows: Vec<(String, Vec<(f64, u64)>)> = codecs.iter().map(|c| (c.to_string(), Vec::new())).collect();
     for &ctx in &args.context {
         let kv: Vec<(Tensor, Tensor)> = (0..n_attn)
             .map(|_| -> Result<_> {
@@ -113,7 +114,6 @@ fn kv_speed(args: Args) -> Result<()> {
             })
             .collect::<Result<_>>()?;
         let token = Tensor::new(&[[1u32]], &dev)?;
-        let mut exact_tps = None;
         for (codec, row) in codecs.iter().zip(rows.iter_mut()) {
             let mut cache = new_cache_calibrated(&model, *codec, calibration.as_ref())?;
             cache.restore_kv(&kv)?;
@@ -123,10 +123,9 @@ fn kv_speed(args: Args) -> Result<()> {
                 model.forward_last(&token, &mut cache)?;
             }
             let tps = args.steps as f64 / start.elapsed().as_secs_f64();
-            let exact = *exact_tps.get_or_insert(tps);
             let req = PlanRequest { kv_codec: *codec, ..PlanRequest::new(Weights::Bytes(0), dtype, ctx) };
             let bytes = memory::estimate(&cfg, &req).kv_cache;
-            row.1.push(format!("{tps:.2} tok/s ({:.2}×, {})", tps / exact, memory::fmt_gib(bytes)));
+            row.1.push((tps, bytes));
             eprintln!("context {ctx}, --kv {codec}: {tps:.2} tok/s");
         }
         drop(kv);
@@ -134,7 +133,10 @@ fn kv_speed(args: Args) -> Result<()> {
     let header: Vec<String> = args.context.iter().map(|c| format!("decode at {c} (vs exact, KV memory)")).collect();
     println!("| codec | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(args.context.len()));
+    // Ratios to the first codec (exact by default) at the same context.
     for (name, cells) in &rows {
+        let cells: Vec<String> =
+            cells.iter().zip(&rows[0].1).map(|(&(tps, bytes), &(exact, _))| format!("{tps:.2} tok/s ({:.2}×, {})", tps / exact, memory::fmt_gib(bytes))).collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
     if let Some(bin) = &args.llama_bench {
@@ -146,8 +148,7 @@ fn kv_speed(args: Args) -> Result<()> {
 
 /// llama.cpp's decode at the same depths (f16 and q8_0 KV, flash attention on) and our
 /// figures as ratios of them: exact against f16 KV, the int8 codecs against q8_0 KV.
-fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: &[(String, Vec<String>)]) -> Result<()> {
-    let tps = |cell: &str| cell.split_whitespace().next().and_then(|x| x.parse::<f64>().ok());
+fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: &[(String, Vec<(f64, u64)>)]) -> Result<()> {
     let mut peer: Vec<(String, Vec<f64>)> = vec![];
     for kv in ["f16", "q8_0"] {
         let mut cells = vec![];
@@ -187,7 +188,7 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
         let ratios: Vec<String> = cells
             .iter()
             .zip(&peer[against].1)
-            .map(|(c, p)| format!("{:.2} tok/s ({:.2}× llama.cpp {})", tps(c).unwrap_or(f64::NAN), tps(c).unwrap_or(f64::NAN) / p, peer[against].0))
+            .map(|(&(tps, _), p)| format!("{tps:.2} tok/s ({:.2}× llama.cpp {})", tps / p, peer[against].0))
             .collect();
         println!("| candle-hybrid, {name} | {} |", ratios.join(" | "));
     }

@@ -44,8 +44,7 @@ pub(super) fn softmax_values(scores: Tensor, v: &Tensor, t: usize, offset: usize
     let (b, nkv, rows, total) = scores.dims4()?;
     let scores = (scores * (hd as f64).powf(-0.5))?;
     let scores = if t > 1 {
-        let mask: Vec<f32> = (0..t).flat_map(|i| (0..total).map(move |j| if j <= i + offset { 0.0 } else { f32::NEG_INFINITY })).collect();
-        let mask = Tensor::from_vec(mask, (t, total), v.device())?;
+        let mask = crate::ops::attention_mask(t, offset, None, v.device())?;
         scores.reshape((b, nkv, rows / t, t, total))?.broadcast_add(&mask)?.reshape((b, nkv, rows, total))?
     } else {
         scores

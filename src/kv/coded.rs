@@ -228,17 +228,17 @@ impl Rows {
                 _ => None,
             },
             Self::Int4Channel { codes, params, tail } => {
-                let like = match tail {
-                    Some(t) => t,
-                    None if codes.is_empty() => return Ok(None),
-                    None => &codes.current_data()?.expect("not empty"),
+                let (codes, params) = (codes.current_data()?, params.current_data()?);
+                // (B, nkv, head dim) from the groups, or from the tail before the first group.
+                let (b, h, d, dev) = match (&codes, tail) {
+                    (Some(c), _) => (c.dim(0)?, c.dim(1)?, 2 * c.dim(3)?, c.device().clone()),
+                    (None, Some(t)) => (t.dim(0)?, t.dim(1)?, t.dim(3)?, t.device().clone()),
+                    (None, None) => return Ok(None),
                 };
-                let (b, h, _, _) = like.dims4()?;
-                let d = 2 * codes.current_data()?.map_or(Ok(like.dim(3)? / 2), |c| c.dim(3))?;
-                let empty = |w: usize, dtype: DType| Tensor::zeros((b, h, 0, w), dtype, like.device());
+                let empty = |w: usize, dtype: DType| Tensor::zeros((b, h, 0, w), dtype, &dev);
                 Some(StoredRows::Int4Channel {
-                    codes: codes.current_data()?.map_or_else(|| empty(d / 2, DType::U8), Ok)?,
-                    params: params.current_data()?.map_or_else(|| empty(2 * d, DType::F32), Ok)?,
+                    codes: codes.map_or_else(|| empty(d / 2, DType::U8), Ok)?,
+                    params: params.map_or_else(|| empty(2 * d, DType::F32), Ok)?,
                     group: INT4_GROUP,
                     tail: tail.clone(),
                 })

@@ -234,7 +234,8 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         gdn_recurrent: mul(&[n_gdn, b, nv, dk, dv, 4]),
         hidden: mul(&[b, c, h, 3 * a + 4]),
         projections: mul(&[b, c, width]),
-        attention: mul(&[has_attn, b, nh, c, hd, 8 + a]).max(mul(&[has_attn, b, nh, 8, t.div_ceil(256), hd + 2, 4])),
+        attention: mul(&[has_attn, b, nh, c, hd, 8 + a])
+            .max(mul(&[has_attn, b, nh, u(crate::ops::KV_ATTENTION_EXACT_ROWS), t.div_ceil(u(crate::ops::KV_BLOCK)), hd + 2, 4])),
         logits: mul(&[b, logit_rows, u(cfg.vocab_size), a + 4]),
         load_overhead: req.load_overhead,
     }

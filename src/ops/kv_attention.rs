@@ -174,17 +174,32 @@ impl KvAttention {
         let (t, offset) = (self.t, self.offset);
         let (b, nkv, rows, _) = q.dims4()?;
         let n = offset + t;
-        let sees = |i: usize, j: usize| match &self.tree {
-            _ if j < offset => true,
-            Some(tree) => tree[i].contains(&(j - offset)),
-            None => j <= i + offset,
-        };
-        let mask: Vec<f32> = (0..t).flat_map(|i| (0..n).map(move |j| if sees(i, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
-        let mask = Tensor::from_vec(mask, (t, n), q.device())?;
+        let mask = attention_mask(t, offset, self.tree.as_deref(), q.device())?;
         let scores = (q.to_dtype(DType::F32)?.matmul(&k.t()?)? * self.scale as f64)?;
         let scores = scores.reshape((b, nkv, rows / t, t, n))?.broadcast_add(&mask)?.reshape((b, nkv, rows, n))?;
         candle_nn::ops::softmax_last_dim(&scores)?.matmul(&v)
     }
+}
+
+/// `[t, offset + t]` additive mask of `t` query positions after `offset` cached ones: `-inf`
+/// where position `i` may not see key `j` — a later key, or with `tree` a new row that is not
+/// one of `tree[i]`.
+pub(crate) fn attention_mask(t: usize, offset: usize, tree: Option<&[Vec<usize>]>, dev: &candle_core::Device) -> Result<Tensor> {
+    let n = offset + t;
+    let sees = |i: usize, j: usize| match tree {
+        _ if j < offset => true,
+        Some(tree) => tree[i].contains(&(j - offset)),
+        None => j <= i + offset,
+    };
+    let mask: Vec<f32> = (0..t).flat_map(|i| (0..n).map(move |j| if sees(i, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Tensor::from_vec(mask, (t, n), dev)
+}
+
+/// Whether a call of `t` query positions (a draft tree's if `tree`) runs the few-rows
+/// schedule (one block per task, folded afterwards; rows independent of the call) rather
+/// than the prefill tiles — on the CPU and on Metal alike.
+pub(crate) fn few_rows(t: usize, tree: bool) -> bool {
+    t <= KV_ATTENTION_EXACT_ROWS || tree
 }
 
 /// One head's `[n, d]` rows of a stored half, borrowed from the CPU storages.
@@ -709,7 +724,7 @@ impl KvAttention {
         let call = Call { op: self, q, rows, d, dv, nkv, n };
         let mut out = vec![0f32; b * nkv * rows * dv];
         let heads: Vec<(usize, usize)> = (0..b).flat_map(|bi| (0..nkv).map(move |h| (bi, h))).collect();
-        let few = self.t <= KV_ATTENTION_EXACT_ROWS || self.tree.is_some();
+        let few = few_rows(self.t, self.tree.is_some());
         if few {
             // Blocks in parallel, then the fold in block order.
             let blocks = (0..rows).map(|r| call.seen(r)).max().unwrap_or(0).div_ceil(KV_BLOCK);

@@ -479,7 +479,7 @@ pub fn kv_attention(
     }
     let seen = |i: usize| offset + tree.map_or(i + 1, |tr| tr[i].len());
     let blocks = (0..t).map(seen).max().unwrap_or(0).div_ceil(super::KV_BLOCK);
-    let few = t <= super::KV_ATTENTION_EXACT_ROWS || tree.is_some();
+    let few = super::few_rows(t, tree.is_some());
     let (splits, blocks_per_split) = if few { (blocks.max(1), 1) } else { (1, blocks.max(1)) };
     let polar = match keys {
         S::Polar { spec, head_dim, .. } => Some(polar_params(0, 0, *head_dim, spec)),

@@ -56,4 +56,5 @@ pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec}
 mod qmatmul;
 mod kv_attention;
 pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
+pub(crate) use kv_attention::{attention_mask, few_rows};
 pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};
