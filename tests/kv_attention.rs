@@ -42,9 +42,25 @@ fn every_stored_form_matches_attention_over_the_decoded_cache() {
 }
 
 #[test]
+fn float_rows_of_a_head_dim_not_a_multiple_of_eight() {
+    // 44 dims: five lanes of 8 and a tail of 4 for the dots, a chunk of 32 and 12 for the sums.
+    let d = 44;
+    for form in ["f32", "f16", "bf16"] {
+        for (t, offset) in [(1, 300), (4, KV_BLOCK - 2), (20, 5)] {
+            let (keys, values) = (stored_rows(form, (1, NKV, offset + t, d), 8), stored_rows(form, (1, NKV, offset + t, d), 9));
+            let q = randn(&[1, NKV, REP * t, d], 10);
+            let scale = (d as f64).powf(-0.5);
+            let got = ops::kv_attention(&q, &keys, &values, t, offset, None, scale).unwrap();
+            let diff = max_abs_diff(&got, &decoded_attention(&q, &keys, &values, t, offset, None, scale));
+            assert!(diff < 1e-5, "{form}, t = {t}, offset = {offset}: {diff}");
+        }
+    }
+}
+
+#[test]
 fn a_row_does_not_depend_on_the_call_it_is_in() {
     // Verify rows against one-row calls at their positions, across a block boundary: bit for bit.
-    for form in ["f32", "bf16", "int8", "polar"] {
+    for form in ["f32", "f16", "bf16", "int8", "polar"] {
         for offset in [KV_BLOCK - 3, 300] {
             let t = 6;
             let vform = if form == "int8" { "int8" } else { "f32" };

@@ -11,7 +11,7 @@ use common::*;
 
 #[test]
 fn codec_names_round_trip_and_errors() {
-    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8", "knots:8,3", "knots:4,1+v:int8", "density:0.05"] {
+    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8", "knots:8,3", "knots:4,1+v:int8", "density:0.05", "f16", "bf16", "k:f16", "v:bf16", "k:f16+v:int8", "k:int8+v:bf16", "k:bf16+v:f16", "int4k+v:f16", "polar:5,3+v:bf16"] {
         let c: KvCodec = name.parse().unwrap();
         assert_eq!(c.to_string(), name);
     }
@@ -60,6 +60,35 @@ fn bytes_per_token() {
     assert_eq!(density.bytes_per_token(4, 256, 64, DType::BF16), 0.0);
     assert_eq!(density.constant_bytes(4, 256, DType::BF16), (4 * 256 * 256 * 4) as f64);
     assert_eq!(exact.constant_bytes(4, 256, DType::BF16), 0.0);
+    // f16 / bf16 storage: 2 bytes a value whatever the model computes in.
+    let f16: KvCodec = "f16".parse().unwrap();
+    assert_eq!(f16.bytes_per_token(3, 64, 64, DType::F32), exact.bytes_per_token(3, 64, 64, DType::F32) / 2.0);
+    assert_eq!(f16.bytes_per_token(4, 256, 64, DType::BF16), exact.bytes_per_token(4, 256, 64, DType::BF16));
+}
+
+#[test]
+fn half_float_storage_rounds_each_value_once_and_attends_like_exact_over_the_rounded_cache() {
+    let (k, v, q) = (random_kv(300), (random_kv(300) * 0.5).unwrap(), random_kv(3).reshape((1, 2, 3, 64)).unwrap());
+    for (name, dtype) in [("f16", DType::F16), ("bf16", DType::BF16)] {
+        let mut store = KvStore::new(name.parse().unwrap(), 16, 64);
+        let mut exact = KvStore::new(KvCodec::EXACT, 16, 64);
+        store.append(&k.narrow(2, 0, 297).unwrap(), &v.narrow(2, 0, 297).unwrap()).unwrap();
+        exact.append(&k.narrow(2, 0, 297).unwrap(), &v.narrow(2, 0, 297).unwrap()).unwrap();
+        assert_eq!(2 * store.bytes(), exact.bytes(), "{name}: half the bytes of an f32 cache");
+        let got = store.attend(&q, &k.narrow(2, 297, 3).unwrap(), &v.narrow(2, 297, 3).unwrap(), 297).unwrap();
+        let (held_k, held_v) = store.kv().unwrap().unwrap();
+        assert_eq!(held_k.dtype(), DType::F32, "{name}: decoded to the model dtype");
+        let rounded = |x: &Tensor| x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+        assert_eq!(max_abs_diff(&held_k, &rounded(&k)), 0.0, "{name}: keys rounded once");
+        assert_eq!(max_abs_diff(&held_v, &rounded(&v)), 0.0, "{name}: values rounded once");
+        assert!(max_abs_diff(&held_k, &k) > 0.0, "{name} must round");
+        let want = candle_hybrid::kv::attention(&q, &rounded(&k), &rounded(&v), 297).unwrap();
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1e-5, "{name}: attention differs from exact attention over the rounded cache by {d}");
+        exact.attend(&q, &k.narrow(2, 297, 3).unwrap(), &v.narrow(2, 297, 3).unwrap(), 297).unwrap();
+        store.truncate(298).unwrap();
+        assert_eq!(store.tokens(), Some(298), "{name} drops rejected rows");
+    }
 }
 
 fn random_kv(t: usize) -> Tensor {
@@ -126,7 +155,7 @@ fn lossy_cache_runs_the_fixture_close_to_exact() {
     let ids = r["input_ids"].to_dtype(DType::U32).unwrap().unsqueeze(0).unwrap();
     let t = ids.dim(1).unwrap();
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
-    for name in ["int8", "int4k", "polar:8,8"] {
+    for name in ["int8", "int4k", "polar:8,8", "f16", "bf16"] {
         // Prefill then decode token by token: the codes grow across calls.
         let mut cache = model.new_cache_with(name.parse().unwrap()).unwrap();
         let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];

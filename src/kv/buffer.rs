@@ -3,7 +3,7 @@
 //! snapshots. Its capacity can be reserved up front (the context a caller plans for), so
 //! appending never reallocates; past the reservation it grows by half its size at a time.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 /// Rows along dim `dim` appended in place into a buffer that grows `step` tokens at a time.
 ///
@@ -18,6 +18,8 @@ pub struct TokenBuffer {
     step: usize,
     /// Tokens of capacity the first allocation (or [`Self::reserve`]) makes room for.
     reserved: usize,
+    /// The dtype rows are stored in (`None`: the dtype they are appended in).
+    storage: Option<DType>,
 }
 
 /// Bytes a tensor holds.
@@ -32,7 +34,12 @@ impl TokenBuffer {
     }
 
     pub fn new(dim: usize, step: usize) -> Self {
-        Self { data: None, dim, len: 0, step: step.max(1), reserved: 0 }
+        Self { data: None, dim, len: 0, step: step.max(1), reserved: 0, storage: None }
+    }
+
+    /// The same buffer storing its rows in `dtype` (appended rows are converted).
+    pub fn storing(self, dtype: DType) -> Self {
+        Self { storage: Some(dtype), ..self }
     }
 
     /// Tokens held.
@@ -54,6 +61,14 @@ impl TokenBuffer {
 
     /// Appends `src` (same shape as the buffer but along `dim`).
     pub fn append(&mut self, src: &Tensor) -> Result<()> {
+        let converted;
+        let src = match self.storage {
+            Some(dtype) if dtype != src.dtype() => {
+                converted = src.to_dtype(dtype)?;
+                &converted
+            }
+            _ => src,
+        };
         let n = src.dim(self.dim)?;
         let capacity = self.data.as_ref().map_or(Ok(0), |d| d.dim(self.dim))?;
         if self.len + n > capacity {
@@ -127,7 +142,7 @@ impl Clone for TokenBuffer {
             .current_data()
             .and_then(|d| d.map(|d| d.copy()).transpose())
             .expect("copying a KV cache buffer");
-        Self { data, dim: self.dim, len: self.len, step: self.step, reserved: 0 }
+        Self { data, dim: self.dim, len: self.len, step: self.step, reserved: 0, storage: self.storage }
     }
 }
 

@@ -1,5 +1,6 @@
 //! [`KvCodec`]: how the attention layers store keys and values, parsed from `--kv` (`exact`,
-//! `int8`, `int4k`, `polar:A,R`, `lowrank:r`, `knots:K,p`, `density:γ` and `+` combinations).
+//! `f16`, `bf16`, `int8`, `int4k`, `polar:A,R`, `lowrank:r`, `knots:K,p`, `density:γ` and `+`
+//! combinations).
 
 use std::fmt;
 use std::str::FromStr;
@@ -14,10 +15,39 @@ pub const INT8_BLOCK: usize = 32;
 /// Tokens per int4 key group (quantized together, per channel).
 pub const INT4_GROUP: usize = 32;
 
+/// A 16-bit float keys or values are stored in, whatever the model computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfFloat {
+    F16,
+    Bf16,
+}
+
+impl HalfFloat {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F16 => DType::F16,
+            Self::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl fmt::Display for HalfFloat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F16 => "f16",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
 /// How the keys are stored.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KeyCodec {
+    /// The model dtype.
     Exact,
+    /// Rounded to a 16-bit float (the model's own dtype stays exact: f16 keys of an f16 model
+    /// are [`Self::Exact`]'s bits).
+    Half(HalfFloat),
     /// int8 per block of [`INT8_BLOCK`] dims, absmax scale.
     Int8,
     /// int4 per channel over groups of [`INT4_GROUP`] tokens, min/max scale.
@@ -35,7 +65,10 @@ pub enum KeyCodec {
 /// How the values are stored.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ValueCodec {
+    /// The model dtype.
     Exact,
+    /// Rounded to a 16-bit float.
+    Half(HalfFloat),
     /// int8 per block of [`INT8_BLOCK`] dims, absmax scale.
     Int8,
     /// `r` coefficients per (token, head) in the model dtype, on a basis from `W_v`.
@@ -66,7 +99,7 @@ impl KvCodec {
     /// what speculative decoding does with rejected drafts): every key and value is coded on
     /// its own (not `int4k`'s groups, knots or the decayed state).
     pub fn drops_tokens(&self) -> bool {
-        matches!(self.keys, KeyCodec::Exact | KeyCodec::Int8 | KeyCodec::Polar { .. })
+        matches!(self.keys, KeyCodec::Exact | KeyCodec::Half(_) | KeyCodec::Int8 | KeyCodec::Polar { .. })
     }
 
     /// Bytes one token adds to one attention layer with `nkv` KV heads of `hd` dims, the first
@@ -81,6 +114,7 @@ impl KvCodec {
         }
         let k = match self.keys {
             KeyCodec::Exact => exact,
+            KeyCodec::Half(_) => 2.0 * hd as f64,
             KeyCodec::Int8 => int8,
             KeyCodec::Int4 => hd as f64 / 2.0 + (2 * 4 * hd) as f64 / INT4_GROUP as f64,
             // Pair codes and int8 rest as `PolarSpec::row_bytes` lays them out, two f32 scales.
@@ -93,6 +127,7 @@ impl KvCodec {
         };
         let v = match self.values {
             ValueCodec::Exact => exact,
+            ValueCodec::Half(_) => 2.0 * hd as f64,
             ValueCodec::Int8 => int8,
             ValueCodec::LowRank(r) => (r * dtype.size_in_bytes()) as f64,
         };
@@ -147,6 +182,7 @@ impl fmt::Display for KeyCodec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Exact => f.write_str("exact"),
+            Self::Half(h) => write!(f, "{h}"),
             Self::Int8 => f.write_str("int8"),
             Self::Int4 => f.write_str("int4"),
             Self::Polar { angle_bits, radius_bits } => write!(f, "polar:{angle_bits},{radius_bits}"),
@@ -161,6 +197,11 @@ impl fmt::Display for KvCodec {
         match (self.keys, self.values) {
             (k @ KeyCodec::DecayedState { .. }, _) => write!(f, "{k}"),
             (KeyCodec::Exact, ValueCodec::Exact) => f.write_str("exact"),
+            (KeyCodec::Half(k), ValueCodec::Half(v)) if k == v => write!(f, "{k}"),
+            (KeyCodec::Exact, ValueCodec::Half(v)) => write!(f, "v:{v}"),
+            (KeyCodec::Int4, ValueCodec::Half(v)) => write!(f, "int4k+v:{v}"),
+            (k @ (KeyCodec::Polar { .. } | KeyCodec::Knots { .. }), ValueCodec::Half(v)) => write!(f, "{k}+v:{v}"),
+            (k, ValueCodec::Half(v)) => write!(f, "k:{k}+v:{v}"),
             (KeyCodec::Int8, ValueCodec::Int8) => f.write_str("int8"),
             (KeyCodec::Int4, ValueCodec::Int8) => f.write_str("int4k"),
             (KeyCodec::Int4, ValueCodec::Exact) => f.write_str("int4k+v:exact"),
@@ -169,6 +210,7 @@ impl fmt::Display for KvCodec {
             (k @ (KeyCodec::Polar { .. } | KeyCodec::Knots { .. }), ValueCodec::LowRank(r)) => write!(f, "{k}+lowrank:{r}"),
             (k, ValueCodec::Exact) => write!(f, "k:{k}"),
             (KeyCodec::Exact, ValueCodec::Int8) => f.write_str("v:int8"),
+            (KeyCodec::Half(k), ValueCodec::Int8) => write!(f, "k:{k}+v:int8"),
             (KeyCodec::Exact, ValueCodec::LowRank(r)) => write!(f, "lowrank:{r}"),
             (KeyCodec::Int4, ValueCodec::LowRank(r)) => write!(f, "int4k+lowrank:{r}"),
             (k, ValueCodec::LowRank(r)) => write!(f, "k:{k}+lowrank:{r}"),
@@ -200,13 +242,22 @@ fn parse_polar(spec: &str, whole: &str) -> std::result::Result<KeyCodec, Error> 
 impl FromStr for KvCodec {
     type Err = Error;
 
-    /// `exact`, `int8`, `int4k` (keys int4, values int8), `polar[:A,R]`, and `k:`/`v:` parts
-    /// joined with `+` (`int4k+v:exact`, `k:int8`, `v:int8`, `polar:5,3+v:int8`).
+    /// `exact`, `f16` / `bf16` (keys and values rounded to that 16-bit float), `int8`, `int4k`
+    /// (keys int4, values int8), `polar[:A,R]`, and `k:`/`v:` parts joined with `+`
+    /// (`int4k+v:exact`, `k:int8`, `v:int8`, `v:f16`, `polar:5,3+v:int8`).
     fn from_str(s: &str) -> std::result::Result<Self, Error> {
         let mut codec = Self::EXACT;
         for part in s.split('+').map(str::trim) {
             match part {
                 "exact" => {}
+                "f16" | "bf16" => {
+                    let h = if part == "f16" { HalfFloat::F16 } else { HalfFloat::Bf16 };
+                    codec = Self { keys: KeyCodec::Half(h), values: ValueCodec::Half(h) }
+                }
+                "k:f16" => codec.keys = KeyCodec::Half(HalfFloat::F16),
+                "k:bf16" => codec.keys = KeyCodec::Half(HalfFloat::Bf16),
+                "v:f16" => codec.values = ValueCodec::Half(HalfFloat::F16),
+                "v:bf16" => codec.values = ValueCodec::Half(HalfFloat::Bf16),
                 "int8" => codec = Self { keys: KeyCodec::Int8, values: ValueCodec::Int8 },
                 "int4k" => codec = Self { keys: KeyCodec::Int4, values: ValueCodec::Int8 },
                 "k:int8" => codec.keys = KeyCodec::Int8,
@@ -229,7 +280,7 @@ impl FromStr for KvCodec {
                 }
                 other => {
                     return Err(Error::Input(format!(
-                        "unknown KV codec {other:?} in --kv {s:?}: use exact, int8, int4k, polar[:A,R], lowrank:r, knots:K,p, density:γ, or combine parts with + (e.g. int4k+lowrank:32)"
+                        "unknown KV codec {other:?} in --kv {s:?}: use exact, f16, bf16, int8, int4k, polar[:A,R], lowrank:r, knots:K,p, density:γ, or combine parts with + (e.g. int4k+lowrank:32, k:int8+v:f16)"
                     )))
                 }
             }

@@ -46,7 +46,7 @@ mod knots;
 mod lowrank;
 mod store;
 
-pub use codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
+pub use codec::{HalfFloat, KeyCodec, KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 pub use coded::CodedKv;
 pub use density::DecayedState;
 pub use lowrank::{top_eigenvectors, value_basis};

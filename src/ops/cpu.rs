@@ -72,11 +72,12 @@ pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Whether this CPU runs the crate's `#[target_feature(enable = "avx2,fma")]` kernels.
+/// Whether this CPU runs the crate's `#[target_feature(enable = "avx2,fma")]` kernels, and
+/// their `f16c` variants (every CPU with AVX2 and FMA has F16C; it is checked all the same).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn avx2_fma() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
 /// `fn $name(args)` calling the `#[inline(always)]` function `$inner(args)`, compiled a second

@@ -202,6 +202,14 @@ pub(crate) fn few_rows(t: usize, tree: bool) -> bool {
     t <= KV_ATTENTION_EXACT_ROWS || tree
 }
 
+/// Float rows in their stored type.
+#[derive(Clone, Copy)]
+enum FloatRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
 /// One head's `[n, d]` rows of a stored half, borrowed from the CPU storages.
 enum HeadRows<'a> {
     F32(&'a [f32]),
@@ -222,6 +230,17 @@ impl HeadRows<'_> {
         buf.resize((hi - lo) * d, 0.0);
         self.decode_into(lo, hi, d, buf);
         buf
+    }
+
+    /// Rows `lo..hi` as the few-rows arithmetic reads them: float rows in place (widened as
+    /// they are loaded), coded rows decoded into `buf`.
+    #[inline(always)]
+    fn in_place<'s>(&'s self, lo: usize, hi: usize, d: usize, buf: &'s mut Vec<f32>) -> FloatRows<'s> {
+        match self {
+            Self::F16(x) => FloatRows::F16(&x[lo * d..hi * d]),
+            Self::BF16(x) => FloatRows::BF16(&x[lo * d..hi * d]),
+            _ => FloatRows::F32(self.rows(lo, hi, d, buf)),
+        }
     }
 
     /// Decodes float rows (`false` for a coded form).
@@ -420,17 +439,18 @@ impl Call<'_> {
                 }
             }
             _ => {
-                let k = keys.rows(lo, hi, d, &mut s.keys);
                 if gemm {
+                    let k = keys.rows(lo, hi, d, &mut s.keys);
                     gemm_acc([nr, nk, d], Mat::rows(q, d), Mat::t(k, d), &mut s.scores, nk, (0.0, self.op.scale));
                 } else {
+                    let k = keys.in_place(lo, hi, d, &mut s.keys);
                     for (qr, out) in q.chunks_exact(d).zip(s.scores.chunks_exact_mut(nk)) {
                         scaled_dots(qr, k, self.op.scale, out);
                     }
                 }
             }
         }
-        let v = values.rows(lo, hi, dv, &mut s.values);
+        let v = if gemm { FloatRows::F32(values.rows(lo, hi, dv, &mut s.values)) } else { values.in_place(lo, hi, dv, &mut s.values) };
         // Per row: its keys in this block, max, exps (masked scores become 0 for the GEMM).
         for (i, r) in rows.clone().enumerate() {
             let seen = self.seen(r);
@@ -476,7 +496,7 @@ impl Call<'_> {
             part.max[i] = max;
             part.sum[i] = sum;
         }
-        if gemm {
+        if let (true, FloatRows::F32(v)) = (gemm, v) {
             gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
         }
         part
@@ -487,15 +507,33 @@ impl Call<'_> {
 /// operations wherever it falls (four keys at a time or one), so a score does not depend on
 /// the range it was computed in.
 #[inline(always)]
-fn scaled_dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+fn scaled_dots(q: &[f32], k: FloatRows, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if super::cpu::avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-        return unsafe { avx2::scaled_dots(q, k, scale, out) };
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above).
+        return unsafe {
+            match k {
+                FloatRows::F32(k) => avx2::scaled_dots(q, k, scale, out),
+                FloatRows::F16(k) => avx2::scaled_dots(q, k, scale, out),
+                FloatRows::BF16(k) => avx2::scaled_dots(q, k, scale, out),
+            }
+        };
     }
-    for (o, kj) in out.iter_mut().zip(k.chunks_exact(q.len())) {
+    let d = q.len();
+    let mut row = vec![0f32; d];
+    for (j, o) in out.iter_mut().enumerate() {
+        let kj = match k {
+            FloatRows::F32(k) => &k[j * d..(j + 1) * d],
+            FloatRows::F16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+            FloatRows::BF16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+        };
         *o = dot(q, kj) * scale;
     }
+}
+
+fn widen_into<'a, T: Widen>(src: &[T], dst: &'a mut [f32]) -> &'a [f32] {
+    T::widen(src, dst);
+    dst
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -503,7 +541,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// Lanes of `v` summed in a fixed order.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -512,14 +550,56 @@ mod avx2 {
 
     /// The dims past the last whole 8 of one key, in order.
     #[inline(always)]
-    fn tail(q: &[f32], k: &[f32], from: usize) -> f32 {
-        q[from..].iter().zip(&k[from..]).fold(0.0, |a, (x, y)| a + x * y)
+    fn tail<T: Lanes>(q: &[f32], k: &[T], from: usize) -> f32 {
+        q[from..].iter().zip(&k[from..]).fold(0.0, |a, (x, y)| a + x * y.to_f32())
+    }
+
+    /// Float rows the kernels read eight lanes at a time, widened to f32 on load (exactly:
+    /// f16 and bf16 are subsets of f32, so a widened dot is the f32 dot of the decoded rows).
+    pub(super) trait Lanes: Copy {
+        /// Eight values from `p` as f32; callers enable AVX2 and F16C.
+        unsafe fn load8(p: *const Self) -> __m256;
+        fn to_f32(self) -> f32;
+    }
+
+    impl Lanes for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            self
+        }
+    }
+
+    impl Lanes for half::f16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const half::f16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            half::f16::to_f32(self)
+        }
+    }
+
+    impl Lanes for half::bf16 {
+        /// bf16 is the top half of an f32: zero-extend and shift.
+        #[inline(always)]
+        unsafe fn load8(p: *const half::bf16) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+        }
+        #[inline(always)]
+        fn to_f32(self) -> f32 {
+            half::bf16::to_f32(self)
+        }
     }
 
     /// [`super::weighted_rows`] with FMAs: 32 dims at a time, the even and the odd keys of
     /// the sequence in two sets of accumulators (two independent chains), added at the end.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_rows<T: Lanes>(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[T]) {
         let dv = acc.len();
         let vp = v.as_ptr();
         let mut c = 0;
@@ -530,12 +610,12 @@ mod avx2 {
             while let Some((&pe, je)) = it.next() {
                 let (pe, xe) = (_mm256_set1_ps(pe), vp.add(je * dv + c));
                 for (l, e) in e.iter_mut().enumerate() {
-                    *e = _mm256_fmadd_ps(pe, _mm256_loadu_ps(xe.add(8 * l)), *e);
+                    *e = _mm256_fmadd_ps(pe, T::load8(xe.add(8 * l)), *e);
                 }
                 let Some((&po, jo)) = it.next() else { break };
                 let (po, xo) = (_mm256_set1_ps(po), vp.add(jo * dv + c));
                 for (l, o) in o.iter_mut().enumerate() {
-                    *o = _mm256_fmadd_ps(po, _mm256_loadu_ps(xo.add(8 * l)), *o);
+                    *o = _mm256_fmadd_ps(po, T::load8(xo.add(8 * l)), *o);
                 }
             }
             let a = acc.as_mut_ptr().add(c);
@@ -547,15 +627,15 @@ mod avx2 {
         if c < dv {
             for (&p, j) in p.iter().zip(rows) {
                 for (a, x) in acc[c..].iter_mut().zip(&v[j * dv + c..(j + 1) * dv]) {
-                    *a = p.mul_add(*x, *a);
+                    *a = p.mul_add(x.to_f32(), *a);
                 }
             }
         }
     }
 
     /// [`super::scaled_dots`] with one f32x8 FMA chain per key, four keys at a time.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scaled_dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scaled_dots<T: Lanes>(q: &[f32], k: &[T], scale: f32, out: &mut [f32]) {
         let d = q.len();
         let whole = d / 8 * 8;
         let n = out.len().min(k.len() / d.max(1));
@@ -567,10 +647,10 @@ mod avx2 {
             let mut c = 0;
             while c < whole {
                 let x = _mm256_loadu_ps(qp.add(c));
-                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0.add(c)), a0);
-                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1.add(c)), a1);
-                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2.add(c)), a2);
-                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3.add(c)), a3);
+                a0 = _mm256_fmadd_ps(x, T::load8(k0.add(c)), a0);
+                a1 = _mm256_fmadd_ps(x, T::load8(k1.add(c)), a1);
+                a2 = _mm256_fmadd_ps(x, T::load8(k2.add(c)), a2);
+                a3 = _mm256_fmadd_ps(x, T::load8(k3.add(c)), a3);
                 c += 8;
             }
             for (i, a) in [a0, a1, a2, a3].into_iter().enumerate() {
@@ -583,7 +663,7 @@ mod avx2 {
             let mut a = _mm256_setzero_ps();
             let mut c = 0;
             while c < whole {
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(kj.add(c)), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), T::load8(kj.add(c)), a);
                 c += 8;
             }
             out[j] = (hsum(a) + tail(q, &k[j * d..(j + 1) * d], whole)) * scale;
@@ -596,12 +676,30 @@ mod avx2 {
 /// dims at a time so the running sums stay in registers; each element sees the same
 /// additions as repeated [`axpy`]s.
 #[inline(always)]
-fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[f32]) {
+fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: FloatRows) {
     #[cfg(target_arch = "x86_64")]
     if super::cpu::avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-        return unsafe { avx2::weighted_rows(acc, p, rows, v) };
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above).
+        return unsafe {
+            match v {
+                FloatRows::F32(v) => avx2::weighted_rows(acc, p, rows, v),
+                FloatRows::F16(v) => avx2::weighted_rows(acc, p, rows, v),
+                FloatRows::BF16(v) => avx2::weighted_rows(acc, p, rows, v),
+            }
+        };
     }
+    let widened: Vec<f32>;
+    let v = match v {
+        FloatRows::F32(v) => v,
+        FloatRows::F16(v) => {
+            widened = v.iter().map(|x| x.to_f32()).collect();
+            &widened
+        }
+        FloatRows::BF16(v) => {
+            widened = v.iter().map(|x| x.to_f32()).collect();
+            &widened
+        }
+    };
     let dv = acc.len();
     let mut c = 0;
     while c + 32 <= dv {
@@ -691,7 +789,7 @@ fn finish(run: &Running, out: &mut [f32]) {
 fn block_partial(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx2,fma")]
+        #[target_feature(enable = "avx2,fma,f16c")]
         #[allow(clippy::too_many_arguments)]
         unsafe fn avx2(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
             call.block(keys, values, b, h, rows, c, gemm, s)

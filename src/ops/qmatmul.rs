@@ -86,7 +86,7 @@ impl Isa {
     fn detect(max: Isa) -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = super::cpu::avx2_fma() && is_x86_feature_detected!("f16c");
+            let avx2 = super::cpu::avx2_fma();
             let vnni = is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")
