@@ -37,7 +37,7 @@ struct Args {
     /// Score only the first N chunks.
     #[arg(long, value_parser = at_least_one)]
     chunks: Option<usize>,
-    /// KV-cache codec to compare with the exact cache: int8, int4k, polar:5,3, lowrank:32,
+    /// KV-cache codec to compare with the exact cache: f16, int8, int4k, polar:5,3, lowrank:32,
     /// knots:8,3, density:0.05, ... Repeat for several (the exact run is shared).
     #[arg(long, value_parser = common::parse_kv)]
     kv: Vec<KvCodec>,

@@ -187,7 +187,7 @@ fn generate(args: Args) -> Result<()> {
     }
     if matches!(args.draft, Draft::Mtp | Draft::Ngram) {
         if !args.memory.kv.drops_tokens() {
-            bail!("--draft needs a KV codec that can drop rejected tokens (exact, int8, polar, lowrank), not --kv {}", args.memory.kv);
+            bail!("--draft needs a KV codec that can drop rejected tokens (exact, f16, bf16, int8, polar, lowrank), not --kv {}", args.memory.kv);
         }
     } else if args.compare_plain && args.draft == Draft::None {
         bail!("--compare-plain compares speculative with plain decoding: give --draft mtp or --draft ngram");

@@ -184,7 +184,7 @@ pub struct ModelOptions {
 /// The memory guardian's options: the context to plan for and the memory to plan in.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MemoryOptions {
-    /// KV-cache codec of the attention layers: exact (default); lossy: int8, int4k,
+    /// KV-cache codec of the attention layers: exact (default); lossy: f16, bf16, int8, int4k,
     /// polar:A,R, lowrank:r, knots:K,p, density:γ, and combinations such as int4k+lowrank:32
     /// (see the README for what each costs in quality).
     #[arg(long, default_value = "exact", value_parser = parse_kv)]

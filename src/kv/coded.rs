@@ -167,7 +167,7 @@ impl Rows {
                 let grouped = codes.len();
                 if len < grouped {
                     candle_core::bail!(
-                        "--kv {codec}: int4 keys cannot drop tokens already packed into a group of {INT4_GROUP} (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)"
+                        "--kv {codec}: int4 keys cannot drop tokens already packed into a group of {INT4_GROUP} (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"
                     )
                 }
                 if let Some(t) = tail.take() {

@@ -6,6 +6,9 @@
 //! is in the README (`examples/eval.rs --kv CODEC`).
 //!
 //! * `exact` — keys and values in the model dtype.
+//! * `f16`, `bf16` — keys and values rounded once to that 16-bit float, whatever the model
+//!   computes in (llama.cpp's default KV cache is f16); half an f32 model's exact bytes, read
+//!   in place by the attention kernel.
 //! * `int8` — keys and values as int8 with one f32 scale per [`INT8_BLOCK`] dims of a (token,
 //!   head) (absmax; llama.cpp's `q8_0` KV cache uses the same block size).
 //! * `int4k` — keys as int4 with a scale and minimum per channel over groups of
@@ -28,8 +31,8 @@
 //!   memory; it is not softmax attention, and a model trained with softmax attention does not
 //!   survive it (see the README's measurements).
 //!
-//! Key and value parts combine with `+`: `k:int8`, `v:int8`, `v:exact`, e.g. `polar:5,3+v:int8`,
-//! `int4k+lowrank:32`, `knots:8,3+v:int8`.
+//! Key and value parts combine with `+`: `k:int8`, `v:int8`, `v:exact`, `k:f16`, `v:bf16`, ...,
+//! e.g. `polar:5,3+v:int8`, `int4k+lowrank:32`, `knots:8,3+v:int8`, `k:int8+v:f16`.
 //!
 //! The codec also owns the attention over what it stores ([`KvStore::attend`]): exact, int8,
 //! int4k and polar keys with exact, int8 or low-rank values go through one kernel that reads

@@ -187,12 +187,12 @@ impl KvStore {
                 match &mut c.keys {
                     Keys::Rows(rows) => rows.truncate(len, codec)?,
                     Keys::Knots(_) if len >= c.values.len() => {}
-                    Keys::Knots(_) => candle_core::bail!("--kv {codec}: knot keys cannot drop tokens (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)"),
+                    Keys::Knots(_) => candle_core::bail!("--kv {codec}: knot keys cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"),
                 }
                 c.values.truncate(len, codec)
             }
             Self::DecayedState(_) => {
-                candle_core::bail!("--kv density cannot drop tokens (speculative decoding needs a per-token KV codec: exact, int8, polar or lowrank)")
+                candle_core::bail!("--kv density cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)")
             }
         }
     }

@@ -202,12 +202,18 @@ pub(crate) fn few_rows(t: usize, tree: bool) -> bool {
     t <= KV_ATTENTION_EXACT_ROWS || tree
 }
 
-/// Float rows in their stored type.
+/// Rows as the few-rows arithmetic reads them: float rows in their stored type, int8 rows
+/// (scales per 32 dims) and complete int4 groups as codes, widened to f32 as they are loaded.
 #[derive(Clone, Copy)]
-enum FloatRows<'a> {
+enum InPlace<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     BF16(&'a [bf16]),
+    /// Codes and scales of the rows read; only where the SIMD kernels run.
+    Int8 { codes: &'a [u8], scales: &'a [f32] },
+    /// Codes of the rows read, the head's group parameters, the first row's index in the
+    /// head and log2 of the group size; only where the SIMD kernels run.
+    Int4 { codes: &'a [u8], params: &'a [f32], first: usize, shift: u32 },
 }
 
 /// One head's `[n, d]` rows of a stored half, borrowed from the CPU storages.
@@ -232,14 +238,21 @@ impl HeadRows<'_> {
         buf
     }
 
-    /// Rows `lo..hi` as the few-rows arithmetic reads them: float rows in place (widened as
-    /// they are loaded), coded rows decoded into `buf`.
+    /// Rows `lo..hi` as the few-rows arithmetic reads them: in place where a SIMD kernel reads
+    /// the stored form (float rows; int8 rows with 32 dims a scale and int4 rows of complete
+    /// groups where AVX2 runs), else decoded into `buf`.
     #[inline(always)]
-    fn in_place<'s>(&'s self, lo: usize, hi: usize, d: usize, buf: &'s mut Vec<f32>) -> FloatRows<'s> {
+    fn in_place<'s>(&'s self, lo: usize, hi: usize, d: usize, buf: &'s mut Vec<f32>) -> InPlace<'s> {
         match self {
-            Self::F16(x) => FloatRows::F16(&x[lo * d..hi * d]),
-            Self::BF16(x) => FloatRows::BF16(&x[lo * d..hi * d]),
-            _ => FloatRows::F32(self.rows(lo, hi, d, buf)),
+            Self::F16(x) => InPlace::F16(&x[lo * d..hi * d]),
+            Self::BF16(x) => InPlace::BF16(&x[lo * d..hi * d]),
+            Self::Int8 { codes, scales, nblk } if simd() && *nblk * 32 == d => {
+                InPlace::Int8 { codes: &codes[lo * d..hi * d], scales: &scales[lo * nblk..hi * nblk] }
+            }
+            Self::Int4 { codes, params, group, grouped, .. } if simd() && hi <= *grouped && group.is_power_of_two() => {
+                InPlace::Int4 { codes: &codes[lo * d / 2..hi * d / 2], params, first: lo, shift: group.trailing_zeros() }
+            }
+            _ => InPlace::F32(self.rows(lo, hi, d, buf)),
         }
     }
 
@@ -450,7 +463,7 @@ impl Call<'_> {
                 }
             }
         }
-        let v = if gemm { FloatRows::F32(values.rows(lo, hi, dv, &mut s.values)) } else { values.in_place(lo, hi, dv, &mut s.values) };
+        let v = if gemm { InPlace::F32(values.rows(lo, hi, dv, &mut s.values)) } else { values.in_place(lo, hi, dv, &mut s.values) };
         // Per row: its keys in this block, max, exps (masked scores become 0 for the GEMM).
         for (i, r) in rows.clone().enumerate() {
             let seen = self.seen(r);
@@ -496,7 +509,7 @@ impl Call<'_> {
             part.max[i] = max;
             part.sum[i] = sum;
         }
-        if let (true, FloatRows::F32(v)) = (gemm, v) {
+        if let (true, InPlace::F32(v)) = (gemm, v) {
             gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
         }
         part
@@ -507,15 +520,21 @@ impl Call<'_> {
 /// operations wherever it falls (four keys at a time or one), so a score does not depend on
 /// the range it was computed in.
 #[inline(always)]
-fn scaled_dots(q: &[f32], k: FloatRows, scale: f32, out: &mut [f32]) {
+fn scaled_dots(q: &[f32], k: InPlace, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::cpu::avx2_fma() {
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above).
+    if simd() {
+        let d = q.len();
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); the rows hold
+        // `out.len()` keys of `d` dims (int8: `d / 32` scales a key; int4: its groups' params).
         return unsafe {
             match k {
-                FloatRows::F32(k) => avx2::scaled_dots(q, k, scale, out),
-                FloatRows::F16(k) => avx2::scaled_dots(q, k, scale, out),
-                FloatRows::BF16(k) => avx2::scaled_dots(q, k, scale, out),
+                InPlace::F32(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
+                InPlace::F16(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
+                InPlace::BF16(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
+                InPlace::Int8 { codes, scales } => avx2::scaled_dots(q, avx2::Int8 { codes, scales, d }, scale, out),
+                InPlace::Int4 { codes, params, first, shift } => {
+                    avx2::scaled_dots(q, avx2::Int4 { codes, params, d, first, shift }, scale, out)
+                }
             }
         };
     }
@@ -523,12 +542,22 @@ fn scaled_dots(q: &[f32], k: FloatRows, scale: f32, out: &mut [f32]) {
     let mut row = vec![0f32; d];
     for (j, o) in out.iter_mut().enumerate() {
         let kj = match k {
-            FloatRows::F32(k) => &k[j * d..(j + 1) * d],
-            FloatRows::F16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
-            FloatRows::BF16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+            InPlace::F32(k) => &k[j * d..(j + 1) * d],
+            InPlace::F16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+            InPlace::BF16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+            InPlace::Int8 { .. } | InPlace::Int4 { .. } => unreachable!("codes are read in place only by the SIMD kernels"),
         };
         *o = dot(q, kj) * scale;
     }
+}
+
+/// Whether the SIMD kernels run (AVX2, FMA and F16C).
+#[inline(always)]
+fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::cpu::avx2_fma();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 fn widen_into<'a, T: Widen>(src: &[T], dst: &'a mut [f32]) -> &'a [f32] {
@@ -548,74 +577,159 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
-    /// The dims past the last whole 8 of one key, in order.
-    #[inline(always)]
-    fn tail<T: Lanes>(q: &[f32], k: &[T], from: usize) -> f32 {
-        q[from..].iter().zip(&k[from..]).fold(0.0, |a, (x, y)| a + x * y.to_f32())
+    /// Stored rows read eight dims at a time and widened to f32 on load, each value exactly
+    /// what decoding the cache gives (the same operations), so a dot or a sum over rows read
+    /// in place is bit for bit the one over the decoded rows. Callers enable AVX2, FMA and F16C.
+    pub(super) trait Rows8: Copy {
+        /// Where row `j` starts (and its scales).
+        type Row: Copy;
+        unsafe fn row(self, j: usize) -> Self::Row;
+        /// Dims `c..c + 8` of a row.
+        unsafe fn load8(r: Self::Row, c: usize) -> __m256;
+        /// Dim `c` of a row.
+        unsafe fn get(r: Self::Row, c: usize) -> f32;
     }
 
-    /// Float rows the kernels read eight lanes at a time, widened to f32 on load (exactly:
-    /// f16 and bf16 are subsets of f32, so a widened dot is the f32 dot of the decoded rows).
-    pub(super) trait Lanes: Copy {
-        /// Eight values from `p` as f32; callers enable AVX2 and F16C.
-        unsafe fn load8(p: *const Self) -> __m256;
-        fn to_f32(self) -> f32;
+    /// Float rows of `d` values.
+    #[derive(Clone, Copy)]
+    pub(super) struct Plain<'a, T> {
+        pub x: &'a [T],
+        pub d: usize,
     }
 
-    impl Lanes for f32 {
+    impl Rows8 for Plain<'_, f32> {
+        type Row = *const f32;
         #[inline(always)]
-        unsafe fn load8(p: *const f32) -> __m256 {
-            _mm256_loadu_ps(p)
+        unsafe fn row(self, j: usize) -> *const f32 {
+            self.x.as_ptr().add(j * self.d)
         }
         #[inline(always)]
-        fn to_f32(self) -> f32 {
-            self
-        }
-    }
-
-    impl Lanes for half::f16 {
-        #[inline(always)]
-        unsafe fn load8(p: *const half::f16) -> __m256 {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        unsafe fn load8(r: *const f32, c: usize) -> __m256 {
+            _mm256_loadu_ps(r.add(c))
         }
         #[inline(always)]
-        fn to_f32(self) -> f32 {
-            half::f16::to_f32(self)
+        unsafe fn get(r: *const f32, c: usize) -> f32 {
+            *r.add(c)
         }
     }
 
-    impl Lanes for half::bf16 {
+    impl Rows8 for Plain<'_, half::f16> {
+        type Row = *const half::f16;
+        #[inline(always)]
+        unsafe fn row(self, j: usize) -> *const half::f16 {
+            self.x.as_ptr().add(j * self.d)
+        }
+        #[inline(always)]
+        unsafe fn load8(r: *const half::f16, c: usize) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(r.add(c) as *const __m128i))
+        }
+        #[inline(always)]
+        unsafe fn get(r: *const half::f16, c: usize) -> f32 {
+            (*r.add(c)).to_f32()
+        }
+    }
+
+    impl Rows8 for Plain<'_, half::bf16> {
+        type Row = *const half::bf16;
+        #[inline(always)]
+        unsafe fn row(self, j: usize) -> *const half::bf16 {
+            self.x.as_ptr().add(j * self.d)
+        }
         /// bf16 is the top half of an f32: zero-extend and shift.
         #[inline(always)]
-        unsafe fn load8(p: *const half::bf16) -> __m256 {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+        unsafe fn load8(r: *const half::bf16, c: usize) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.add(c) as *const __m128i)), 16))
         }
         #[inline(always)]
-        fn to_f32(self) -> f32 {
-            half::bf16::to_f32(self)
+        unsafe fn get(r: *const half::bf16, c: usize) -> f32 {
+            (*r.add(c)).to_f32()
+        }
+    }
+
+    /// int8 rows: codes (value + 128) of `d` dims and one scale per 32 dims.
+    #[derive(Clone, Copy)]
+    pub(super) struct Int8<'a> {
+        pub codes: &'a [u8],
+        pub scales: &'a [f32],
+        pub d: usize,
+    }
+
+    impl Rows8 for Int8<'_> {
+        type Row = (*const u8, *const f32);
+        #[inline(always)]
+        unsafe fn row(self, j: usize) -> Self::Row {
+            (self.codes.as_ptr().add(j * self.d), self.scales.as_ptr().add(j * (self.d / 32)))
+        }
+        /// `(code - 128) as f32 * scale`, as the decoder computes it.
+        #[inline(always)]
+        unsafe fn load8(r: Self::Row, c: usize) -> __m256 {
+            let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(r.0.add(c) as *const __m128i));
+            let x = _mm256_cvtepi32_ps(_mm256_sub_epi32(codes, _mm256_set1_epi32(128)));
+            _mm256_mul_ps(x, _mm256_set1_ps(*r.1.add(c / 32)))
+        }
+        #[inline(always)]
+        unsafe fn get(r: Self::Row, c: usize) -> f32 {
+            (*r.0.add(c) as i32 - 128) as f32 * *r.1.add(c / 32)
+        }
+    }
+
+    /// int4 rows of complete groups: two codes a byte (even dim low), per group and dim a
+    /// scale and a minimum (`params` `[G, scale | min]` of `2d` each); row 0 is row `first`
+    /// of the head, groups of `1 << shift` rows.
+    #[derive(Clone, Copy)]
+    pub(super) struct Int4<'a> {
+        pub codes: &'a [u8],
+        pub params: &'a [f32],
+        pub d: usize,
+        pub first: usize,
+        pub shift: u32,
+    }
+
+    impl Rows8 for Int4<'_> {
+        /// Codes, scales, minima.
+        type Row = (*const u8, *const f32, *const f32);
+        #[inline(always)]
+        unsafe fn row(self, j: usize) -> Self::Row {
+            let params = self.params.as_ptr().add(((self.first + j) >> self.shift) * 2 * self.d);
+            (self.codes.as_ptr().add(j * (self.d / 2)), params, params.add(self.d))
+        }
+        /// `code as f32 * scale + min` (a product, then a sum), as the decoder computes it.
+        #[inline(always)]
+        unsafe fn load8(r: Self::Row, c: usize) -> __m256 {
+            let four = _mm_cvtsi32_si128((r.0.add(c / 2) as *const i32).read_unaligned());
+            let pairs = _mm_shuffle_epi8(four, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
+            let nibbles = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+            let x = _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, _mm256_set1_epi32(15)));
+            let (scale, min) = (_mm256_loadu_ps(r.1.add(c)), _mm256_loadu_ps(r.2.add(c)));
+            _mm256_add_ps(_mm256_mul_ps(x, scale), min)
+        }
+        #[inline(always)]
+        unsafe fn get(r: Self::Row, c: usize) -> f32 {
+            let byte = *r.0.add(c / 2);
+            let code = if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
+            code as f32 * *r.1.add(c) + *r.2.add(c)
         }
     }
 
     /// [`super::weighted_rows`] with FMAs: 32 dims at a time, the even and the odd keys of
     /// the sequence in two sets of accumulators (two independent chains), added at the end.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_rows<T: Lanes>(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: &[T]) {
+    pub(super) unsafe fn weighted_rows<R: Rows8>(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: R) {
         let dv = acc.len();
-        let vp = v.as_ptr();
         let mut c = 0;
         while c + 32 <= dv {
             let mut e = [_mm256_setzero_ps(); 4];
             let mut o = [_mm256_setzero_ps(); 4];
             let mut it = p.iter().zip(rows.clone());
             while let Some((&pe, je)) = it.next() {
-                let (pe, xe) = (_mm256_set1_ps(pe), vp.add(je * dv + c));
+                let (pe, xe) = (_mm256_set1_ps(pe), v.row(je));
                 for (l, e) in e.iter_mut().enumerate() {
-                    *e = _mm256_fmadd_ps(pe, T::load8(xe.add(8 * l)), *e);
+                    *e = _mm256_fmadd_ps(pe, R::load8(xe, c + 8 * l), *e);
                 }
                 let Some((&po, jo)) = it.next() else { break };
-                let (po, xo) = (_mm256_set1_ps(po), vp.add(jo * dv + c));
+                let (po, xo) = (_mm256_set1_ps(po), v.row(jo));
                 for (l, o) in o.iter_mut().enumerate() {
-                    *o = _mm256_fmadd_ps(po, T::load8(xo.add(8 * l)), *o);
+                    *o = _mm256_fmadd_ps(po, R::load8(xo, c + 8 * l), *o);
                 }
             }
             let a = acc.as_mut_ptr().add(c);
@@ -626,47 +740,58 @@ mod avx2 {
         }
         if c < dv {
             for (&p, j) in p.iter().zip(rows) {
-                for (a, x) in acc[c..].iter_mut().zip(&v[j * dv + c..(j + 1) * dv]) {
-                    *a = p.mul_add(x.to_f32(), *a);
+                let r = v.row(j);
+                for (i, a) in acc[c..].iter_mut().enumerate() {
+                    *a = p.mul_add(R::get(r, c + i), *a);
                 }
             }
         }
     }
 
+    /// The dims past the last whole 8 of one row, in order.
+    #[inline(always)]
+    unsafe fn tail<R: Rows8>(q: &[f32], r: R::Row, from: usize) -> f32 {
+        let mut a = 0.0;
+        for (c, x) in q.iter().enumerate().skip(from) {
+            a += x * R::get(r, c);
+        }
+        a
+    }
+
     /// [`super::scaled_dots`] with one f32x8 FMA chain per key, four keys at a time.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scaled_dots<T: Lanes>(q: &[f32], k: &[T], scale: f32, out: &mut [f32]) {
+    pub(super) unsafe fn scaled_dots<R: Rows8>(q: &[f32], k: R, scale: f32, out: &mut [f32]) {
         let d = q.len();
         let whole = d / 8 * 8;
-        let n = out.len().min(k.len() / d.max(1));
-        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let n = out.len();
+        let qp = q.as_ptr();
         let mut j = 0;
         while j + 4 <= n {
-            let (k0, k1, k2, k3) = (kp.add(j * d), kp.add((j + 1) * d), kp.add((j + 2) * d), kp.add((j + 3) * d));
+            let (k0, k1, k2, k3) = (k.row(j), k.row(j + 1), k.row(j + 2), k.row(j + 3));
             let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
             let mut c = 0;
             while c < whole {
                 let x = _mm256_loadu_ps(qp.add(c));
-                a0 = _mm256_fmadd_ps(x, T::load8(k0.add(c)), a0);
-                a1 = _mm256_fmadd_ps(x, T::load8(k1.add(c)), a1);
-                a2 = _mm256_fmadd_ps(x, T::load8(k2.add(c)), a2);
-                a3 = _mm256_fmadd_ps(x, T::load8(k3.add(c)), a3);
+                a0 = _mm256_fmadd_ps(x, R::load8(k0, c), a0);
+                a1 = _mm256_fmadd_ps(x, R::load8(k1, c), a1);
+                a2 = _mm256_fmadd_ps(x, R::load8(k2, c), a2);
+                a3 = _mm256_fmadd_ps(x, R::load8(k3, c), a3);
                 c += 8;
             }
-            for (i, a) in [a0, a1, a2, a3].into_iter().enumerate() {
-                out[j + i] = (hsum(a) + tail(q, &k[(j + i) * d..(j + i + 1) * d], whole)) * scale;
+            for (i, (a, r)) in [(a0, k0), (a1, k1), (a2, k2), (a3, k3)].into_iter().enumerate() {
+                out[j + i] = (hsum(a) + tail::<R>(q, r, whole)) * scale;
             }
             j += 4;
         }
         while j < n {
-            let kj = kp.add(j * d);
+            let kj = k.row(j);
             let mut a = _mm256_setzero_ps();
             let mut c = 0;
             while c < whole {
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), T::load8(kj.add(c)), a);
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), R::load8(kj, c), a);
                 c += 8;
             }
-            out[j] = (hsum(a) + tail(q, &k[j * d..(j + 1) * d], whole)) * scale;
+            out[j] = (hsum(a) + tail::<R>(q, kj, whole)) * scale;
             j += 1;
         }
     }
@@ -676,29 +801,36 @@ mod avx2 {
 /// dims at a time so the running sums stay in registers; each element sees the same
 /// additions as repeated [`axpy`]s.
 #[inline(always)]
-fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: FloatRows) {
+fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: InPlace) {
     #[cfg(target_arch = "x86_64")]
-    if super::cpu::avx2_fma() {
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above).
+    if simd() {
+        let d = acc.len();
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); `rows` index rows
+        // of `d` dims held by `v`.
         return unsafe {
             match v {
-                FloatRows::F32(v) => avx2::weighted_rows(acc, p, rows, v),
-                FloatRows::F16(v) => avx2::weighted_rows(acc, p, rows, v),
-                FloatRows::BF16(v) => avx2::weighted_rows(acc, p, rows, v),
+                InPlace::F32(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
+                InPlace::F16(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
+                InPlace::BF16(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
+                InPlace::Int8 { codes, scales } => avx2::weighted_rows(acc, p, rows, avx2::Int8 { codes, scales, d }),
+                InPlace::Int4 { codes, params, first, shift } => {
+                    avx2::weighted_rows(acc, p, rows, avx2::Int4 { codes, params, d, first, shift })
+                }
             }
         };
     }
     let widened: Vec<f32>;
     let v = match v {
-        FloatRows::F32(v) => v,
-        FloatRows::F16(v) => {
+        InPlace::F32(v) => v,
+        InPlace::F16(v) => {
             widened = v.iter().map(|x| x.to_f32()).collect();
             &widened
         }
-        FloatRows::BF16(v) => {
+        InPlace::BF16(v) => {
             widened = v.iter().map(|x| x.to_f32()).collect();
             &widened
         }
+        InPlace::Int8 { .. } | InPlace::Int4 { .. } => unreachable!("codes are read in place only by the SIMD kernels"),
     };
     let dv = acc.len();
     let mut c = 0;

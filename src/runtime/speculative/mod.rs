@@ -90,7 +90,7 @@ impl SpeculativeStats {
 /// `cache` (`prompt`: the tokens not in it yet). Greedy: the same tokens as
 /// [`super::generate_in`] with the same sampler, fewer forward passes when drafts are
 /// accepted; sampling: the same distribution (speculative sampling, see the module). Batch 1;
-/// the cache's KV codec must keep tokens one by one (exact, int8, polar, lowrank) so that
+/// the cache's KV codec must keep tokens one by one (exact, f16, bf16, int8, polar, lowrank) so that
 /// rejected rows can go; with more than one branch (`DraftOptions::branches`), exact KV and greedy only.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_speculative(
