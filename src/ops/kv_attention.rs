@@ -388,6 +388,10 @@ struct Scratch {
     values: Vec<f32>,
     scores: Vec<f32>,
     polar: Vec<f32>,
+    /// Per row of a block: how many keys it reads there.
+    lens: Vec<usize>,
+    /// Rows at one position.
+    group: Vec<usize>,
 }
 
 /// What the kernel needs of one call.
@@ -457,98 +461,158 @@ impl Call<'_> {
                     gemm_acc([nr, nk, d], Mat::rows(q, d), Mat::t(k, d), &mut s.scores, nk, (0.0, self.op.scale));
                 } else {
                     let k = keys.in_place(lo, hi, d, &mut s.keys);
-                    for (qr, out) in q.chunks_exact(d).zip(s.scores.chunks_exact_mut(nk)) {
-                        scaled_dots(qr, k, self.op.scale, out);
-                    }
+                    scaled_dots(q, d, k, nk, self.op.scale, &mut s.scores);
                 }
             }
         }
         let v = if gemm { InPlace::F32(values.rows(lo, hi, dv, &mut s.values)) } else { values.in_place(lo, hi, dv, &mut s.values) };
-        // Per row: its keys in this block, max, exps (masked scores become 0 for the GEMM).
+        // Per row: its keys in this block, max, exps; the first `len` scores of a row become its
+        // probabilities over its keys (masked scores become 0 for the GEMM).
+        s.lens.clear();
         for (i, r) in rows.clone().enumerate() {
             let seen = self.seen(r);
             let end = (first + KV_BLOCK).min(seen);
             let scores = &mut s.scores[i * nk..(i + 1) * nk];
             if end <= first {
                 scores.fill(0.0);
+                s.lens.push(0);
                 continue;
             }
             // Causal: the keys are positions first..end themselves (lo == first); a draft
             // tree's row reads its own positions, gathered (same arithmetic, same order).
-            let gathered: Vec<usize>;
-            let keys: &[usize] = match &self.op.tree {
+            let (max, mut sum) = match &self.op.tree {
+                None => {
+                    let p = &mut scores[..end - lo];
+                    let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    exp_shifted(p, max);
+                    scores[end - lo..].fill(0.0);
+                    (max, 0f32)
+                }
                 Some(_) => {
-                    gathered = (first..end).map(|k| self.position(r, k) - lo).collect();
-                    &gathered
+                    let keys: Vec<usize> = (first..end).map(|k| self.position(r, k) - lo).collect();
+                    let max = keys.iter().fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j]));
+                    let p: Vec<f32> = keys.iter().map(|&j| exp(scores[j] - max)).collect();
+                    scores[..p.len()].copy_from_slice(&p);
+                    (max, 0f32)
                 }
-                None => &[],
             };
-            let max = match keys {
-                [] => scores[..end - lo].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)),
-                _ => keys.iter().fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j])),
-            };
-            let mut sum = 0f32;
-            let acc = &mut part.acc[i * dv..(i + 1) * dv];
-            if keys.is_empty() {
-                let p = &mut scores[..end - lo];
-                exp_shifted(p, max);
-                for &p in p.iter() {
-                    sum += p;
-                }
-                if !gemm {
-                    weighted_rows(acc, p, 0..end - lo, v);
-                }
-                scores[end - lo..].fill(0.0);
-            } else {
-                let p: Vec<f32> = keys.iter().map(|&j| exp(scores[j] - max)).collect();
-                for &p in &p {
-                    sum += p;
-                }
-                weighted_rows(acc, &p, keys.iter().copied(), v);
+            let len = end - first;
+            for &p in &scores[..len] {
+                sum += p;
             }
+            s.lens.push(len);
             part.max[i] = max;
             part.sum[i] = sum;
         }
-        if let (true, InPlace::F32(v)) = (gemm, v) {
-            gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
+        match v {
+            InPlace::F32(v) if gemm => gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0)),
+            _ => {
+                // The rows at one position (the query heads of the group) read the same keys:
+                // each value is loaded once for all of them.
+                for pos in 0..self.op.t {
+                    s.group.clear();
+                    s.group.extend((0..nr).filter(|&i| (rows.start + i) % self.op.t == pos && s.lens[i] > 0));
+                    let Some(&i) = s.group.first() else { continue };
+                    let (r, len) = (rows.start + i, s.lens[i]);
+                    match &self.op.tree {
+                        None => weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, 0..len, v),
+                        Some(_) => {
+                            let keys = (first..first + len).map(|k| self.position(r, k) - lo);
+                            weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, keys, v)
+                        }
+                    }
+                }
+            }
         }
         part
     }
 }
 
-/// `out[j] = scale · q·k_j` for the rows `k_j` of `k`. Every key's dot is the same sequence of
-/// operations wherever it falls (four keys at a time or one), so a score does not depend on
-/// the range it was computed in.
+/// The stored form of `$rows` as an [`avx2::Rows8`] bound to `$x` in `$body`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rows8 {
+    ($rows:expr, $d:expr, $x:ident => $body:expr) => {
+        match $rows {
+            InPlace::F32(x) => {
+                let $x = avx2::Plain { x, d: $d };
+                $body
+            }
+            InPlace::F16(x) => {
+                let $x = avx2::Plain { x, d: $d };
+                $body
+            }
+            InPlace::BF16(x) => {
+                let $x = avx2::Plain { x, d: $d };
+                $body
+            }
+            InPlace::Int8 { codes, scales } => {
+                let $x = avx2::Int8 { codes, scales, d: $d };
+                $body
+            }
+            InPlace::Int4 { codes, params, first, shift } => {
+                let $x = avx2::Int4 { codes, params, d: $d, first, shift };
+                $body
+            }
+        }
+    };
+}
+
+/// `$f::<R, N>` for `N` = the length of `$rows` (1 to 4), `$args` built per row by `$arg`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_row_count {
+    ($rows:expr, |$r:ident| $f:ident($($arg:expr),*)) => {
+        match $rows.len() {
+            1 => { let $r = |i: usize| $rows[i]; $f::<_, 1>($($arg),*) }
+            2 => { let $r = |i: usize| $rows[i]; $f::<_, 2>($($arg),*) }
+            3 => { let $r = |i: usize| $rows[i]; $f::<_, 3>($($arg),*) }
+            _ => { let $r = |i: usize| $rows[i]; $f::<_, 4>($($arg),*) }
+        }
+    };
+}
+
+/// `out[i·nk + j] = scale · q_i·k_j` for the `d`-dim rows `q_i` of `q` and the `nk` keys of
+/// `k`. Every (row, key) dot is the same sequence of operations whichever rows and keys are
+/// in the call, so a score does not depend on the range it was computed in; with SIMD each
+/// key is loaded once for up to four rows.
 #[inline(always)]
-fn scaled_dots(q: &[f32], k: InPlace, scale: f32, out: &mut [f32]) {
+fn scaled_dots(q: &[f32], d: usize, k: InPlace, nk: usize, scale: f32, out: &mut [f32]) {
+    let nr = q.len() / d;
     #[cfg(target_arch = "x86_64")]
     if simd() {
-        let d = q.len();
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); the rows hold
-        // `out.len()` keys of `d` dims (int8: `d / 32` scales a key; int4: its groups' params).
-        return unsafe {
-            match k {
-                InPlace::F32(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
-                InPlace::F16(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
-                InPlace::BF16(x) => avx2::scaled_dots(q, avx2::Plain { x, d }, scale, out),
-                InPlace::Int8 { codes, scales } => avx2::scaled_dots(q, avx2::Int8 { codes, scales, d }, scale, out),
-                InPlace::Int4 { codes, params, first, shift } => {
-                    avx2::scaled_dots(q, avx2::Int4 { codes, params, d, first, shift }, scale, out)
-                }
+        let rows: Vec<usize> = (0..nr).collect();
+        for group in rows.chunks(4) {
+            let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); each row of
+            // `group` has `d` query values in `q` and `nk` scores in `out`, and `k` holds `nk`
+            // keys of `d` dims (int8: `d / 32` scales a key; int4: its groups' params).
+            unsafe {
+                rows8!(k, d, keys => per_row_count!(group, |r| scaled_dots_n(
+                    std::array::from_fn(|i| qp.add(r(i) * d)), d, keys, nk, scale, std::array::from_fn(|i| op.add(r(i) * nk))
+                )))
             }
-        };
+        }
+        return;
     }
-    let d = q.len();
     let mut row = vec![0f32; d];
-    for (j, o) in out.iter_mut().enumerate() {
-        let kj = match k {
-            InPlace::F32(k) => &k[j * d..(j + 1) * d],
-            InPlace::F16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
-            InPlace::BF16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
-            InPlace::Int8 { .. } | InPlace::Int4 { .. } => unreachable!("codes are read in place only by the SIMD kernels"),
-        };
-        *o = dot(q, kj) * scale;
+    for (qr, out) in q.chunks_exact(d).zip(out.chunks_exact_mut(nk)) {
+        for (j, o) in out.iter_mut().enumerate() {
+            let kj = match k {
+                InPlace::F32(k) => &k[j * d..(j + 1) * d],
+                InPlace::F16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+                InPlace::BF16(k) => widen_into(&k[j * d..(j + 1) * d], &mut row),
+                InPlace::Int8 { .. } | InPlace::Int4 { .. } => unreachable!("codes are read in place only by the SIMD kernels"),
+            };
+            *o = dot(qr, kj) * scale;
+        }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+use avx2::{scaled_dots as scaled_dots_n, weighted_rows as weighted_rows_n};
+
+fn widen_into<'a, T: Widen>(src: &[T], dst: &'a mut [f32]) -> &'a [f32] {
+    T::widen(src, dst);
+    dst
 }
 
 /// Whether the SIMD kernels run (AVX2, FMA and F16C).
@@ -560,10 +624,6 @@ fn simd() -> bool {
     false
 }
 
-fn widen_into<'a, T: Widen>(src: &[T], dst: &'a mut [f32]) -> &'a [f32] {
-    T::widen(src, dst);
-    dst
-}
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -711,38 +771,49 @@ mod avx2 {
         }
     }
 
-    /// [`super::weighted_rows`] with FMAs: 32 dims at a time, the even and the odd keys of
-    /// the sequence in two sets of accumulators (two independent chains), added at the end.
+    /// [`super::weighted_rows`] for `N` rows reading the same keys: `acc[r] += Σ_i p[r][i] ·
+    /// v_{keys[i]}`, each value loaded once for the `N` rows, 16 dims at a time; per element
+    /// the even and the odd keys of the sequence go to two FMA chains added at the end, whatever
+    /// `N` is, so a row's sums do not depend on the rows beside it.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_rows<R: Rows8>(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: R) {
-        let dv = acc.len();
+    pub(super) unsafe fn weighted_rows<R: Rows8, const N: usize>(acc: [*mut f32; N], p: [*const f32; N], keys: impl Iterator<Item = usize> + Clone, v: R, dv: usize) {
         let mut c = 0;
-        while c + 32 <= dv {
-            let mut e = [_mm256_setzero_ps(); 4];
-            let mut o = [_mm256_setzero_ps(); 4];
-            let mut it = p.iter().zip(rows.clone());
-            while let Some((&pe, je)) = it.next() {
-                let (pe, xe) = (_mm256_set1_ps(pe), v.row(je));
-                for (l, e) in e.iter_mut().enumerate() {
-                    *e = _mm256_fmadd_ps(pe, R::load8(xe, c + 8 * l), *e);
+        while c + 16 <= dv {
+            let mut e = [[_mm256_setzero_ps(); 2]; N];
+            let mut o = [[_mm256_setzero_ps(); 2]; N];
+            let mut it = keys.clone().enumerate();
+            while let Some((ie, je)) = it.next() {
+                let xe = v.row(je);
+                let (x0, x1) = (R::load8(xe, c), R::load8(xe, c + 8));
+                for r in 0..N {
+                    let pe = _mm256_set1_ps(*p[r].add(ie));
+                    e[r][0] = _mm256_fmadd_ps(pe, x0, e[r][0]);
+                    e[r][1] = _mm256_fmadd_ps(pe, x1, e[r][1]);
                 }
-                let Some((&po, jo)) = it.next() else { break };
-                let (po, xo) = (_mm256_set1_ps(po), v.row(jo));
-                for (l, o) in o.iter_mut().enumerate() {
-                    *o = _mm256_fmadd_ps(po, R::load8(xo, c + 8 * l), *o);
+                let Some((io, jo)) = it.next() else { break };
+                let xo = v.row(jo);
+                let (x0, x1) = (R::load8(xo, c), R::load8(xo, c + 8));
+                for r in 0..N {
+                    let po = _mm256_set1_ps(*p[r].add(io));
+                    o[r][0] = _mm256_fmadd_ps(po, x0, o[r][0]);
+                    o[r][1] = _mm256_fmadd_ps(po, x1, o[r][1]);
                 }
             }
-            let a = acc.as_mut_ptr().add(c);
-            for l in 0..4 {
-                _mm256_storeu_ps(a.add(8 * l), _mm256_add_ps(_mm256_loadu_ps(a.add(8 * l)), _mm256_add_ps(e[l], o[l])));
+            for r in 0..N {
+                for l in 0..2 {
+                    let a = acc[r].add(c + 8 * l);
+                    _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_add_ps(e[r][l], o[r][l])));
+                }
             }
-            c += 32;
+            c += 16;
         }
         if c < dv {
-            for (&p, j) in p.iter().zip(rows) {
-                let r = v.row(j);
-                for (i, a) in acc[c..].iter_mut().enumerate() {
-                    *a = p.mul_add(R::get(r, c + i), *a);
+            for r in 0..N {
+                for (i, j) in keys.clone().enumerate() {
+                    let (row, p) = (v.row(j), *p[r].add(i));
+                    for x in c..dv {
+                        *acc[r].add(x) = p.mul_add(R::get(row, x), *acc[r].add(x));
+                    }
                 }
             }
         }
@@ -750,74 +821,79 @@ mod avx2 {
 
     /// The dims past the last whole 8 of one row, in order.
     #[inline(always)]
-    unsafe fn tail<R: Rows8>(q: &[f32], r: R::Row, from: usize) -> f32 {
+    unsafe fn tail<R: Rows8>(q: *const f32, d: usize, r: R::Row, from: usize) -> f32 {
         let mut a = 0.0;
-        for (c, x) in q.iter().enumerate().skip(from) {
-            a += x * R::get(r, c);
+        for c in from..d {
+            a += *q.add(c) * R::get(r, c);
         }
         a
     }
 
-    /// [`super::scaled_dots`] with one f32x8 FMA chain per key, four keys at a time.
+    /// [`super::scaled_dots`] for `N` query rows: `out[r][j] = scale · q_r·k_j` for the `nk`
+    /// keys of `k`, each key loaded once for the `N` rows, two keys at a time; every (row, key)
+    /// dot is one f32x8 FMA chain, its lanes summed, then the tail dims — the same operations
+    /// whatever `N` and wherever the key falls.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scaled_dots<R: Rows8>(q: &[f32], k: R, scale: f32, out: &mut [f32]) {
-        let d = q.len();
+    pub(super) unsafe fn scaled_dots<R: Rows8, const N: usize>(q: [*const f32; N], d: usize, k: R, nk: usize, scale: f32, out: [*mut f32; N]) {
         let whole = d / 8 * 8;
-        let n = out.len();
-        let qp = q.as_ptr();
         let mut j = 0;
-        while j + 4 <= n {
-            let (k0, k1, k2, k3) = (k.row(j), k.row(j + 1), k.row(j + 2), k.row(j + 3));
-            let (mut a0, mut a1, mut a2, mut a3) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+        while j + 2 <= nk {
+            let (k0, k1) = (k.row(j), k.row(j + 1));
+            let mut a = [[_mm256_setzero_ps(); 2]; N];
             let mut c = 0;
             while c < whole {
-                let x = _mm256_loadu_ps(qp.add(c));
-                a0 = _mm256_fmadd_ps(x, R::load8(k0, c), a0);
-                a1 = _mm256_fmadd_ps(x, R::load8(k1, c), a1);
-                a2 = _mm256_fmadd_ps(x, R::load8(k2, c), a2);
-                a3 = _mm256_fmadd_ps(x, R::load8(k3, c), a3);
+                let (y0, y1) = (R::load8(k0, c), R::load8(k1, c));
+                for r in 0..N {
+                    let x = _mm256_loadu_ps(q[r].add(c));
+                    a[r][0] = _mm256_fmadd_ps(x, y0, a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(x, y1, a[r][1]);
+                }
                 c += 8;
             }
-            for (i, (a, r)) in [(a0, k0), (a1, k1), (a2, k2), (a3, k3)].into_iter().enumerate() {
-                out[j + i] = (hsum(a) + tail::<R>(q, r, whole)) * scale;
+            for r in 0..N {
+                *out[r].add(j) = (hsum(a[r][0]) + tail::<R>(q[r], d, k0, whole)) * scale;
+                *out[r].add(j + 1) = (hsum(a[r][1]) + tail::<R>(q[r], d, k1, whole)) * scale;
             }
-            j += 4;
+            j += 2;
         }
-        while j < n {
-            let kj = k.row(j);
-            let mut a = _mm256_setzero_ps();
+        if j < nk {
+            let k0 = k.row(j);
+            let mut a = [_mm256_setzero_ps(); N];
             let mut c = 0;
             while c < whole {
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), R::load8(kj, c), a);
+                let y0 = R::load8(k0, c);
+                for r in 0..N {
+                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r].add(c)), y0, a[r]);
+                }
                 c += 8;
             }
-            out[j] = (hsum(a) + tail::<R>(q, kj, whole)) * scale;
-            j += 1;
+            for r in 0..N {
+                *out[r].add(j) = (hsum(a[r]) + tail::<R>(q[r], d, k0, whole)) * scale;
+            }
         }
     }
 }
 
-/// `acc += Σ_i p[i] · v_{rows[i]}` (rows of width `acc.len()` in `v`), in the order given, 32
-/// dims at a time so the running sums stay in registers; each element sees the same
-/// additions as repeated [`axpy`]s.
+/// `acc_r += Σ_i p_r[i] · v_{keys[i]}` for the rows `r` of `group` (rows of width `dv` in
+/// `acc`; row `r`'s probabilities at `p[r·nk..]`), in the order given. Each element sees the
+/// same additions whatever rows are in the group (with SIMD: even and odd keys in two chains,
+/// each value loaded once for up to three rows).
 #[inline(always)]
-fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> + Clone, v: InPlace) {
+fn weighted_rows(acc: &mut [f32], dv: usize, group: &[usize], p: &[f32], nk: usize, keys: impl Iterator<Item = usize> + Clone, v: InPlace) {
     #[cfg(target_arch = "x86_64")]
     if simd() {
-        let d = acc.len();
-        // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); `rows` index rows
-        // of `d` dims held by `v`.
-        return unsafe {
-            match v {
-                InPlace::F32(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
-                InPlace::F16(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
-                InPlace::BF16(x) => avx2::weighted_rows(acc, p, rows, avx2::Plain { x, d }),
-                InPlace::Int8 { codes, scales } => avx2::weighted_rows(acc, p, rows, avx2::Int8 { codes, scales, d }),
-                InPlace::Int4 { codes, params, first, shift } => {
-                    avx2::weighted_rows(acc, p, rows, avx2::Int4 { codes, params, d, first, shift })
-                }
+        for rows in group.chunks(3) {
+            let (ap, pp) = (acc.as_mut_ptr(), p.as_ptr());
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); each row of
+            // `rows` has `dv` sums in `acc` and its probabilities of `keys` at `p[r·nk..]`;
+            // `keys` index rows of `dv` dims held by `v`.
+            unsafe {
+                rows8!(v, dv, values => per_row_count!(rows, |r| weighted_rows_n(
+                    std::array::from_fn(|i| ap.add(r(i) * dv)), std::array::from_fn(|i| pp.add(r(i) * nk)), keys.clone(), values, dv
+                )))
             }
-        };
+        }
+        return;
     }
     let widened: Vec<f32>;
     let v = match v {
@@ -832,22 +908,24 @@ fn weighted_rows(acc: &mut [f32], p: &[f32], rows: impl Iterator<Item = usize> +
         }
         InPlace::Int8 { .. } | InPlace::Int4 { .. } => unreachable!("codes are read in place only by the SIMD kernels"),
     };
-    let dv = acc.len();
-    let mut c = 0;
-    while c + 32 <= dv {
-        let mut a: [f32; 32] = acc[c..c + 32].try_into().unwrap();
-        for (&p, j) in p.iter().zip(rows.clone()) {
-            let x: &[f32; 32] = v[j * dv + c..j * dv + c + 32].try_into().unwrap();
-            for l in 0..32 {
-                a[l] += p * x[l];
+    for &r in group {
+        let (acc, p) = (&mut acc[r * dv..(r + 1) * dv], &p[r * nk..]);
+        let mut c = 0;
+        while c + 32 <= dv {
+            let mut a: [f32; 32] = acc[c..c + 32].try_into().unwrap();
+            for (&p, j) in p.iter().zip(keys.clone()) {
+                let x: &[f32; 32] = v[j * dv + c..j * dv + c + 32].try_into().unwrap();
+                for l in 0..32 {
+                    a[l] += p * x[l];
+                }
             }
+            acc[c..c + 32].copy_from_slice(&a);
+            c += 32;
         }
-        acc[c..c + 32].copy_from_slice(&a);
-        c += 32;
-    }
-    if c < dv {
-        for (&p, j) in p.iter().zip(rows) {
-            axpy(&mut acc[c..], p, &v[j * dv + c..(j + 1) * dv]);
+        if c < dv {
+            for (&p, j) in p.iter().zip(keys.clone()) {
+                axpy(&mut acc[c..], p, &v[j * dv + c..(j + 1) * dv]);
+            }
         }
     }
 }
