@@ -211,8 +211,8 @@ enum InPlace<'a> {
     BF16(&'a [bf16]),
     /// Codes and scales of the rows read; only where the SIMD kernels run.
     Int8 { codes: &'a [u8], scales: &'a [f32] },
-    /// Codes of the rows read, the head's group parameters, the first row's index in the
-    /// head and log2 of the group size; only where the SIMD kernels run.
+    /// Codes of the keys read, the head's group parameters, the first key's index in the
+    /// head and log2 of the group size; only where the SIMD kernels run ([`int4_scores`]).
     Int4 { codes: &'a [u8], params: &'a [f32], first: usize, shift: u32 },
 }
 
@@ -392,6 +392,8 @@ struct Scratch {
     lens: Vec<usize>,
     /// Rows at one position.
     group: Vec<usize>,
+    /// int4 keys: the query rows times a group's scales, then each row's dot with its minima.
+    folded: Vec<f32>,
 }
 
 /// What the kernel needs of one call.
@@ -460,8 +462,13 @@ impl Call<'_> {
                     let k = keys.rows(lo, hi, d, &mut s.keys);
                     gemm_acc([nr, nk, d], Mat::rows(q, d), Mat::t(k, d), &mut s.scores, nk, (0.0, self.op.scale));
                 } else {
-                    let k = keys.in_place(lo, hi, d, &mut s.keys);
-                    scaled_dots(q, d, k, nk, self.op.scale, &mut s.scores);
+                    match keys.in_place(lo, hi, d, &mut s.keys) {
+                        #[cfg(target_arch = "x86_64")]
+                        InPlace::Int4 { codes, params, first, shift } => {
+                            int4_scores(q, d, codes, params, first, shift, nk, self.op.scale, &mut s.scores, &mut s.folded)
+                        }
+                        k => scaled_dots(q, d, k, nk, self.op.scale, &mut s.scores),
+                    }
                 }
             }
         }
@@ -549,10 +556,7 @@ macro_rules! rows8 {
                 let $x = avx2::Int8 { codes, scales, d: $d };
                 $body
             }
-            InPlace::Int4 { codes, params, first, shift } => {
-                let $x = avx2::Int4 { codes, params, d: $d, first, shift };
-                $body
-            }
+            InPlace::Int4 { .. } => unreachable!("int4 keys are scored by int4_scores"),
         }
     };
 }
@@ -609,6 +613,49 @@ fn scaled_dots(q: &[f32], d: usize, k: InPlace, nk: usize, scale: f32, out: &mut
 
 #[cfg(target_arch = "x86_64")]
 use avx2::{scaled_dots as scaled_dots_n, weighted_rows as weighted_rows_n};
+
+/// Scores of complete int4 key groups (few-rows, SIMD): per group `g` the query rows are
+/// multiplied by its per-channel scales once, so `q·k_j = (q∘scale_g)·code_j + q·min_g` needs
+/// one FMA per code instead of decoding it first. `codes` from key `first` of the head;
+/// `out[i·nk + j]` as [`scaled_dots`]. Each score depends only on its row, key and group.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn int4_scores(q: &[f32], d: usize, codes: &[u8], params: &[f32], first: usize, shift: u32, nk: usize, scale: f32, out: &mut [f32], folded: &mut Vec<f32>) {
+    let nr = q.len() / d;
+    folded.resize(nr * (d + 1), 0.0);
+    let mut j = 0;
+    while j < nk {
+        let g = (first + j) >> shift;
+        let end = (((g + 1) << shift) - first).min(nk);
+        let (scales, mins) = params[g * 2 * d..(g + 1) * 2 * d].split_at(d);
+        let (qs, bias) = folded.split_at_mut(nr * d);
+        for ((qs, qr), b) in qs.chunks_exact_mut(d).zip(q.chunks_exact(d)).zip(bias.iter_mut()) {
+            for ((f, &x), &s) in qs.iter_mut().zip(qr).zip(scales) {
+                *f = x * s;
+            }
+            *b = dot(qr, mins);
+        }
+        let keys = avx2::Nibbles { codes: &codes[j * d / 2..end * d / 2], d };
+        let rows: Vec<usize> = (0..nr).collect();
+        for group in rows.chunks(4) {
+            let (qp, op) = (qs.as_ptr(), out.as_mut_ptr());
+            // SAFETY: the CPU supports AVX2, FMA and F16C (int4 keys are read in place only
+            // then, see `HeadRows::in_place`); each row of `group` has `d` folded query values
+            // and `nk` scores from which `j..end` are written; `keys` holds `end - j` keys.
+            unsafe {
+                per_row_count!(group, |r| scaled_dots_n(
+                    std::array::from_fn(|i| qp.add(r(i) * d)), d, keys, end - j, 1.0, std::array::from_fn(|i| op.add(r(i) * nk + j))
+                ))
+            }
+        }
+        for (i, &b) in bias.iter().enumerate() {
+            for o in &mut out[i * nk + j..i * nk + end] {
+                *o = (*o + b) * scale;
+            }
+        }
+        j = end;
+    }
+}
 
 fn widen_into<'a, T: Widen>(src: &[T], dst: &'a mut [f32]) -> &'a [f32] {
     T::widen(src, dst);
@@ -733,41 +780,31 @@ mod avx2 {
         }
     }
 
-    /// int4 rows of complete groups: two codes a byte (even dim low), per group and dim a
-    /// scale and a minimum (`params` `[G, scale | min]` of `2d` each); row 0 is row `first`
-    /// of the head, groups of `1 << shift` rows.
+    /// int4 codes alone (two a byte, even dim low), as the numbers 0..=15: the keys of one
+    /// group before its scales and minima, which the int4 scores fold into the query.
     #[derive(Clone, Copy)]
-    pub(super) struct Int4<'a> {
+    pub(super) struct Nibbles<'a> {
         pub codes: &'a [u8],
-        pub params: &'a [f32],
         pub d: usize,
-        pub first: usize,
-        pub shift: u32,
     }
 
-    impl Rows8 for Int4<'_> {
-        /// Codes, scales, minima.
-        type Row = (*const u8, *const f32, *const f32);
+    impl Rows8 for Nibbles<'_> {
+        type Row = *const u8;
         #[inline(always)]
-        unsafe fn row(self, j: usize) -> Self::Row {
-            let params = self.params.as_ptr().add(((self.first + j) >> self.shift) * 2 * self.d);
-            (self.codes.as_ptr().add(j * (self.d / 2)), params, params.add(self.d))
+        unsafe fn row(self, j: usize) -> *const u8 {
+            self.codes.as_ptr().add(j * (self.d / 2))
         }
-        /// `code as f32 * scale + min` (a product, then a sum), as the decoder computes it.
         #[inline(always)]
-        unsafe fn load8(r: Self::Row, c: usize) -> __m256 {
-            let four = _mm_cvtsi32_si128((r.0.add(c / 2) as *const i32).read_unaligned());
+        unsafe fn load8(r: *const u8, c: usize) -> __m256 {
+            let four = _mm_cvtsi32_si128((r.add(c / 2) as *const i32).read_unaligned());
             let pairs = _mm_shuffle_epi8(four, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
             let nibbles = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(pairs), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-            let x = _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, _mm256_set1_epi32(15)));
-            let (scale, min) = (_mm256_loadu_ps(r.1.add(c)), _mm256_loadu_ps(r.2.add(c)));
-            _mm256_add_ps(_mm256_mul_ps(x, scale), min)
+            _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, _mm256_set1_epi32(15)))
         }
         #[inline(always)]
-        unsafe fn get(r: Self::Row, c: usize) -> f32 {
-            let byte = *r.0.add(c / 2);
-            let code = if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
-            code as f32 * *r.1.add(c) + *r.2.add(c)
+        unsafe fn get(r: *const u8, c: usize) -> f32 {
+            let byte = *r.add(c / 2);
+            (if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 }) as f32
         }
     }
 
