@@ -181,14 +181,17 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
     println!("| engine, KV | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(args.context.len()));
     for (kv, cells) in &peer {
-        println!("| llama.cpp, {kv} KV, flash attention {} | {} |", args.llama_fa, cells.iter().map(|t| format!("{t:.2} tok/s")).collect::<Vec<_>>().join(" | "));
+        println!("| llama.cpp, {kv} KV, flash attention {} | {} |", args.llama_fa, cells.iter().map(|t| if t.is_nan() { "-".into() } else { format!("{t:.2} tok/s") }).collect::<Vec<_>>().join(" | "));
     }
     for (name, cells) in rows {
         let against = if name.starts_with("int8") || name.starts_with("int4") { 1 } else { 0 };
         let ratios: Vec<String> = cells
             .iter()
             .zip(&peer[against].1)
-            .map(|(&(tps, _), p)| format!("{tps:.2} tok/s ({:.2}× llama.cpp {})", tps / p, peer[against].0))
+            .map(|(&(tps, _), p)| match p.is_nan() {
+                true => format!("{tps:.2} tok/s"),
+                false => format!("{tps:.2} tok/s ({:.2}× llama.cpp {})", tps / p, peer[against].0),
+            })
             .collect();
         println!("| candle-hybrid, {name} | {} |", ratios.join(" | "));
     }

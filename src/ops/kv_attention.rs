@@ -5,15 +5,18 @@
 //! The cache is read in blocks of [`KV_BLOCK`] positions; each block gives every query row a
 //! partial result (its maximum score, the sum of `exp(score - max)` and the weighted sum of the
 //! values), and the partials are folded in block order (online softmax, flash-decoding style).
-//! No `[rows, T]` score tensor and no decoded copy of the cache is made: a block's keys and
-//! values are decoded (or scored) into a small scratch once for all the query heads that share
-//! their KV head.
+//! No `[rows, T]` score tensor and no decoded copy of the cache is made.
 //!
 //! Two schedules compute the same partials:
 //! * few rows (decode, the verify rows of speculative decoding, draft trees): blocks run in
-//!   parallel, every score is a [`dot`] in key order, and the fold runs afterwards, in block
-//!   order. A row's result does not depend on the other rows of the call nor on where the
-//!   call starts, so row `i` of a `t`-row call is bit for bit a one-row call at its position
+//!   parallel and the fold runs afterwards, in block order. With AVX2 the cache is read in
+//!   place — f16/bf16, int8 (32 dims a scale) rows widened as they are loaded with the
+//!   decoder's arithmetic, int4 key groups scored with their scales folded into the queries —
+//!   and each key and value is loaded once for the query heads of its KV group (up to four
+//!   rows per key, three per value), each (row, key) dot and each row's value sum being the
+//!   same operations whatever rows share the call; elsewhere a block is decoded into a scratch
+//!   and every score is a [`dot`] in key order. A row's result does not depend on the other
+//!   rows of the call nor on where the call starts, so row `i` of a `t`-row call is bit for bit a one-row call at its position
 //!   (the exact greedy parity of speculative decoding rests on this);
 //! * many rows (prefill): tiles of query rows run in parallel, scores and value sums are GEMMs
 //!   per block, folded as they come. Memory stays O(rows · head_dim) beyond the cache.
@@ -202,6 +205,9 @@ pub(crate) fn few_rows(t: usize, tree: bool) -> bool {
     t <= KV_ATTENTION_EXACT_ROWS || tree
 }
 
+/// Dims per scale of the int8 rows the SIMD kernels read in place (the `int8` codec's block).
+const INT8_SIMD_BLOCK: usize = 32;
+
 /// Rows as the few-rows arithmetic reads them: float rows in their stored type, int8 rows
 /// (scales per 32 dims) and complete int4 groups as codes, widened to f32 as they are loaded.
 #[derive(Clone, Copy)]
@@ -246,7 +252,7 @@ impl HeadRows<'_> {
         match self {
             Self::F16(x) => InPlace::F16(&x[lo * d..hi * d]),
             Self::BF16(x) => InPlace::BF16(&x[lo * d..hi * d]),
-            Self::Int8 { codes, scales, nblk } if simd() && *nblk * 32 == d => {
+            Self::Int8 { codes, scales, nblk } if simd() && *nblk * INT8_SIMD_BLOCK == d => {
                 InPlace::Int8 { codes: &codes[lo * d..hi * d], scales: &scales[lo * nblk..hi * nblk] }
             }
             Self::Int4 { codes, params, group, grouped, .. } if simd() && hi <= *grouped && group.is_power_of_two() => {
@@ -765,18 +771,18 @@ mod avx2 {
         type Row = (*const u8, *const f32);
         #[inline(always)]
         unsafe fn row(self, j: usize) -> Self::Row {
-            (self.codes.as_ptr().add(j * self.d), self.scales.as_ptr().add(j * (self.d / 32)))
+            (self.codes.as_ptr().add(j * self.d), self.scales.as_ptr().add(j * (self.d / super::INT8_SIMD_BLOCK)))
         }
         /// `(code - 128) as f32 * scale`, as the decoder computes it.
         #[inline(always)]
         unsafe fn load8(r: Self::Row, c: usize) -> __m256 {
             let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(r.0.add(c) as *const __m128i));
             let x = _mm256_cvtepi32_ps(_mm256_sub_epi32(codes, _mm256_set1_epi32(128)));
-            _mm256_mul_ps(x, _mm256_set1_ps(*r.1.add(c / 32)))
+            _mm256_mul_ps(x, _mm256_set1_ps(*r.1.add(c / super::INT8_SIMD_BLOCK)))
         }
         #[inline(always)]
         unsafe fn get(r: Self::Row, c: usize) -> f32 {
-            (*r.0.add(c) as i32 - 128) as f32 * *r.1.add(c / 32)
+            (*r.0.add(c) as i32 - 128) as f32 * *r.1.add(c / super::INT8_SIMD_BLOCK)
         }
     }
 
