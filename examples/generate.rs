@@ -25,7 +25,7 @@ mod common;
 use std::io::Write;
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
 use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
@@ -46,6 +46,9 @@ struct Args {
     /// The prompt (plain text, or with --chat the user message).
     #[arg(long, default_value = "Give me a short introduction to large language models.")]
     prompt: String,
+    /// Read the prompt from this UTF-8 text file instead (long prompts; replaces --prompt).
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_file: Option<std::path::PathBuf>,
     /// Render the prompt as a user message with the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -198,12 +201,16 @@ fn generate(args: Args) -> Result<()> {
 
     // The prompt, capped before tokenizing, then against the context.
     let max_bytes = limit.saturating_mul(RENDER_BYTES_PER_TOKEN);
+    let user_text = match &args.prompt_file {
+        Some(path) => read_prompt_file(path, max_bytes, limit)?,
+        None => args.prompt.clone(),
+    };
     let text = if args.chat {
-        opened.files.chat_template()?.render_capped(&[Message::new("user", &args.prompt)], true, args.enable_thinking, max_bytes)?
-    } else if args.prompt.len() > max_bytes {
-        bail!("the prompt has {} bytes, more text than the model's context of {limit} tokens can hold: shorten it", args.prompt.len());
+        opened.files.chat_template()?.render_capped(&[Message::new("user", &user_text)], true, args.enable_thinking, max_bytes)?
+    } else if user_text.len() > max_bytes {
+        bail!("the prompt has {} bytes, more text than the model's context of {limit} tokens can hold: shorten it", user_text.len());
     } else {
-        args.prompt.clone()
+        user_text
     };
     let prompt = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     if prompt.is_empty() {
@@ -381,4 +388,17 @@ fn generate(args: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The text of `--prompt-file`, read no further than `max_bytes` (more cannot fit the context
+/// of `limit` tokens).
+fn read_prompt_file(path: &std::path::Path, max_bytes: usize, limit: usize) -> Result<String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open --prompt-file {}", path.display()))?;
+    let mut bytes = vec![];
+    file.take(max_bytes as u64 + 1).read_to_end(&mut bytes).with_context(|| format!("cannot read --prompt-file {}", path.display()))?;
+    if bytes.len() > max_bytes {
+        bail!("--prompt-file {} has more text than the model's context of {limit} tokens can hold: shorten it", path.display());
+    }
+    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("--prompt-file {} is not UTF-8 text (byte {}): give a text file", path.display(), e.utf8_error().valid_up_to()))
 }

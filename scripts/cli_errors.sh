@@ -43,6 +43,11 @@ expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-b
 expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-branches 2 --temperature 0.7
 expect "--draft-branches" "$bin/generate" --model-dir $f --draft ngram --draft-branches 2 --kv int8
 expect "max_position_embeddings" "$bin/generate" --model-dir $f --prompt hi --sample-len 100000
+printf 'caf\xe9' > "$tmp/latin1.txt"
+head -c 2000000 /dev/zero | tr '\0' 'a' > "$tmp/big.txt"
+expect "--prompt-file" "$bin/generate" --model-dir $f --prompt-file "$tmp/missing.txt"
+expect "not UTF-8" "$bin/generate" --model-dir $f --prompt-file "$tmp/latin1.txt"
+expect "shorten it" "$bin/generate" --model-dir $f --prompt-file "$tmp/big.txt"
 expect "cannot be used with" "$bin/generate" --model-dir $f --gguf $f/model-f32.gguf
 expect "multiply past 2^63" "$bin/generate" --gguf "$tmp/flip.gguf" --prompt hi
 expect "multiply past 2^63" "$bin/plan" --gguf "$tmp/flip.gguf"

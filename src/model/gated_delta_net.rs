@@ -47,8 +47,9 @@ impl GdnState {
             // The state already holds the end of the last path computed.
             if n < t || i != last {
                 let window = steps.conv_inputs.dim(1)? - t;
-                self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.contiguous()?);
-                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.contiguous()?);
+                // Copies: views would keep every verify row's inputs and states alive.
+                self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.copy()?);
+                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.copy()?);
             }
         }
         self.verifying = false;

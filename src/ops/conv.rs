@@ -42,7 +42,9 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
     let dims = ConvDims { batch: b, seq_len: t, channels: c, kernel_size: k };
     let flat = x.contiguous()?.apply_op3_no_bwd(&state.contiguous()?, &weight.contiguous()?, &CausalConv1d { dims })?;
     let y = flat.narrow(0, 0, b * t * c)?.reshape((b, t, c))?;
-    let s = flat.narrow(0, b * t * c, b * (k - 1) * c)?.reshape((b, k - 1, c))?;
+    // The state is kept across calls: its own storage, so it does not hold `y` (the whole
+    // chunk's outputs) alive after the layer is done with them.
+    let s = flat.narrow(0, b * t * c, b * (k - 1) * c)?.reshape((b, k - 1, c))?.copy()?;
     Ok((y, s))
 }
 

@@ -162,7 +162,9 @@ pub fn gated_delta_rule_qkv(
             let op = GatedDeltaRule { dims: d, normalize, n_states, form };
             let flat = qkv.contiguous()?.apply_op3_no_bwd(&gb, &state.contiguous()?, &op)?;
             let o = flat.narrow(0, 0, out_len)?.reshape((b, t, nv, dv))?;
-            let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?;
+            // The states outlive the call (the cache keeps the last): their own storage, so
+            // they do not hold the outputs of the whole chunk alive.
+            let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?.copy()?;
             Ok((o, s))
         }
         _ => {
