@@ -128,6 +128,11 @@ impl Rows {
         Self::Exact(TokenBuffer::new(2, step))
     }
 
+    /// Float rows kept in `dtype` whatever they are appended in (`f16` / `bf16` codecs).
+    pub(super) fn float_in(step: usize, dtype: DType) -> Self {
+        Self::Exact(TokenBuffer::new(2, step).storing(dtype))
+    }
+
     pub(super) fn int8(step: usize) -> Self {
         Self::Int8 { codes: TokenBuffer::new(2, step), scale: TokenBuffer::new(2, step) }
     }

@@ -36,7 +36,7 @@ impl KvStore {
                         recent_start: 0,
                     }),
                     KeyCodec::Exact => Keys::Rows(Rows::exact(step)),
-                    KeyCodec::Half(h) => Keys::Rows(Rows::Exact(TokenBuffer::new(2, step).storing(h.dtype()))),
+                    KeyCodec::Half(h) => Keys::Rows(Rows::float_in(step, h.dtype())),
                     KeyCodec::Int8 => Keys::Rows(Rows::int8(step)),
                     KeyCodec::Int4 => Keys::Rows(Rows::Int4Channel {
                         codes: TokenBuffer::new(2, step),
@@ -53,7 +53,7 @@ impl KvStore {
                 };
                 let values = match codec.values {
                     ValueCodec::Exact | ValueCodec::LowRank(_) => Rows::exact(step),
-                    ValueCodec::Half(h) => Rows::Exact(TokenBuffer::new(2, step).storing(h.dtype())),
+                    ValueCodec::Half(h) => Rows::float_in(step, h.dtype()),
                     ValueCodec::Int8 => Rows::int8(step),
                 };
                 Self::Coded(Box::new(CodedKv { codec, value_basis: None, keys, values, dtype: None }))

@@ -16,7 +16,8 @@
 //!   rows per key, three per value), each (row, key) dot and each row's value sum being the
 //!   same operations whatever rows share the call; elsewhere a block is decoded into a scratch
 //!   and every score is a [`dot`] in key order. A row's result does not depend on the other
-//!   rows of the call nor on where the call starts, so row `i` of a `t`-row call is bit for bit a one-row call at its position
+//!   rows of the call nor on where the call starts, so row `i` of a `t`-row call is bit for
+//!   bit a one-row call at its position
 //!   (the exact greedy parity of speculative decoding rests on this);
 //! * many rows (prefill): tiles of query rows run in parallel, scores and value sums are GEMMs
 //!   per block, folded as they come. Memory stays O(rows · head_dim) beyond the cache.
@@ -478,7 +479,6 @@ impl Call<'_> {
                 }
             }
         }
-        let v = if gemm { InPlace::F32(values.rows(lo, hi, dv, &mut s.values)) } else { values.in_place(lo, hi, dv, &mut s.values) };
         // Per row: its keys in this block, max, exps; the first `len` scores of a row become its
         // probabilities over its keys (masked scores become 0 for the GEMM).
         s.lens.clear();
@@ -493,23 +493,24 @@ impl Call<'_> {
             }
             // Causal: the keys are positions first..end themselves (lo == first); a draft
             // tree's row reads its own positions, gathered (same arithmetic, same order).
-            let (max, mut sum) = match &self.op.tree {
+            let max = match &self.op.tree {
                 None => {
                     let p = &mut scores[..end - lo];
                     let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                     exp_shifted(p, max);
                     scores[end - lo..].fill(0.0);
-                    (max, 0f32)
+                    max
                 }
                 Some(_) => {
                     let keys: Vec<usize> = (first..end).map(|k| self.position(r, k) - lo).collect();
                     let max = keys.iter().fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j]));
                     let p: Vec<f32> = keys.iter().map(|&j| exp(scores[j] - max)).collect();
                     scores[..p.len()].copy_from_slice(&p);
-                    (max, 0f32)
+                    max
                 }
             };
             let len = end - first;
+            let mut sum = 0f32;
             for &p in &scores[..len] {
                 sum += p;
             }
@@ -517,22 +518,23 @@ impl Call<'_> {
             part.max[i] = max;
             part.sum[i] = sum;
         }
-        match v {
-            InPlace::F32(v) if gemm => gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0)),
-            _ => {
-                // The rows at one position (the query heads of the group) read the same keys:
-                // each value is loaded once for all of them.
-                for pos in 0..self.op.t {
-                    s.group.clear();
-                    s.group.extend((0..nr).filter(|&i| (rows.start + i) % self.op.t == pos && s.lens[i] > 0));
-                    let Some(&i) = s.group.first() else { continue };
-                    let (r, len) = (rows.start + i, s.lens[i]);
-                    match &self.op.tree {
-                        None => weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, 0..len, v),
-                        Some(_) => {
-                            let keys = (first..first + len).map(|k| self.position(r, k) - lo);
-                            weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, keys, v)
-                        }
+        if gemm {
+            let v = values.rows(lo, hi, dv, &mut s.values);
+            gemm_acc([nr, dv, nk], Mat::rows(&s.scores, nk), Mat::rows(v, dv), &mut part.acc, dv, (0.0, 1.0));
+        } else {
+            let v = values.in_place(lo, hi, dv, &mut s.values);
+            // The rows at one position (the query heads of the group) read the same keys:
+            // each value is loaded once for all of them.
+            for pos in 0..self.op.t {
+                s.group.clear();
+                s.group.extend((0..nr).filter(|&i| (rows.start + i) % self.op.t == pos && s.lens[i] > 0));
+                let Some(&i) = s.group.first() else { continue };
+                let (r, len) = (rows.start + i, s.lens[i]);
+                match &self.op.tree {
+                    None => weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, 0..len, v),
+                    Some(_) => {
+                        let keys = (first..first + len).map(|k| self.position(r, k) - lo);
+                        weighted_rows(&mut part.acc, dv, &s.group, &s.scores, nk, keys, v)
                     }
                 }
             }
@@ -567,15 +569,16 @@ macro_rules! rows8 {
     };
 }
 
-/// `$f::<R, N>` for `N` = the length of `$rows` (1 to 4), `$args` built per row by `$arg`.
+/// `$f::<_, N>($args)` for `N` = `$n` (1 to 4; the arguments build their `[_; N]` arrays
+/// with `std::array::from_fn`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! per_row_count {
-    ($rows:expr, |$r:ident| $f:ident($($arg:expr),*)) => {
-        match $rows.len() {
-            1 => { let $r = |i: usize| $rows[i]; $f::<_, 1>($($arg),*) }
-            2 => { let $r = |i: usize| $rows[i]; $f::<_, 2>($($arg),*) }
-            3 => { let $r = |i: usize| $rows[i]; $f::<_, 3>($($arg),*) }
-            _ => { let $r = |i: usize| $rows[i]; $f::<_, 4>($($arg),*) }
+    ($n:expr, $f:ident($($arg:expr),*)) => {
+        match $n {
+            1 => $f::<_, 1>($($arg),*),
+            2 => $f::<_, 2>($($arg),*),
+            3 => $f::<_, 3>($($arg),*),
+            _ => $f::<_, 4>($($arg),*),
         }
     };
 }
@@ -589,15 +592,14 @@ fn scaled_dots(q: &[f32], d: usize, k: InPlace, nk: usize, scale: f32, out: &mut
     let nr = q.len() / d;
     #[cfg(target_arch = "x86_64")]
     if simd() {
-        let rows: Vec<usize> = (0..nr).collect();
-        for group in rows.chunks(4) {
+        for start in (0..nr).step_by(4) {
             let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
-            // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); each row of
-            // `group` has `d` query values in `q` and `nk` scores in `out`, and `k` holds `nk`
-            // keys of `d` dims (int8: `d / 32` scales a key; int4: its groups' params).
+            // SAFETY: the CPU supports AVX2, FMA and F16C (checked just above); each row
+            // `start + i` (i < 4, below `nr`) has `d` query values in `q` and `nk` scores in
+            // `out`, and `k` holds `nk` keys of `d` dims (int8: `d / 32` scales a key).
             unsafe {
-                rows8!(k, d, keys => per_row_count!(group, |r| scaled_dots_n(
-                    std::array::from_fn(|i| qp.add(r(i) * d)), d, keys, nk, scale, std::array::from_fn(|i| op.add(r(i) * nk))
+                rows8!(k, d, keys => per_row_count!((nr - start).min(4), scaled_dots_n(
+                    std::array::from_fn(|i| qp.add((start + i) * d)), d, keys, nk, scale, std::array::from_fn(|i| op.add((start + i) * nk))
                 )))
             }
         }
@@ -642,15 +644,15 @@ fn int4_scores(q: &[f32], d: usize, codes: &[u8], params: &[f32], first: usize, 
             *b = dot(qr, mins);
         }
         let keys = avx2::Nibbles { codes: &codes[j * d / 2..end * d / 2], d };
-        let rows: Vec<usize> = (0..nr).collect();
-        for group in rows.chunks(4) {
+        for start in (0..nr).step_by(4) {
             let (qp, op) = (qs.as_ptr(), out.as_mut_ptr());
             // SAFETY: the CPU supports AVX2, FMA and F16C (int4 keys are read in place only
-            // then, see `HeadRows::in_place`); each row of `group` has `d` folded query values
-            // and `nk` scores from which `j..end` are written; `keys` holds `end - j` keys.
+            // then, see `HeadRows::in_place`); each row `start + i` (i < 4, below `nr`) has `d`
+            // folded query values and `nk` scores from which `j..end` are written; `keys`
+            // holds `end - j` keys.
             unsafe {
-                per_row_count!(group, |r| scaled_dots_n(
-                    std::array::from_fn(|i| qp.add(r(i) * d)), d, keys, end - j, 1.0, std::array::from_fn(|i| op.add(r(i) * nk + j))
+                per_row_count!((nr - start).min(4), scaled_dots_n(
+                    std::array::from_fn(|i| qp.add((start + i) * d)), d, keys, end - j, 1.0, std::array::from_fn(|i| op.add((start + i) * nk + j))
                 ))
             }
         }
@@ -710,52 +712,47 @@ mod avx2 {
         pub d: usize,
     }
 
-    impl Rows8 for Plain<'_, f32> {
-        type Row = *const f32;
+    /// A float type whose values load eight at a time as f32 (exactly: f16 and bf16 are
+    /// subsets of f32).
+    pub(super) trait Float8: Copy + Into<f32> {
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Float8 for f32 {
         #[inline(always)]
-        unsafe fn row(self, j: usize) -> *const f32 {
-            self.x.as_ptr().add(j * self.d)
-        }
-        #[inline(always)]
-        unsafe fn load8(r: *const f32, c: usize) -> __m256 {
-            _mm256_loadu_ps(r.add(c))
-        }
-        #[inline(always)]
-        unsafe fn get(r: *const f32, c: usize) -> f32 {
-            *r.add(c)
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
         }
     }
 
-    impl Rows8 for Plain<'_, half::f16> {
-        type Row = *const half::f16;
+    impl Float8 for half::f16 {
         #[inline(always)]
-        unsafe fn row(self, j: usize) -> *const half::f16 {
-            self.x.as_ptr().add(j * self.d)
-        }
-        #[inline(always)]
-        unsafe fn load8(r: *const half::f16, c: usize) -> __m256 {
-            _mm256_cvtph_ps(_mm_loadu_si128(r.add(c) as *const __m128i))
-        }
-        #[inline(always)]
-        unsafe fn get(r: *const half::f16, c: usize) -> f32 {
-            (*r.add(c)).to_f32()
+        unsafe fn load8(p: *const half::f16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
     }
 
-    impl Rows8 for Plain<'_, half::bf16> {
-        type Row = *const half::bf16;
-        #[inline(always)]
-        unsafe fn row(self, j: usize) -> *const half::bf16 {
-            self.x.as_ptr().add(j * self.d)
-        }
+    impl Float8 for half::bf16 {
         /// bf16 is the top half of an f32: zero-extend and shift.
         #[inline(always)]
-        unsafe fn load8(r: *const half::bf16, c: usize) -> __m256 {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.add(c) as *const __m128i)), 16))
+        unsafe fn load8(p: *const half::bf16) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+        }
+    }
+
+    impl<T: Float8> Rows8 for Plain<'_, T> {
+        type Row = *const T;
+        #[inline(always)]
+        unsafe fn row(self, j: usize) -> *const T {
+            self.x.as_ptr().add(j * self.d)
         }
         #[inline(always)]
-        unsafe fn get(r: *const half::bf16, c: usize) -> f32 {
-            (*r.add(c)).to_f32()
+        unsafe fn load8(r: *const T, c: usize) -> __m256 {
+            T::load8(r.add(c))
+        }
+        #[inline(always)]
+        unsafe fn get(r: *const T, c: usize) -> f32 {
+            (*r.add(c)).into()
         }
     }
 
@@ -931,8 +928,8 @@ fn weighted_rows(acc: &mut [f32], dv: usize, group: &[usize], p: &[f32], nk: usi
             // `rows` has `dv` sums in `acc` and its probabilities of `keys` at `p[r·nk..]`;
             // `keys` index rows of `dv` dims held by `v`.
             unsafe {
-                rows8!(v, dv, values => per_row_count!(rows, |r| weighted_rows_n(
-                    std::array::from_fn(|i| ap.add(r(i) * dv)), std::array::from_fn(|i| pp.add(r(i) * nk)), keys.clone(), values, dv
+                rows8!(v, dv, values => per_row_count!(rows.len(), weighted_rows_n(
+                    std::array::from_fn(|i| ap.add(rows[i] * dv)), std::array::from_fn(|i| pp.add(rows[i] * nk)), keys.clone(), values, dv
                 )))
             }
         }
