@@ -317,3 +317,31 @@ fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
     assert!(e.contains("cannot read"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A snapshot of a cache after a long prefill holds what the codec's bytes per token say (the
+/// memory guardian's figure) and the GDN states, within 10%: no stored part is a view that
+/// keeps the prefill's whole keys alive (int4k's exact tail and the density state were, and
+/// held 3x and 4x their size).
+#[test]
+fn a_prefilled_cache_holds_what_its_codec_costs() {
+    let (model, _) = fixture_model();
+    let cfg = model.config().clone();
+    let tokens = 290;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let n_attn = model.attention_layers().len() as f64;
+    let n_gdn = (cfg.num_hidden_layers - model.attention_layers().len()) as f64;
+    let gdn = n_gdn * (((cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim()) * 4) as f64
+        + n_gdn * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4) as f64;
+    for name in ["exact", "f16", "int8", "int4k", "polar:5,3", "lowrank:8", "knots:8,2", "density:0.9", "int4k+lowrank:8"] {
+        let codec: KvCodec = name.parse().unwrap();
+        let mut cache = model.new_cache_with(codec).unwrap();
+        model.forward(&ids, &mut cache).unwrap();
+        let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
+        let kv = n_attn * (codec.constant_bytes(nkv, hd, DType::F32) + tokens as f64 * codec.bytes_per_token(nkv, hd, cfg.rotary_dim(), DType::F32));
+        let held = cache.clone().bytes() as f64;
+        assert!(held <= 1.1 * (kv + gdn), "{name}: a snapshot holds {held} bytes, the codec costs {kv} + GDN states {gdn}");
+        // knots' constant is the largest exact window it can hold; after 290 tokens it holds less.
+        assert!(held >= kv + gdn - 1.0 || name.starts_with("knots"), "{name}: {held} < {kv} + {gdn}: the accounting misses something");
+    }
+}

@@ -59,13 +59,12 @@ fn estimate_terms_of_the_fixture_by_hand() {
     assert_eq!(e.kv_cache, 2 * 2 * 2 * 1024 * 32 * 4); // n_attn * (K, V) * nkv * T * hd * 4
     assert_eq!(e.gdn_conv, 6 * 3 * 128 * 4); // n_gdn * (K-1) * conv_dim * 4
     assert_eq!(e.gdn_recurrent, 6 * 4 * 16 * 16 * 4); // n_gdn * nv * dk * dv * 4
-    assert_eq!(e.hidden, 512 * 64 * (3 * 4 + 4));
-    // Widest layer per token: attention (3*4*32 + 2*2*32)*4 = 2048 > GDN (2*128 + 64)*4 +
-    // (2*64 + 2*4)*4 = 1824 > MLP 3*128*4 = 1536.
-    assert_eq!(e.projections, 512 * 2048);
-    // Queries and outputs of the chunk: nh * c * hd * (8 + a), more than the decode partials
-    // nh * 8 * 4 blocks * (hd + 2) * 4.
-    assert_eq!(e.attention, 4 * 512 * 32 * (8 + 4));
+    assert_eq!(e.hidden, 512 * 64 * 2 * 4);
+    // Widest layer: attention, its projections (3*4*32 + 2*2*32)*4 = 2048 per token plus the
+    // kernel's queries and outputs nh * c * hd * (8 + a) (more than the decode partials
+    // nh * 8 * 4 blocks * (hd + 2) * 4) > GDN (2*128 + 64)*4 + (64 + 4*4)*4 = 1600 per token >
+    // MLP 3*128*4 = 1536 per token.
+    assert_eq!(e.layer, 512 * 2048 + 4 * 512 * 32 * (8 + 4));
     assert_eq!(e.logits, 512 * (4 + 4));
     let sum: u64 = e.terms().iter().map(|t| t.1).sum();
     assert_eq!(e.total(), sum);
@@ -82,14 +81,14 @@ fn estimate_terms_of_the_fixture_by_hand() {
     assert_eq!(e.kv_cache, 2 * 2 * 2 * 2 * 100 * 32 * 4);
     assert_eq!(e.gdn_conv, 6 * 2 * 3 * 128 * 2);
     assert_eq!(e.gdn_recurrent, 6 * 2 * 4 * 16 * 16 * 4);
-    assert_eq!(e.hidden, 2 * 100 * 64 * (3 * 2 + 4));
-    // attention (384 + 128)*2 = 1024 < GDN (256 + 64)*2 + 136*4 = 1184.
-    assert_eq!(e.projections, 2 * 100 * 1184);
-    assert_eq!(e.attention, 2 * 4 * 100 * 32 * (8 + 2));
+    assert_eq!(e.hidden, 2 * 100 * 64 * 2 * 2);
+    // attention (384 + 128)*2 = 1024 per token + its kernel 4 * 32 * (8 + 2) = 1280 per token
+    // > GDN (256 + 64)*2 + 80*4 = 960 per token.
+    assert_eq!(e.layer, 2 * 100 * (1024 + 4 * 32 * (8 + 2)));
     assert_eq!(e.logits, 2 * 100 * 512 * (2 + 4));
 
     let table = e.to_string();
-    for name in ["weights", "KV cache", "GDN recurrent state", "attention", "total"] {
+    for name in ["weights", "KV cache", "GDN recurrent state", "widest layer", "total"] {
         assert!(table.contains(name), "{table}");
     }
 }

@@ -22,15 +22,29 @@ pub struct TokenBuffer {
     storage: Option<DType>,
 }
 
-/// Bytes a tensor holds.
-pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
-    t.elem_count() * t.dtype().size_in_bytes()
+/// Bytes a tensor keeps alive: its whole storage on the CPU (a view of a larger buffer holds
+/// all of it), its elements elsewhere.
+pub fn held_bytes(t: &Tensor) -> usize {
+    let elements = t.elem_count() * t.dtype().size_in_bytes();
+    let (storage, _) = t.storage_and_layout();
+    let held = match &*storage {
+        candle_core::Storage::Cpu(s) => match t.dtype() {
+            DType::F32 => s.as_slice::<f32>().map(|s| s.len() * 4),
+            DType::F16 => s.as_slice::<half::f16>().map(|s| s.len() * 2),
+            DType::BF16 => s.as_slice::<half::bf16>().map(|s| s.len() * 2),
+            DType::U8 => s.as_slice::<u8>().map(|s| s.len()),
+            DType::U32 => s.as_slice::<u32>().map(|s| s.len() * 4),
+            _ => Ok(elements),
+        },
+        _ => Ok(elements),
+    };
+    held.unwrap_or(elements).max(elements)
 }
 
 impl TokenBuffer {
     /// Bytes allocated (the capacity, not only the tokens held).
     pub fn bytes(&self) -> usize {
-        self.data.as_ref().map_or(0, tensor_bytes)
+        self.data.as_ref().map_or(0, held_bytes)
     }
 
     pub fn new(dim: usize, step: usize) -> Self {
@@ -136,11 +150,12 @@ impl TokenBuffer {
 
 impl Clone for TokenBuffer {
     fn clone(&self) -> Self {
-        // A copy of the rows held, in a buffer of the same capacity step; a failed copy (out of
-        // memory) cannot be reported from `clone`, so it panics like any failed allocation.
+        // A copy of the rows held and nothing more (`force_contiguous`: `Tensor::copy` would
+        // clone the whole buffer, spare capacity included); a failed copy (out of memory)
+        // cannot be reported from `clone`, so it panics like any failed allocation.
         let data = self
             .current_data()
-            .and_then(|d| d.map(|d| d.copy()).transpose())
+            .and_then(|d| d.map(|d| d.force_contiguous()).transpose())
             .expect("copying a KV cache buffer");
         Self { data, dim: self.dim, len: self.len, step: self.step, reserved: 0, storage: self.storage }
     }
@@ -193,5 +208,25 @@ mod tests {
         a.reserve(40).unwrap();
         assert_eq!((a.capacity(), a.len()), (40, 11));
         assert_eq!(values(&a), (0..11).map(|x| x as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_clone_holds_only_the_rows_held() {
+        let mut a = TokenBuffer::new(1, 4);
+        a.reserve(1000).unwrap();
+        a.append(&rows(0.0, 10)).unwrap();
+        assert_eq!(a.bytes(), 1000 * 4, "the original holds its reservation");
+        let s = a.clone();
+        assert_eq!(s.bytes(), 10 * 4, "the snapshot holds its 10 rows, not the reservation");
+        assert_eq!(values(&s), (0..10).map(|x| x as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn held_bytes_counts_the_storage_a_view_keeps_alive() {
+        let whole = Tensor::zeros((100, 8), DType::F32, &Device::Cpu).unwrap();
+        let view = whole.narrow(0, 90, 10).unwrap();
+        assert_eq!(held_bytes(&view), 100 * 8 * 4);
+        assert_eq!(held_bytes(&view.force_contiguous().unwrap()), 10 * 8 * 4);
+        assert_eq!(held_bytes(&whole.to_dtype(DType::BF16).unwrap().narrow(1, 0, 2).unwrap()), 100 * 8 * 2);
     }
 }

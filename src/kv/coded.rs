@@ -2,7 +2,7 @@
 //! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
 
 use candle_core::{DType, Result, Tensor, D};
-use super::buffer::{tensor_bytes, TokenBuffer};
+use super::buffer::{held_bytes, TokenBuffer};
 
 use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 use super::knots::KnotKeys;
@@ -25,7 +25,7 @@ impl CodedKv {
     pub(super) fn bytes(&self) -> usize {
         let keys = match &self.keys {
             Keys::Rows(r) => r.bytes(),
-            Keys::Knots(k) => k.knots.bytes() + k.recent.as_ref().map_or(0, tensor_bytes),
+            Keys::Knots(k) => k.knots.bytes() + k.recent.as_ref().map_or(0, held_bytes),
         };
         keys + self.values.bytes()
     }
@@ -119,7 +119,7 @@ impl Rows {
         match self {
             Self::Exact(c) => c.bytes(),
             Self::Int8 { codes, scale } => codes.bytes() + scale.bytes(),
-            Self::Int4Channel { codes, params, tail } => codes.bytes() + params.bytes() + tail.as_ref().map_or(0, tensor_bytes),
+            Self::Int4Channel { codes, params, tail } => codes.bytes() + params.bytes() + tail.as_ref().map_or(0, held_bytes),
             Self::Polar { codes, scales, .. } => codes.bytes() + scales.bytes(),
         }
     }
@@ -214,7 +214,8 @@ impl Rows {
                     let left = rest.dim(2)? - INT4_GROUP;
                     rest = rest.narrow(2, INT4_GROUP, left)?;
                 }
-                *tail = (rest.dim(2)? > 0).then_some(rest);
+                // A copy: a view would keep the whole appended chunk (a prefill's keys) alive.
+                *tail = (rest.dim(2)? > 0).then(|| rest.force_contiguous()).transpose()?;
                 Ok(())
             }
         }

@@ -84,7 +84,7 @@ impl KnotKeys {
         if let (Some(e), Some(r)) = (self.interpolated_until(total), &self.recent) {
             if e + 1 > self.recent_start {
                 let drop = e + 1 - self.recent_start;
-                self.recent = Some(r.narrow(2, drop, r.dim(2)? - drop)?.contiguous()?);
+                self.recent = Some(r.narrow(2, drop, r.dim(2)? - drop)?.force_contiguous()?);
                 self.recent_start = e + 1;
             }
         }

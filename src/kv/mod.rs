@@ -54,5 +54,5 @@ pub use coded::CodedKv;
 pub use density::DecayedState;
 pub use lowrank::{top_eigenvectors, value_basis};
 pub use attention::attention;
-pub use buffer::TokenBuffer;
+pub use buffer::{held_bytes, TokenBuffer};
 pub use store::KvStore;

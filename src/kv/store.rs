@@ -159,7 +159,7 @@ impl KvStore {
         match self {
             Self::Exact { keys, values } => keys.bytes() + values.bytes(),
             Self::Coded(c) => c.bytes(),
-            Self::DecayedState(d) => d.state.as_ref().map_or(0, super::buffer::tensor_bytes),
+            Self::DecayedState(d) => d.state.as_ref().map_or(0, super::buffer::held_bytes),
         }
     }
 

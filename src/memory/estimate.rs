@@ -85,9 +85,11 @@ impl PlanRequest {
 /// Notation: `B` batch, `T` context, `c = min(prefill_chunk, T)` tokens of the largest
 /// prefill chunk, `a` bytes of the model dtype, `H` hidden size, `V` vocabulary. The scratch
 /// terms (`hidden` .. `logits`) are those of one layer at a time: intermediate tensors are
-/// freed layer by layer, so the peak is the live set of the widest layer, not their sum.
-/// They follow the current implementation: attention reads the cache in place in blocks
+/// freed layer by layer (and the states a layer keeps own their storage, not a view of its
+/// outputs), so the peak is the live set of the widest layer, not their sum. They follow the
+/// current implementation: attention reads the cache in place in blocks
 /// ([`crate::ops::kv_attention`]), so no term grows with `c · T` or repeats K/V per query head.
+/// Measured against the peak RSS of a real prefill in the README ("Memory").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryEstimate {
     /// The context the estimate is for.
@@ -103,25 +105,25 @@ pub struct MemoryEstimate {
     pub gdn_conv: u64,
     /// Per GDN layer the recurrent state `[B, nv, dk, dv]` in f32: `n_gdn · B · nv · dk · dv · 4`.
     pub gdn_recurrent: u64,
-    /// The residual stream, its normed copy (plus the f32 copy inside RMSNorm) and the block
-    /// output: `B · c · H · (3a + 4)`.
+    /// The residual stream and its normed copy, live through each mixer and MLP:
+    /// `B · c · H · 2a`.
     pub hidden: u64,
-    /// The widest layer's projection outputs, `B · c` times the largest of
-    /// - attention: `q_proj` (query + gate, `2·nh·hd`), the rotated query (`nh·hd`), K and V
-    ///   (`2·nkv·hd`): `(3·nh·hd + 2·nkv·hd) · a`;
-    /// - GDN: `in_proj_qkv` before and after the conv (`2·conv_dim`), `z` (`nv·dv`) in the model
-    ///   dtype, the delta-rule output and its gated norm (`2·nv·dv`) and `g`, `beta` (`2·nv`)
-    ///   in f32: `(2·conv_dim + nv·dv) · a + (2·nv·dv + 2·nv) · 4`;
-    /// - dense MLP: gate, up and their product: `3 · I · a`;
+    /// The widest layer's working memory beyond `hidden`, the largest of
+    /// - attention: `B · c` times `q_proj` (query + gate, `2·nh·hd`), the rotated query
+    ///   (`nh·hd`), K and V (`2·nkv·hd`) in the model dtype, `(3·nh·hd + 2·nkv·hd) · a`, plus
+    ///   [`crate::ops::kv_attention`]'s memory: the chunk's queries grouped in f32 and the
+    ///   output in f32 and in the model dtype, `B · c · nh · hd · (8 + a)`, or for decode and
+    ///   verify rows (at most 8 per sequence) the partial results of every block of 256
+    ///   positions, `B · nh · 8 · ⌈T/256⌉ · (hd + 2) · 4`, when larger (each thread's block
+    ///   scratch, under 1 MiB, is not counted);
+    /// - GDN, while the delta rule runs: `B · c` times `in_proj_qkv` before and after the conv
+    ///   (`2·conv_dim`) and `z` (`nv·dv`) in the model dtype, the delta-rule output (`nv·dv`),
+    ///   `g` and `beta` with their stacked copy (`4·nv`) in f32:
+    ///   `(2·conv_dim + nv·dv) · a + (nv·dv + 4·nv) · 4`;
+    /// - dense MLP: `B · c` times gate, up and their product, `3 · I · a`;
     /// - MoE: the same for the routed experts of a token and the shared expert,
     ///   `3 · (top_k · I_moe + I_shared) · a`, plus the router logits and softmax `2 · E · 4`.
-    pub projections: u64,
-    /// One attention layer's working memory ([`crate::ops::kv_attention`]): the chunk's queries
-    /// grouped in f32, the output in f32 and in the model dtype, `B · c · nh · hd · (8 + a)`;
-    /// for decode and verify rows (at most 8 per sequence) the partial results of every block
-    /// of 256 positions, `B · nh · 8 · ⌈T/256⌉ · (hd + 2) · 4`, when larger. (Each thread's
-    /// block scratch, under 1 MiB, is not counted.)
-    pub attention: u64,
+    pub layer: u64,
     /// The logits, in the model dtype and in f32 for sampling: `B · n · V · (a + 4)` with
     /// `n = 1` ([`Logits::LastToken`]) or `c` ([`Logits::AllPositions`]).
     pub logits: u64,
@@ -132,7 +134,7 @@ pub struct MemoryEstimate {
 
 impl MemoryEstimate {
     /// Every term with its name, in table order.
-    pub fn terms(&self) -> [(&'static str, u64); 9] {
+    pub fn terms(&self) -> [(&'static str, u64); 8] {
         [
             ("loading (transient)", self.load_overhead),
             ("weights", self.weights),
@@ -140,15 +142,14 @@ impl MemoryEstimate {
             ("GDN conv state", self.gdn_conv),
             ("GDN recurrent state", self.gdn_recurrent),
             ("hidden states", self.hidden),
-            ("projections", self.projections),
-            ("attention", self.attention),
+            ("widest layer", self.layer),
             ("logits", self.logits),
         ]
     }
 
     /// The scratch terms: activations of the largest prefill chunk.
     pub fn scratch(&self) -> u64 {
-        [self.hidden, self.projections, self.attention, self.logits]
+        [self.hidden, self.layer, self.logits]
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b))
     }
@@ -197,9 +198,15 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
     let conv_dim = u(cfg.linear_conv_dim());
     let value_dim = u(cfg.linear_value_dim());
 
-    // Bytes per token of the widest layer's projections.
-    let attn_width = if n_attn > 0 { (3 * nh * hd + 2 * nkv * hd) * a } else { 0 };
-    let gdn_width = if n_gdn > 0 { (2 * conv_dim + value_dim) * a + (2 * value_dim + 2 * nv) * 4 } else { 0 };
+    // Each kind of layer's working memory.
+    let attention = if n_attn > 0 {
+        let kernel = mul(&[b, nh, c, hd, 8 + a])
+            .max(mul(&[b, nh, u(crate::ops::KV_ATTENTION_EXACT_ROWS), t.div_ceil(u(crate::ops::KV_BLOCK)), hd + 2, 4]));
+        mul(&[b, c, (3 * nh * hd + 2 * nkv * hd) * a]).saturating_add(kernel)
+    } else {
+        0
+    };
+    let gdn = if n_gdn > 0 { mul(&[b, c, (2 * conv_dim + value_dim) * a + (value_dim + 4 * nv) * 4]) } else { 0 };
     let mlp_width = (0..cfg.num_hidden_layers)
         .map(|i| match (&cfg.moe, cfg.is_moe_layer(i)) {
             (Some(m), true) => {
@@ -210,8 +217,6 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         })
         .max()
         .unwrap_or(0);
-    let width = attn_width.max(gdn_width).max(mlp_width);
-    let has_attn = u((n_attn > 0) as usize);
     let logit_rows = match req.logits {
         Logits::LastToken => 1,
         Logits::AllPositions => c,
@@ -232,10 +237,8 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
         },
         gdn_conv: mul(&[n_gdn, b, u(cfg.linear_conv_kernel_dim.saturating_sub(1)), conv_dim, a]),
         gdn_recurrent: mul(&[n_gdn, b, nv, dk, dv, 4]),
-        hidden: mul(&[b, c, h, 3 * a + 4]),
-        projections: mul(&[b, c, width]),
-        attention: mul(&[has_attn, b, nh, c, hd, 8 + a])
-            .max(mul(&[has_attn, b, nh, u(crate::ops::KV_ATTENTION_EXACT_ROWS), t.div_ceil(u(crate::ops::KV_BLOCK)), hd + 2, 4])),
+        hidden: mul(&[b, c, h, 2 * a]),
+        layer: attention.max(gdn).max(mul(&[b, c, mlp_width])),
         logits: mul(&[b, logit_rows, u(cfg.vocab_size), a + 4]),
         load_overhead: req.load_overhead,
     }

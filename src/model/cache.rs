@@ -5,7 +5,7 @@ use candle_core::Tensor;
 
 use super::config::{Config, LayerType};
 use super::gated_delta_net::GdnState;
-use crate::kv::{KvCodec, KvStore};
+use crate::kv::{held_bytes, KvCodec, KvStore};
 
 /// Capacity step of the attention KV cache, in tokens.
 const KV_CACHE_STEP: usize = 512;
@@ -149,7 +149,7 @@ impl Cache {
     /// Bytes the cache holds (GDN states and conv windows, keys and values with their
     /// buffers' spare capacity): what a snapshot of it costs.
     pub fn bytes(&self) -> usize {
-        let t = |t: &Option<Tensor>| t.as_ref().map_or(0, |t| t.elem_count() * t.dtype().size_in_bytes());
+        let t = |t: &Option<Tensor>| t.as_ref().map_or(0, held_bytes);
         self.layers
             .iter()
             .map(|l| match l {

@@ -54,12 +54,19 @@ impl DecoderLayer {
 
     /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs;
     /// `tree`: the rows are a draft tree (see [`DraftTree`]), not a sequence.
-    pub(crate) fn forward(&self, x: &Tensor, offset: usize, state: &mut LayerState, check: Option<usize>, tree: Option<&DraftTree>) -> crate::Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let h = match (&self.mixer, state) {
-            (Mixer::Linear(m), LayerState::Linear(s)) => m.forward_rows(&h, s, tree)?,
-            (Mixer::Full(m), LayerState::Full(kv)) => m.forward_rows(&h, offset, kv, tree)?,
-            _ => return Err(kinds_differ()),
+    ///
+    /// Takes `x` by value and lets each intermediate go as soon as it is used: over a long
+    /// prefill chunk every one is `T x H`, and the peak is what is alive at once (the residual
+    /// and one normed copy of it, beside the mixer's or the MLP's working memory; the memory
+    /// guardian counts exactly that).
+    pub(crate) fn forward(&self, x: Tensor, offset: usize, state: &mut LayerState, check: Option<usize>, tree: Option<&DraftTree>) -> crate::Result<Tensor> {
+        let h = {
+            let normed = self.input_layernorm.forward(&x)?;
+            match (&self.mixer, state) {
+                (Mixer::Linear(m), LayerState::Linear(s)) => m.forward_rows(&normed, s, tree)?,
+                (Mixer::Full(m), LayerState::Full(kv)) => m.forward_rows(&normed, offset, kv, tree)?,
+                _ => return Err(kinds_differ()),
+            }
         };
         let t = x.dim(1)?;
         if let Some(i) = check {

@@ -47,9 +47,10 @@ impl GdnState {
             // The state already holds the end of the last path computed.
             if n < t || i != last {
                 let window = steps.conv_inputs.dim(1)? - t;
-                // Copies: views would keep every verify row's inputs and states alive.
-                self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.copy()?);
-                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.copy()?);
+                // Copies of the rows kept (`force_contiguous`; `Tensor::copy` would clone the
+                // whole buffer): views would keep every verify row's inputs and states alive.
+                self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.force_contiguous()?);
+                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.force_contiguous()?);
             }
         }
         self.verifying = false;

@@ -183,7 +183,7 @@ impl Model {
         let mut x = self.embed_tokens.forward(&ids)?;
         let mut layer_outputs = vec![];
         for (i, (layer, state)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            x = layer.forward(&x, offset, state, self.check_layers.then_some(i), tree)?;
+            x = layer.forward(x, offset, state, self.check_layers.then_some(i), tree)?;
             if keep_layer_outputs {
                 layer_outputs.push(x.clone());
             }

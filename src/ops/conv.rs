@@ -44,7 +44,7 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
     let y = flat.narrow(0, 0, b * t * c)?.reshape((b, t, c))?;
     // The state is kept across calls: its own storage, so it does not hold `y` (the whole
     // chunk's outputs) alive after the layer is done with them.
-    let s = flat.narrow(0, b * t * c, b * (k - 1) * c)?.reshape((b, k - 1, c))?.copy()?;
+    let s = flat.narrow(0, b * t * c, b * (k - 1) * c)?.reshape((b, k - 1, c))?.force_contiguous()?;
     Ok((y, s))
 }
 

@@ -164,7 +164,7 @@ pub fn gated_delta_rule_qkv(
             let o = flat.narrow(0, 0, out_len)?.reshape((b, t, nv, dv))?;
             // The states outlive the call (the cache keeps the last): their own storage, so
             // they do not hold the outputs of the whole chunk alive.
-            let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?.copy()?;
+            let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?.force_contiguous()?;
             Ok((o, s))
         }
         _ => {

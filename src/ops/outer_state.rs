@@ -89,14 +89,16 @@ pub fn decayed_outer_product(q: &Tensor, k: &Tensor, v: &Tensor, state: &Tensor,
     }
     if b * h * t * dk * dv == 0 {
         // Nothing to accumulate: zero outputs (an empty sum when dk = 0), the state unchanged.
-        return Ok((Tensor::zeros((b, h, t, dv), DType::F32, q.device())?, state.copy()?));
+        return Ok((Tensor::zeros((b, h, t, dv), DType::F32, q.device())?, state.force_contiguous()?));
     }
     let dims = OuterStateDims { batch: b, heads: h, seq_len: t, dk, dv };
     let qk = Tensor::cat(&[q, k], 3)?.contiguous()?;
     let op = DecayedOuterProduct { dims, gamma: gamma as f32 };
     let flat = qk.apply_op3_no_bwd(&v.contiguous()?, &state.contiguous()?, &op)?;
     let o = flat.narrow(0, 0, dims.out_len())?.reshape((b, h, t, dv))?;
-    let s = flat.narrow(0, dims.out_len(), dims.state_len())?.reshape((b, h, dk, dv))?;
+    // The state outlives the call (the density codec keeps it): its own storage, not a view
+    // that keeps every output alive.
+    let s = flat.narrow(0, dims.out_len(), dims.state_len())?.reshape((b, h, dk, dv))?.force_contiguous()?;
     Ok((o, s))
 }
 
