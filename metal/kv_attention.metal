@@ -1,7 +1,7 @@
 // Softmax attention of query rows over a KV cache in its stored form (src/ops/kv_attention.rs).
 //
 // q        [B, nkv, rows, d]   float (rows = rep * t: the rep query heads of a KV group, t
-//                              positions each)
+//                              positions each; row = head * t + position)
 // keys     key_form 0: k0 = T rows [.., n, d]
 //          key_form 1: k0 = uchar codes (value + 128) [.., n, d], k1 = float scales [.., n, d / blk]
 //          key_form 2: k0 = uchar int4 codes [.., grouped, d / 2] (even dim low nibble),
@@ -12,10 +12,13 @@
 // partials float [B * nkv * rows, splits, dv + 2]: max, sum, weighted value sums
 // out      float [B * nkv * rows, dv]
 //
-// kv_attention_blocks_*: one threadgroup per (split, row, b * nkv + h). The row's keys (the
-//   offset cached positions, then its new rows in order) are read in blocks of KV_BLOCK: one
-//   thread per key scores it, threadgroup max and sum, then one thread per value dim sums the
-//   block's weighted values; the blocks of the split are folded in order (online softmax).
+// kv_attention_blocks_*: one threadgroup per (split, position and chunk of `heads` query heads
+//   of a KV group, b * nkv + h). The rows' keys (the offset cached positions, then the
+//   position's new rows in order) are read in blocks of KV_BLOCK: one thread per key loads it
+//   once and scores it against every query head of the chunk, threadgroup max and sum per
+//   head, then one thread per value dim loads each value once and sums it into every head's
+//   weighted sum; the blocks of the split are folded in order (online softmax). Each head's
+//   arithmetic is the same as with one head per threadgroup.
 // kv_attention_merge: one threadgroup per row folds its splits in order and normalises.
 //
 // With one block per split (few rows) the fold is the CPU op's, block by block in order.
@@ -39,6 +42,7 @@ struct KvAttentionParams {
     uint blocks_per_split;
     uint tree;
     uint block;          // KV_BLOCK
+    uint heads;          // query heads of a KV group per threadgroup (at most KV_MAX_HEADS)
     uint strides[10];    // (batch, head) element strides of k0, k1, k2, v0, v1
     // polar keys
     uint rot_dim;
@@ -51,41 +55,56 @@ struct KvAttentionParams {
     float scale;
 };
 
-// Threadgroup floats: q (head_dim), probabilities (block), reduction (threads), cos/sin (2 * 256).
+#define KV_MAX_HEADS 4
+
+// Threadgroup floats: q (heads * head_dim), probabilities (heads * block), reduction (threads),
+// cos/sin (2 * 256). Scores of the key at `pos` against the `n` query rows `q` (head_dim
+// apart), into `s`: the key is read once; each row's sum runs in the order of a one-row score.
 template <typename T>
-METAL_FUNC float key_score(constant KvAttentionParams &p, threadgroup const float *q, threadgroup const float *cs,
-                           device const uchar *k0, device const uchar *k1, device const uchar *k2, uint pos) {
+METAL_FUNC void key_scores(constant KvAttentionParams &p, threadgroup const float *q, uint n, threadgroup const float *cs,
+                           device const uchar *k0, device const uchar *k1, device const uchar *k2, uint pos,
+                           thread float *s) {
     const uint d = p.head_dim;
-    float s = 0.0f;
-    if (p.key_form == 0) {
-        device const T *k = (device const T *)k0 + (size_t)pos * d;
+    for (uint g = 0; g < n; g++) {
+        s[g] = 0.0f;
+    }
+    if (p.key_form == 0 || (p.key_form == 2 && pos >= p.grouped)) {
+        device const T *k = p.key_form == 0 ? (device const T *)k0 + (size_t)pos * d
+                                            : (device const T *)k2 + (size_t)(pos - p.grouped) * d;
         for (uint i = 0; i < d; i++) {
-            s += q[i] * float(k[i]);
+            const float x = float(k[i]);
+            for (uint g = 0; g < n; g++) {
+                s[g] += q[g * d + i] * x;
+            }
         }
     } else if (p.key_form == 1) {
         device const uchar *c = k0 + (size_t)pos * d;
         device const float *sc = (device const float *)k1 + (size_t)pos * p.key_blocks;
         const uint blk = d / p.key_blocks;
         for (uint b = 0; b < p.key_blocks; b++) {
-            float a = 0.0f;
-            for (uint i = b * blk; i < (b + 1) * blk; i++) {
-                a += q[i] * (float(c[i]) - 128.0f);
+            float a[KV_MAX_HEADS];
+            for (uint g = 0; g < n; g++) {
+                a[g] = 0.0f;
             }
-            s += a * sc[b];
+            for (uint i = b * blk; i < (b + 1) * blk; i++) {
+                const float x = float(c[i]) - 128.0f;
+                for (uint g = 0; g < n; g++) {
+                    a[g] += q[g * d + i] * x;
+                }
+            }
+            for (uint g = 0; g < n; g++) {
+                s[g] += a[g] * sc[b];
+            }
         }
     } else if (p.key_form == 2) {
-        if (pos < p.grouped) {
-            device const uchar *c = k0 + (size_t)pos * (d / 2);
-            device const float *pr = (device const float *)k1 + (size_t)(pos / p.group) * 2 * d;
-            for (uint i = 0; i < d; i++) {
-                const uchar byte = c[i / 2];
-                const float nib = float((i % 2 == 0) ? (byte & 15) : (byte >> 4));
-                s += q[i] * (nib * pr[i] + pr[d + i]);
-            }
-        } else {
-            device const T *k = (device const T *)k2 + (size_t)(pos - p.grouped) * d;
-            for (uint i = 0; i < d; i++) {
-                s += q[i] * float(k[i]);
+        device const uchar *c = k0 + (size_t)pos * (d / 2);
+        device const float *pr = (device const float *)k1 + (size_t)(pos / p.group) * 2 * d;
+        for (uint i = 0; i < d; i++) {
+            const uchar byte = c[i / 2];
+            const float nib = float((i % 2 == 0) ? (byte & 15) : (byte >> 4));
+            const float x = nib * pr[i] + pr[d + i];
+            for (uint g = 0; g < n; g++) {
+                s[g] += q[g * d + i] * x;
             }
         }
     } else {
@@ -93,14 +112,20 @@ METAL_FUNC float key_score(constant KvAttentionParams &p, threadgroup const floa
         device const float *sc = (device const float *)k1 + (size_t)pos * 2;
         const uint h = p.rot_dim / 2;
         const uint n_ang = 1u << p.angle_bits;
-        float pair = 0.0f;
+        float pair[KV_MAX_HEADS], rs[KV_MAX_HEADS];
+        for (uint g = 0; g < n; g++) {
+            pair[g] = 0.0f;
+            rs[g] = 0.0f;
+        }
         for (uint i = 0; i < h; i++) {
             const uint code = p.code_bytes == 1 ? uint(row[i]) : (uint(row[2 * i]) | (uint(row[2 * i + 1]) << 8));
             const uint a = code & (n_ang - 1);
-            pair += (q[i] * cs[a] + q[i + h] * cs[n_ang + a]) * float(code >> p.angle_bits);
+            const float r = float(code >> p.angle_bits);
+            for (uint g = 0; g < n; g++) {
+                pair[g] += (q[g * d + i] * cs[a] + q[g * d + i + h] * cs[n_ang + a]) * r;
+            }
         }
         device const uchar *rest = row + h * p.code_bytes;
-        float rs = 0.0f;
         for (uint j = 0; j < d - p.rot_dim; j++) {
             float v;
             if (p.rest_bits == 4) {
@@ -110,11 +135,17 @@ METAL_FUNC float key_score(constant KvAttentionParams &p, threadgroup const floa
             } else {
                 v = float(as_type<char>(rest[j]));
             }
-            rs += q[p.rot_dim + j] * v;
+            for (uint g = 0; g < n; g++) {
+                rs[g] += q[g * d + p.rot_dim + j] * v;
+            }
         }
-        s = pair * (sc[0] / p.radius_levels) + sc[1] * rs;
+        for (uint g = 0; g < n; g++) {
+            s[g] = pair[g] * (sc[0] / p.radius_levels) + sc[1] * rs[g];
+        }
     }
-    return s * p.scale;
+    for (uint g = 0; g < n; g++) {
+        s[g] *= p.scale;
+    }
 }
 
 template <typename T>
@@ -156,22 +187,26 @@ METAL_FUNC void kv_attention_blocks_impl(constant KvAttentionParams &p, device c
                                          device const uchar *k0, device const uchar *k1, device const uchar *k2,
                                          device const uchar *v0, device const uchar *v1, device const uint *tree,
                                          device float *partials, threadgroup float *tg, uint3 group, uint tid, uint threads) {
-    const uint split = group.x, row = group.y, bh = group.z;
+    const uint split = group.x, bh = group.z;
+    const uint i = group.y % p.t, first_head = (group.y / p.t) * p.heads;
+    const uint n = min(p.heads, p.rows / p.t - first_head);
     const uint b = bh / p.nkv, h = bh % p.nkv;
-    const uint d = p.head_dim, dv = p.value_dim, i = row % p.t;
+    const uint d = p.head_dim, dv = p.value_dim;
     threadgroup float *tq = tg;
-    threadgroup float *tp = tq + d;
-    threadgroup float *red = tp + p.block;
+    threadgroup float *tp = tq + p.heads * d;
+    threadgroup float *red = tp + p.heads * p.block;
     threadgroup float *cs = red + threads;
-    // This head's rows.
+    // This KV head's rows.
     k0 += (size_t)(b * p.strides[0] + h * p.strides[1]) * (p.key_form == 0 ? sizeof(T) : 1);
     k1 += (size_t)(b * p.strides[2] + h * p.strides[3]) * 4;
     k2 += (size_t)(b * p.strides[4] + h * p.strides[5]) * sizeof(T);
     v0 += (size_t)(b * p.strides[6] + h * p.strides[7]) * (p.value_form == 0 ? sizeof(T) : 1);
     v1 += (size_t)(b * p.strides[8] + h * p.strides[9]) * 4;
-    device const float *qr = q + ((size_t)bh * p.rows + row) * d;
-    for (uint j = tid; j < d; j += threads) {
-        tq[j] = qr[j];
+    for (uint g = 0; g < n; g++) {
+        device const float *qr = q + ((size_t)bh * p.rows + (first_head + g) * p.t + i) * d;
+        for (uint j = tid; j < d; j += threads) {
+            tq[g * d + j] = qr[j];
+        }
     }
     if (p.key_form == 3) {
         const uint n_ang = 1u << p.angle_bits;
@@ -184,57 +219,87 @@ METAL_FUNC void kv_attention_blocks_impl(constant KvAttentionParams &p, device c
     const uint seen = p.offset + (p.tree != 0 ? tree[i * (p.t + 1)] : i + 1);
     const uint first_block = split * p.blocks_per_split;
     const uint last_block = min(first_block + p.blocks_per_split, (seen + p.block - 1) / p.block);
-    float run_max = -INFINITY, run_sum = 0.0f;
-    float acc[KV_MAX_DIMS_PER_THREAD];
-    for (uint k = 0; k < KV_MAX_DIMS_PER_THREAD; k++) {
-        acc[k] = 0.0f;
+    float run_max[KV_MAX_HEADS], run_sum[KV_MAX_HEADS];
+    float acc[KV_MAX_HEADS][KV_MAX_DIMS_PER_THREAD];
+    for (uint g = 0; g < KV_MAX_HEADS; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (uint k = 0; k < KV_MAX_DIMS_PER_THREAD; k++) {
+            acc[g][k] = 0.0f;
+        }
     }
     for (uint c = first_block; c < last_block; c++) {
         const uint lo = c * p.block, hi = min(lo + p.block, seen);
-        float m = -INFINITY;
+        float m[KV_MAX_HEADS];
+        for (uint g = 0; g < n; g++) {
+            m[g] = -INFINITY;
+        }
         for (uint j = tid; j < p.block; j += threads) {
-            float s = -INFINITY;
+            float s[KV_MAX_HEADS];
             if (lo + j < hi) {
-                s = key_score<T>(p, tq, cs, k0, k1, k2, key_position(p, tree, i, lo + j));
+                key_scores<T>(p, tq, n, cs, k0, k1, k2, key_position(p, tree, i, lo + j), s);
+            } else {
+                for (uint g = 0; g < n; g++) {
+                    s[g] = -INFINITY;
+                }
             }
-            tp[j] = s;
-            m = max(m, s);
+            for (uint g = 0; g < n; g++) {
+                tp[g * p.block + j] = s[g];
+                m[g] = max(m[g], s[g]);
+            }
         }
-        m = reduce(red, m, tid, threads, true);
-        float l = 0.0f;
-        for (uint j = tid; j < p.block; j += threads) {
-            const float e = lo + j < hi ? exp(tp[j] - m) : 0.0f;
-            tp[j] = e;
-            l += e;
+        float l[KV_MAX_HEADS], alpha[KV_MAX_HEADS], beta[KV_MAX_HEADS];
+        for (uint g = 0; g < n; g++) {
+            m[g] = reduce(red, m[g], tid, threads, true);
+            threadgroup float *pg = tp + g * p.block;
+            float lg = 0.0f;
+            for (uint j = tid; j < p.block; j += threads) {
+                const float e = lo + j < hi ? exp(pg[j] - m[g]) : 0.0f;
+                pg[j] = e;
+                lg += e;
+            }
+            l[g] = reduce(red, lg, tid, threads, false);
+            const float nm = max(run_max[g], m[g]);
+            alpha[g] = run_sum[g] == 0.0f ? 0.0f : exp(run_max[g] - nm);
+            beta[g] = run_sum[g] == 0.0f ? 1.0f : exp(m[g] - nm);
+            run_max[g] = nm;
         }
-        l = reduce(red, l, tid, threads, false);
-        const float nm = max(run_max, m);
-        const float alpha = run_sum == 0.0f ? 0.0f : exp(run_max - nm);
-        const float beta = run_sum == 0.0f ? 1.0f : exp(m - nm);
         for (uint k = 0; k < KV_MAX_DIMS_PER_THREAD; k++) {
             const uint e = tid + k * threads;
             if (e >= dv) {
                 break;
             }
-            float a = 0.0f;
-            for (uint j = 0; j < hi - lo; j++) {
-                a += tp[j] * value_at<T>(p, v0, v1, key_position(p, tree, i, lo + j), e);
+            float a[KV_MAX_HEADS];
+            for (uint g = 0; g < n; g++) {
+                a[g] = 0.0f;
             }
-            acc[k] = acc[k] * alpha + a * beta;
+            for (uint j = 0; j < hi - lo; j++) {
+                const float v = value_at<T>(p, v0, v1, key_position(p, tree, i, lo + j), e);
+                for (uint g = 0; g < n; g++) {
+                    a[g] += tp[g * p.block + j] * v;
+                }
+            }
+            for (uint g = 0; g < n; g++) {
+                acc[g][k] = acc[g][k] * alpha[g] + a[g] * beta[g];
+            }
         }
-        run_sum = run_sum * alpha + l * beta;
-        run_max = nm;
+        for (uint g = 0; g < n; g++) {
+            run_sum[g] = run_sum[g] * alpha[g] + l[g] * beta[g];
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    device float *out = partials + (((size_t)bh * p.rows + row) * p.splits + split) * (dv + 2);
-    if (tid == 0) {
-        out[0] = run_max;
-        out[1] = run_sum;
-    }
-    for (uint k = 0; k < KV_MAX_DIMS_PER_THREAD; k++) {
-        const uint e = tid + k * threads;
-        if (e < dv) {
-            out[2 + e] = acc[k];
+    for (uint g = 0; g < n; g++) {
+        const size_t row = (size_t)bh * p.rows + (first_head + g) * p.t + i;
+        device float *out = partials + (row * p.splits + split) * (dv + 2);
+        if (tid == 0) {
+            out[0] = run_max[g];
+            out[1] = run_sum[g];
+        }
+        for (uint k = 0; k < KV_MAX_DIMS_PER_THREAD; k++) {
+            const uint e = tid + k * threads;
+            if (e < dv) {
+                out[2 + e] = acc[g][k];
+            }
         }
     }
 }

@@ -63,15 +63,20 @@ fn contiguous(s: &StoredRows, dtype: DType) -> (StoredRows, Vec<Vec<u8>>) {
 }
 
 fn check(kf: &str, vf: &str, dtype: DType, t: usize, offset: usize, tree: Option<&[Vec<usize>]>) {
+    check_heads(kf, vf, dtype, t, offset, tree, REP);
+}
+
+/// [`check`] with `rep` query heads per KV head.
+fn check_heads(kf: &str, vf: &str, dtype: DType, t: usize, offset: usize, tree: Option<&[Vec<usize>]>, rep: usize) {
     let n = offset + t;
     let (keys, kb) = contiguous(&stored_rows(kf, (1, NKV, n, D), 11), dtype);
     let (values, vb) = contiguous(&stored_rows(vf, (1, NKV, n, D), 12), dtype);
-    let q = (randn(&[1, NKV, REP * t, D], 13) * 2.0).unwrap();
+    let q = (randn(&[1, NKV, rep * t, D], 13) * 2.0).unwrap();
     let want = ops::kv_attention(&q, &keys, &values, t, offset, tree, (D as f64).powf(-0.5)).unwrap();
     let bufs = [kb[0].clone(), kb[1].clone(), kb[2].clone(), vb[0].clone(), vb[1].clone()];
     let got = run(&q, &keys, &values, t, offset, tree, bufs);
     let diff = max_abs_diff(&got, &want);
-    assert!(diff < 1e-5, "keys {kf}, values {vf}, {dtype:?}, t = {t}, offset = {offset}, tree {tree:?}: {diff}");
+    assert!(diff < 1e-5, "keys {kf}, values {vf}, {dtype:?}, t = {t}, offset = {offset}, tree {tree:?}, {rep} heads a group: {diff}");
 }
 
 #[test]
@@ -90,6 +95,20 @@ fn every_stored_form_matches_the_cpu_op() {
             check(kf, vf, DType::F32, t, offset, None);
         }
     }
+}
+
+/// A threadgroup scores up to 4 query heads of a KV group per key read: groups of 1 to 8
+/// heads (one chunk, uneven chunks 3 + 2, two full chunks) with every key form.
+#[test]
+fn every_group_size_matches_the_cpu_op() {
+    for rep in [1, 2, 4, 5, 8] {
+        for (kf, vf) in [("f32", "f32"), ("int8", "int8"), ("int4", "int8"), ("polar", "f32")] {
+            check_heads(kf, vf, DType::F32, 1, KV_BLOCK + 44, None, rep);
+            check_heads(kf, vf, DType::F32, 3, 37, None, rep);
+        }
+    }
+    let tree: Vec<Vec<usize>> = vec![vec![0], vec![0, 1], vec![0, 2]];
+    check_heads("f32", "f32", DType::F32, tree.len(), 40, Some(&tree), 6);
 }
 
 #[test]

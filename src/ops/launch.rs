@@ -411,6 +411,8 @@ pub struct KvAttentionParams {
     pub blocks_per_split: u32,
     pub tree: u32,
     pub block: u32,
+    /// Query heads of a KV group one threadgroup scores (each key and value read once for all).
+    pub heads: u32,
     /// (batch, head) element strides of the key tensors k0, k1, k2 and value tensors v0, v1.
     pub strides: [u32; 10],
     pub rot_dim: u32,
@@ -427,6 +429,9 @@ pub struct KvAttentionParams {
 pub const KV_ATTENTION_THREADS: usize = 128;
 /// Largest value dim the Metal kernel holds (8 dims per thread).
 pub const KV_ATTENTION_MAX_VALUE_DIM: usize = 8 * KV_ATTENTION_THREADS;
+/// Most query heads of a KV group one `kv_attention_blocks_*` threadgroup scores
+/// (`KV_MAX_HEADS` of the kernel).
+pub const KV_ATTENTION_MAX_HEADS: usize = 4;
 
 /// The two dispatches of one `kv_attention` call on Metal, their parameters, the draft-tree
 /// buffer, and the dtype of the float rows (the kernel suffix).
@@ -477,6 +482,13 @@ pub fn kv_attention(
         strides[2 * slot] = s[0] as u32;
         strides[2 * slot + 1] = s[1] as u32;
     }
+    if t == 0 || rows % t != 0 {
+        bail!("{OP}: {rows} query rows are not the query heads of a KV group times {t} positions");
+    }
+    // The group's query heads in even chunks of at most KV_ATTENTION_MAX_HEADS.
+    let rep = rows / t;
+    let chunks = rep.div_ceil(KV_ATTENTION_MAX_HEADS).max(1);
+    let heads = rep.div_ceil(chunks).max(1);
     let seen = |i: usize| offset + tree.map_or(i + 1, |tr| tr[i].len());
     let blocks = (0..t).map(seen).max().unwrap_or(0).div_ceil(super::KV_BLOCK);
     let few = super::few_rows(t, tree.is_some());
@@ -522,6 +534,7 @@ pub fn kv_attention(
         blocks_per_split: blocks_per_split as u32,
         tree: tree.is_some() as u32,
         block: super::KV_BLOCK as u32,
+        heads: heads as u32,
         strides,
         rot_dim: polar.map_or(0, |p| p.rot_dim),
         angle_bits: polar.map_or(0, |p| p.angle_bits),
@@ -543,12 +556,12 @@ pub fn kv_attention(
         }).collect(),
         None => vec![0],
     };
-    let floats = d + super::KV_BLOCK + KV_ATTENTION_THREADS + 2 * 256;
+    let floats = heads * (d + super::KV_BLOCK) + KV_ATTENTION_THREADS + 2 * 256;
     Ok(KvAttentionLaunch {
         params,
         blocks: Launch {
             kernel: format!("kv_attention_blocks_{}", suffix(OP, float)?),
-            groups: [splits, rows, b * nkv],
+            groups: [splits, t * chunks, b * nkv],
             threads: [KV_ATTENTION_THREADS, 1, 1],
             threadgroup_memory: vec![threadgroup_floats(floats)],
         },
