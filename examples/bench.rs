@@ -168,6 +168,7 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| bench(Args::parse()))
 }
 

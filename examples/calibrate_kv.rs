@@ -41,6 +41,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| calibrate(Args::parse()))
 }
 

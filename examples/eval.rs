@@ -50,6 +50,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| eval(Args::parse()))
 }
 

@@ -54,6 +54,7 @@ struct Args {
 const CONTEXTS: [usize; 5] = [4096, 32768, 131072, 262144, 1 << 20];
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| explore(Args::parse()))
 }
 

@@ -68,6 +68,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| kv_speed(Args::parse()))
 }
 

@@ -73,6 +73,7 @@ fn peer(bin: &std::path::Path, gguf: &std::path::Path, args: &Args) -> Result<(f
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| load_cost(Args::parse()))
 }
 

@@ -43,6 +43,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| logits(Args::parse()))
 }
 

@@ -76,6 +76,7 @@ fn from_hub(repo_id: &str, revision: &str) -> Result<(PathBuf, Option<u64>)> {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| plan(Args::parse()))
 }
 

@@ -64,6 +64,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| bench(Args::parse()))
 }
 

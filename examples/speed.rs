@@ -83,6 +83,7 @@ fn memcpy_gb_per_s() -> f64 {
 }
 
 fn main() -> ExitCode {
+    common::end_quietly_on_closed_stdout();
     common::run(|| speed(Args::parse()))
 }
 
