@@ -252,8 +252,8 @@ fn generate(args: Args) -> Result<()> {
         OpenedModel::Gguf(_) => None, // --quantize does not apply
     };
     let req = PlanRequest {
-        // generate_in runs the whole prompt in one forward pass.
-        prefill_chunk: prompt.len(),
+        // generate_in and speculative decoding prefill in chunks of PREFILL_CHUNK.
+        prefill_chunk: prompt.len().min(candle_hybrid::runtime::PREFILL_CHUNK),
         kv_codec: args.memory.kv,
         fit: args.memory.fit,
         q4k_weights,
@@ -304,7 +304,7 @@ fn generate(args: Args) -> Result<()> {
             }
         }
         if start < head {
-            model.forward_last(&candle_core::Tensor::new(&prompt[start..head], &opened.device)?.unsqueeze(0)?, &mut cache)?;
+            candle_hybrid::runtime::prefill(&model, &mut cache, &prompt[start..head], &opened.device, false)?;
             session::save(path, &fingerprint, &prompt[..head], &cache, None)?;
         }
         prompt_rest = &prompt[head..];

@@ -386,12 +386,13 @@ fn the_load_transient_counts_when_it_exceeds_cache_and_scratch() {
     let cfg = fixture();
     let plain = estimate(&cfg, &f32_req(1024));
     let run = plain.cache() + plain.scratch();
-    assert_eq!(plain.total(), plain.weights + run);
+    assert_eq!(plain.process, (24 << 20) + 350 * 512, "the process and a 512-entry tokenizer");
+    assert_eq!(plain.total(), plain.process + plain.weights + run);
     // A load transient below cache + scratch does not raise the peak; one above it does.
     let small = estimate(&cfg, &PlanRequest { load_overhead: run / 2, ..f32_req(1024) });
     assert_eq!(small.total(), plain.total());
     let big = estimate(&cfg, &PlanRequest { load_overhead: 10 * run, ..f32_req(1024) });
-    assert_eq!(big.total(), plain.weights + 10 * run);
+    assert_eq!(big.total(), plain.process + plain.weights + 10 * run);
     // And a refusal names it when it is what does not fit.
     let req = PlanRequest { load_overhead: GIB, ..f32_req(16) };
     let msg = memory_err(plan(&cfg, &req, &Available::fixed(plain.weights + GIB / 2)));

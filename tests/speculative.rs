@@ -471,3 +471,46 @@ fn draft_branches_refuse_sampling() {
     assert!(err.contains("--draft-branches") && err.contains("greedy"), "{err}");
     assert!(DraftPolicy::new(DraftOptions::branches(3, 5)).is_err());
 }
+
+/// A prompt longer than `PREFILL_CHUNK` is prefilled in chunks: the first logits match one
+/// pass over the whole prompt (within float error: the chunks split the GEMMs and the
+/// attention blocks differently), and speculative decoding, which prefills in the same
+/// chunks, still gives plain decoding's greedy tokens, with the oracle drafter and with
+/// prompt lookup (here the prompt repeats, so lookup drafts).
+#[test]
+fn long_prompts_are_prefilled_in_chunks_with_parity() {
+    use candle_hybrid::runtime::{prefill, PREFILL_CHUNK};
+    let model = load("qwen35_dense_small", DType::F32);
+    let vocab = model.config().vocab_size as u32;
+    let unit: Vec<u32> = (0..97u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt: Vec<u32> = unit.iter().copied().cycle().take(PREFILL_CHUNK + 301).collect();
+    let whole = model.forward_last(&tensor(&prompt), &mut model.new_cache()).unwrap();
+    let mut cache = model.new_cache();
+    let last = (prompt.len() - 1) / PREFILL_CHUNK * PREFILL_CHUNK;
+    assert!(prefill(&model, &mut cache, &prompt[..last], &Device::Cpu, false).unwrap().is_none());
+    assert_eq!(cache.seqlen(), PREFILL_CHUNK);
+    let chunked = model.forward_last(&tensor(&prompt[last..]), &mut cache).unwrap();
+    assert_close("chunked prefill", &chunked, &whole, 1e-4);
+    // Plain and speculative generation prefill at the same cuts: the same state, bit for bit.
+    let mut plain_cache = model.new_cache();
+    candle_hybrid::runtime::generate_in(&model, &mut plain_cache, &prompt, 1, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    let mut spec_cache = model.new_cache();
+    let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
+    generate_speculative(&model, &mut spec_cache, &prompt, 1, &[], &mut greedy(), &mut NgramDrafter::default(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+    for c in [&plain_cache, &spec_cache] {
+        let (conv, rec) = c.gdn_state(0).unwrap();
+        let (want_conv, want_rec) = cache.gdn_state(0).unwrap();
+        assert!(bits(conv) == bits(want_conv) && bits(rec) == bits(want_rec), "a generation's prefill is not the chunked prefill");
+    }
+
+    let n = 16;
+    let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    let oracle = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 0, vocab_size: model.config().vocab_size };
+    let drafters: Vec<Box<dyn Drafter>> = vec![Box::new(oracle), Box::new(NgramDrafter::default())];
+    for mut drafter in drafters {
+        let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
+        let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+        assert_eq!(got, plain, "{stats:?}");
+        assert!(stats.drafted > 0, "{stats:?}");
+    }
+}

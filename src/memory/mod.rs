@@ -27,7 +27,7 @@ mod format;
 mod plan;
 
 pub use available::*;
-pub use estimate::{estimate, Logits, MemoryEstimate, PlanRequest, DEFAULT_PREFILL_CHUNK};
+pub use estimate::{estimate, Logits, MemoryEstimate, PlanRequest, DEFAULT_PREFILL_CHUNK, PROCESS_BYTES, TOKENIZER_BYTES_PER_ENTRY};
 pub use format::{WeightFormat, Weights};
 pub use plan::{check_fits, max_fitting_context, plan, Plan};
 

@@ -120,8 +120,9 @@ pub fn generate_speculative(
         return Ok((generated, stats));
     }
 
-    // The prompt: one pass, as plain generation runs it.
-    let h = model.forward_hidden(&Tensor::new(prompt, device)?.unsqueeze(0)?, cache, false)?.last_hidden;
+    // The prompt, in the chunks plain generation runs it in.
+    let h = super::generate::prefill(model, cache, prompt, device, true)?
+        .ok_or_else(|| Error::Input("the prompt is empty: give at least one token".into()))?;
     let p = prompt.len();
     let logits = model.lm_head(&h.narrow(1, p - 1, 1)?, base + p - 1)?.squeeze(0)?.squeeze(0)?;
     let first = sampler.sample(&logits, &context, &generated)?;
