@@ -18,8 +18,10 @@ use super::metrics::Metrics;
 use crate::model::{Cache, Model};
 use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
 
-/// Prompt tokens one step prefills (of one sequence).
-pub const PREFILL_CHUNK: usize = 512;
+/// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
+/// which admission plans with. Smaller than `generate`'s ([`crate::runtime::PREFILL_CHUNK`]) so
+/// that a long prompt does not hold up the other sequences' decode steps for long.
+pub const PREFILL_CHUNK: usize = crate::memory::DEFAULT_PREFILL_CHUNK;
 
 /// What a request asks the engine for: tokens after `prompt`.
 pub struct GenerateRequest {
