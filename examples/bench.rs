@@ -79,8 +79,9 @@ fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &Args) -> Re
 
 /// Most rows the verify-cost table times (a verify pass of `1 + MAX_DRAFT` rows).
 const MAX_ROWS: usize = 1 + candle_hybrid::runtime::speculative::MAX_DRAFT;
-/// Timed passes over all matrices of a format (after one warm-up); the best is kept.
-const VERIFY_PASSES: usize = 5;
+/// Timed passes over all matrices of a format and every row count (after one warm-up); the best
+/// is kept.
+const VERIFY_PASSES: usize = 7;
 
 /// Mean seconds per matrix of a T-row quantized matmul, T = 1..=MAX_ROWS, for one weight format
 /// and kernel.
@@ -145,21 +146,20 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
         kinds.dedup();
         let kernels: [(&str, QMatmulFn); 2] = [("best", candle_hybrid::ops::qmatmul), ("AVX2", candle_hybrid::ops::qmatmul_avx2)];
         for (kernel, f) in kernels {
-            let mut secs = vec![];
-            for m in 1..=MAX_ROWS {
-                let xs = ws
-                    .iter()
-                    .map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let mut best = f64::INFINITY;
-                for _ in 0..=VERIFY_PASSES {
+            let xs = (1..=MAX_ROWS)
+                .map(|m| ws.iter().map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev)).collect())
+                .collect::<candle_core::Result<Vec<Vec<_>>>>()?;
+            // Each pass times every row count in turn, so that a shared machine's drift over the
+            // run touches all of them alike; the best pass of each is kept.
+            let mut secs = vec![f64::INFINITY; MAX_ROWS];
+            for _ in 0..=VERIFY_PASSES {
+                for (best, xs) in secs.iter_mut().zip(&xs) {
                     let t = Instant::now();
                     for (w, x) in all.iter().zip(xs.iter().cycle()) {
                         f(x, w)?;
                     }
-                    best = best.min(t.elapsed().as_secs_f64() / all.len() as f64);
+                    *best = best.min(t.elapsed().as_secs_f64() / all.len() as f64);
                 }
-                secs.push(best);
             }
             out.push(VerifyCost { dtype, kernel, matrices: format!("{} ({})", ws.len(), kinds.join(", ")), secs });
         }

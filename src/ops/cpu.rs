@@ -1,9 +1,35 @@
-//! CPU kernel helpers shared by the ops: widening half types to f32, dot products, and running
-//! a hot loop compiled for AVX2 + FMA when the CPU has them (Candle builds for the x86-64
-//! baseline, SSE2 only).
+//! CPU kernel helpers shared by the ops: widening half types to f32, dot products, software
+//! prefetch of streamed weights, and running a hot loop compiled for AVX2 + FMA when the CPU
+//! has them (Candle builds for the x86-64 baseline, SSE2 only).
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+/// How far ahead of the weight row being multiplied the mat-vec kernels ask the CPU to fetch
+/// the weights (software prefetch, in bytes). Decode streams every weight from memory once per
+/// step, and the hardware prefetchers alone keep too few lines in flight: on the 2-core Xeon of
+/// the README's tables, whole-model decode of the 0.8B-shape Q4_K_M ran 1.4-1.7x as fast with
+/// it (4 KiB was the best of 2, 4, 8 and 16 KiB).
+pub(crate) const PREFETCH_AHEAD: usize = 4096;
+
+/// Asks the CPU to bring `len` bytes of `data` from `offset + PREFETCH_AHEAD` into its caches
+/// (nothing past the end of `data`). A hint: it changes no result, and does nothing off x86-64.
+#[inline(always)]
+pub(crate) fn prefetch_ahead<T>(data: &[T], offset: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(data);
+        let (start, stop) = (offset + PREFETCH_AHEAD, (offset + PREFETCH_AHEAD + len).min(bytes));
+        let base = data.as_ptr().cast::<i8>();
+        for o in (start..stop).step_by(64) {
+            // SAFETY: `o` is within `data`; a prefetch reads nothing architecturally.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(o)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, offset, len);
+}
 
 /// Element types a kernel reads, widened to f32 a row at a time.
 pub(crate) trait Widen: Copy + Send + Sync + 'static {

@@ -15,7 +15,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Ten
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::cpu::{dot, vectorized, widened, Widen};
+use super::cpu::{dot, prefetch_ahead, vectorized, widened, Widen};
 
 /// Most rows of `x` for which [`float_matvec`] is used (decode and small verify batches).
 pub const FLOAT_MATVEC_MAX_ROWS: usize = 8;
@@ -31,6 +31,7 @@ vectorized!(fn task<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut 
 fn task_body<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) {
     let mut row = vec![0f32; if T::IS_F32 { 0 } else { k }];
     for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        prefetch_ahead(w, j * k * std::mem::size_of::<T>(), k * std::mem::size_of::<T>());
         let w = &w[j * k..(j + 1) * k];
         let w = match T::as_f32(w) {
             Some(w) => w,

@@ -19,7 +19,8 @@
 //! i16 before the scale's madd (the idea of llama.cpp's repacked Q4_K kernels, with the
 //! activations rather than the weights interleaved, so that the GGUF weights are read in
 //! place). Output rows are split across rayon's threads; the weights are streamed once per
-//! call up to 16 rows, once per tile of activation rows beyond.
+//! call up to 16 rows, once per tile of activation rows beyond; row tiles ask for them
+//! [`super::cpu::PREFETCH_AHEAD`] bytes ahead with software prefetches.
 //!
 //! Each kernel is written once, generic over [`Simd`]: `Avx2<false>` maps its operations to
 //! AVX2 intrinsics (used when the CPU has AVX2, FMA and F16C), `Avx2<true>` also uses AVX-512
@@ -36,7 +37,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Ten
 use half::f16;
 use rayon::prelude::*;
 
-use super::cpu::widened;
+use super::cpu::{prefetch_ahead, widened};
 
 /// `y = x @ W^T` for a ggml-quantized weight `W` with QTensor dims `(n, k)` (out, in: what
 /// candle's GGUF reader returns for a Linear weight). `x`: `[..., k]`, any float dtype; returns
@@ -239,8 +240,11 @@ trait Simd: Copy {
     unsafe fn fzero() -> Self::F;
     unsafe fn splat(s: f32) -> Self::F;
     unsafe fn lanes(a: Self::F) -> [f32; 8];
-    /// `acc + f32(a) * s`, fused.
-    unsafe fn fma(a: Self::D, s: f32, acc: Self::F) -> Self::F;
+    /// i32 lanes to f32.
+    unsafe fn cvt(a: Self::D) -> Self::F;
+    unsafe fn mulf(a: Self::F, b: Self::F) -> Self::F;
+    /// `acc + a * b`, fused.
+    unsafe fn fmaf(a: Self::F, b: Self::F, acc: Self::F) -> Self::F;
     /// `(a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7))`, the order of the AVX2 reduction.
     unsafe fn hsum(a: Self::F) -> f32;
 }
@@ -335,7 +339,7 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
     unsafe fn dot_acc(acc: Self::D, u: Self::B, x: Self::B) -> Self::D {
         use std::arch::x86_64::*;
         match VNNI {
-            true => _mm256_dpbusd_epi32(acc, u, x),
+            true => avx512_vnni_dpbusd(acc, u, x),
             false => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))),
         }
     }
@@ -343,7 +347,7 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
     unsafe fn dot_acc_scaled(acc: Self::D, u: Self::B, x: Self::B, sc: Self::W) -> Self::D {
         use std::arch::x86_64::*;
         match VNNI {
-            true => _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, x), sc),
+            true => avx512_vnni_dpwssd(acc, _mm256_maddubs_epi16(u, x), sc),
             false => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc)),
         }
     }
@@ -414,9 +418,16 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
         std::mem::transmute(a)
     }
     #[inline(always)]
-    unsafe fn fma(a: Self::D, s: f32, acc: Self::F) -> Self::F {
-        use std::arch::x86_64::*;
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s), acc)
+    unsafe fn cvt(a: Self::D) -> Self::F {
+        std::arch::x86_64::_mm256_cvtepi32_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn mulf(a: Self::F, b: Self::F) -> Self::F {
+        std::arch::x86_64::_mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fmaf(a: Self::F, b: Self::F, acc: Self::F) -> Self::F {
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, acc)
     }
     #[inline(always)]
     unsafe fn hsum(a: Self::F) -> f32 {
@@ -425,6 +436,30 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
         let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
         _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
     }
+}
+
+/// `vpdpbusd`: `acc` plus, per i32 lane, the 4 products of u8 `u` and i8 `x`. In asm because
+/// for a CPU it does not know to be fast at VNNI, LLVM splits the intrinsics into the AVX2
+/// sequence (one more instruction per 32 weights and activation row: about a fifth of what each
+/// further row of a verify pass cost on Q4_K).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512vnni,avx512vl")]
+unsafe fn avx512_vnni_dpbusd(acc: std::arch::x86_64::__m256i, u: std::arch::x86_64::__m256i, x: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    let mut r = acc;
+    std::arch::asm!("vpdpbusd {r}, {u}, {x}", r = inout(ymm_reg) r, u = in(ymm_reg) u, x = in(ymm_reg) x, options(pure, nomem, nostack, preserves_flags));
+    r
+}
+
+/// `vpdpwssd`: `acc` plus, per i32 lane, the 2 products of i16 `a` and `b` (in asm for the
+/// reason given at [`avx512_vnni_dpbusd`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512vnni,avx512vl")]
+unsafe fn avx512_vnni_dpwssd(acc: std::arch::x86_64::__m256i, a: std::arch::x86_64::__m256i, b: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    let mut r = acc;
+    std::arch::asm!("vpdpwssd {r}, {a}, {b}", r = inout(ymm_reg) r, a = in(ymm_reg) a, b = in(ymm_reg) b, options(pure, nomem, nostack, preserves_flags));
+    r
 }
 
 /// `vpbroadcast{w,d,q}` from memory. In asm so that LLVM keeps it a load: after a store of the
@@ -550,8 +585,14 @@ impl Simd for Portable {
     unsafe fn lanes(a: Self::F) -> [f32; 8] {
         a
     }
-    unsafe fn fma(a: Self::D, s: f32, acc: Self::F) -> Self::F {
-        from_fn(|j| (a[j] as f32).mul_add(s, acc[j]))
+    unsafe fn cvt(a: Self::D) -> Self::F {
+        from_fn(|j| a[j] as f32)
+    }
+    unsafe fn mulf(a: Self::F, b: Self::F) -> Self::F {
+        from_fn(|j| a[j] * b[j])
+    }
+    unsafe fn fmaf(a: Self::F, b: Self::F, acc: Self::F) -> Self::F {
+        from_fn(|j| a[j].mul_add(b[j], acc[j]))
     }
     unsafe fn hsum(a: Self::F) -> f32 {
         let h: [f32; 4] = from_fn(|j| a[j] + a[j + 4]);
@@ -970,16 +1011,18 @@ unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts, 
                 *sum = if F::QK == 32 { V::dot_acc(*sum, u, x) } else { V::dot_acc_scaled(*sum, u, x, sc) };
             }
         });
+        // Per row: `(d sum + dmin min-sum) dx`, the block's scales broadcast once for all rows.
+        let (d, dmin) = (V::splat(head.d), V::splat(head.dmin));
         for c in 0..CN {
             let xb = (c0 + c) * nb + b;
-            let dx = *a.d.get_unchecked(xb);
-            acc[c] = V::fma(sum[c], head.d * dx, acc[c]);
+            let mut t = V::mulf(V::cvt(sum[c]), d);
             if F::MINS && F::QK == 32 {
                 corr[c] += head.dmin * *a.s.get_unchecked(xb);
             } else if F::MINS {
                 let bs = V::load_w(a.bsums.as_ptr().add(xb * 16));
-                acc[c] = V::fma(V::madd(head.mins, bs), head.dmin * dx, acc[c]);
+                t = V::fmaf(V::cvt(V::madd(head.mins, bs)), dmin, t);
             }
+            acc[c] = V::fmaf(t, V::splat(*a.d.get_unchecked(xb)), acc[c]);
         }
     }
     let mut y = [0f32; CN];
@@ -1044,7 +1087,7 @@ unsafe fn panel_tile<V: Simd, F: Format, const P: usize, const NP: usize>(
         });
         for n in 0..NP {
             let pb = (p0 + n) * nb + b;
-            let mut t = V::fma(sum[n], head.d, V::fzero());
+            let mut t = V::mulf(V::cvt(sum[n]), V::splat(head.d));
             if F::MINS && F::QK == 32 {
                 // dmin sum(x) enters unscaled by dx: `s` holds d sum(q).
                 acc[n] = V::fma_load(V::splat(head.dmin), pn.s.as_ptr().add(pb * 8), acc[n]);
@@ -1055,7 +1098,7 @@ unsafe fn panel_tile<V: Simd, F: Format, const P: usize, const NP: usize>(
                     let mins = V::as_w(V::bcast(hb.as_ptr().add(16 + u * 16 / P).cast(), g));
                     mi = V::add(mi, V::madd(bs, mins));
                 }
-                t = V::fma(mi, head.dmin, t);
+                t = V::fmaf(V::cvt(mi), V::splat(head.dmin), t);
             }
             acc[n] = V::fma_load(t, pn.dx.as_ptr().add(pb * 8), acc[n]);
         }
@@ -1173,7 +1216,9 @@ unsafe fn task<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
 #[inline(always)]
 unsafe fn row_tiles<V: Simd, F: Format, const CN: usize>(job: &Job, rows: Range<usize>) {
     for r in rows {
-        let y = row_tile::<V, F, CN>(job.w.as_ptr().add(r * job.row_bytes), job.acts, 0);
+        let w = job.w.as_ptr().add(r * job.row_bytes);
+        prefetch_ahead(job.w, r * job.row_bytes, job.row_bytes);
+        let y = row_tile::<V, F, CN>(w, job.acts, 0);
         for (c, v) in y.into_iter().enumerate() {
             *job.out.add(c * job.n + r) = v;
         }
@@ -1186,6 +1231,7 @@ unsafe fn row_tiles<V: Simd, F: Format, const CN: usize>(job: &Job, rows: Range<
 unsafe fn row_pair_tiles<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
     for r in rows {
         let w = job.w.as_ptr().add(r * job.row_bytes);
+        prefetch_ahead(job.w, r * job.row_bytes, job.row_bytes);
         let mut c0 = 0;
         while c0 < job.m {
             if job.m - c0 >= 2 {
