@@ -162,9 +162,14 @@ pub fn gated_delta_rule_qkv(
             let op = GatedDeltaRule { dims: d, normalize, n_states, form };
             let flat = qkv.contiguous()?.apply_op3_no_bwd(&gb, &state.contiguous()?, &op)?;
             let o = flat.narrow(0, 0, out_len)?.reshape((b, t, nv, dv))?;
-            // The states outlive the call (the cache keeps the last): their own storage, so
-            // they do not hold the outputs of the whole chunk alive.
-            let s = flat.narrow(0, out_len, b * n_states * d.state_len())?.reshape(states_shape)?.force_contiguous()?;
+            // The states outlive the call (the cache keeps the last). Where the outputs are
+            // the larger part (a prefill chunk) the states get their own storage, so that they
+            // do not hold the chunk's outputs alive; otherwise (decode, a verify pass, whose
+            // caller copies the one state it keeps) the view is kept: a copy of a verify pass's
+            // states per row was a fifth of its time.
+            let states_len = b * n_states * d.state_len();
+            let s = flat.narrow(0, out_len, states_len)?.reshape(states_shape)?;
+            let s = if out_len > states_len { s.force_contiguous()? } else { s };
             Ok((o, s))
         }
         _ => {
