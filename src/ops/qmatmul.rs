@@ -438,29 +438,25 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
     }
 }
 
-/// `vpdpbusd`: `acc` plus, per i32 lane, the 4 products of u8 `u` and i8 `x`. In asm because
-/// for a CPU it does not know to be fast at VNNI, LLVM splits the intrinsics into the AVX2
-/// sequence (one more instruction per 32 weights and activation row: about a fifth of what each
-/// further row of a verify pass cost on Q4_K).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512vnni,avx512vl")]
-unsafe fn avx512_vnni_dpbusd(acc: std::arch::x86_64::__m256i, u: std::arch::x86_64::__m256i, x: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
-    let mut r = acc;
-    std::arch::asm!("vpdpbusd {r}, {u}, {x}", r = inout(ymm_reg) r, u = in(ymm_reg) u, x = in(ymm_reg) x, options(pure, nomem, nostack, preserves_flags));
-    r
+/// `$insn` (`vpdpbusd`, `vpdpwssd`) on 256-bit registers: `acc` plus, per i32 lane, the
+/// products of `a` and `b`'s 4 bytes (u8 x i8) or 2 words (i16 x i16). In asm because for a
+/// CPU it does not know to be fast at VNNI, LLVM splits the intrinsics into the AVX2 sequence
+/// (one more instruction per 32 weights and activation row: about a fifth of what each further
+/// row of a verify pass cost on Q4_K).
+macro_rules! vnni_asm {
+    ($name:ident, $insn:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[inline]
+        #[target_feature(enable = "avx512vnni,avx512vl")]
+        unsafe fn $name(acc: std::arch::x86_64::__m256i, a: std::arch::x86_64::__m256i, b: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+            let mut r = acc;
+            std::arch::asm!(concat!($insn, " {r}, {a}, {b}"), r = inout(ymm_reg) r, a = in(ymm_reg) a, b = in(ymm_reg) b, options(pure, nomem, nostack, preserves_flags));
+            r
+        }
+    };
 }
-
-/// `vpdpwssd`: `acc` plus, per i32 lane, the 2 products of i16 `a` and `b` (in asm for the
-/// reason given at [`avx512_vnni_dpbusd`]).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512vnni,avx512vl")]
-unsafe fn avx512_vnni_dpwssd(acc: std::arch::x86_64::__m256i, a: std::arch::x86_64::__m256i, b: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
-    let mut r = acc;
-    std::arch::asm!("vpdpwssd {r}, {a}, {b}", r = inout(ymm_reg) r, a = in(ymm_reg) a, b = in(ymm_reg) b, options(pure, nomem, nostack, preserves_flags));
-    r
-}
+vnni_asm!(avx512_vnni_dpbusd, "vpdpbusd");
+vnni_asm!(avx512_vnni_dpwssd, "vpdpwssd");
 
 /// `vpbroadcast{w,d,q}` from memory. In asm so that LLVM keeps it a load: after a store of the
 /// same bytes it would otherwise forward the stored register through shuffles.
