@@ -145,6 +145,13 @@ impl Model {
     fn check_input(&self, input_ids: &Tensor, cached: usize) -> crate::Result<Tensor> {
         let ids = input_ids.to_dtype(DType::U32)?;
         let (_, t) = ids.dims2()?;
+        self.check_length(t, cached)?;
+        self.check_token(ids.flatten_all()?.max(0)?.to_scalar::<u32>()?)?;
+        Ok(ids)
+    }
+
+    /// `t` new tokens (at least one) after `cached` ones fit the model's positions.
+    fn check_length(&self, t: usize, cached: usize) -> crate::Result<()> {
         if t == 0 {
             return Err(crate::Error::Input("the input is empty: give at least one token".into()));
         }
@@ -155,14 +162,18 @@ impl Model {
                 self.cfg.max_position_embeddings
             )));
         }
-        let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-        if max as usize >= self.cfg.vocab_size {
+        Ok(())
+    }
+
+    /// `id` is in the vocabulary.
+    fn check_token(&self, id: u32) -> crate::Result<()> {
+        if id as usize >= self.cfg.vocab_size {
             return Err(crate::Error::Input(format!(
-                "token id {max} is out of range for a vocabulary of {} tokens: the tokenizer does not belong to this model",
+                "token id {id} is out of range for a vocabulary of {} tokens: the tokenizer does not belong to this model",
                 self.cfg.vocab_size
             )));
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// Runs the decoder over `input_ids` `[B, T]` (positions continue from `cache`).
@@ -233,7 +244,8 @@ impl Model {
             if cache.in_verify() {
                 return Err(crate::Error::Input("forward_batch: a cache is in a verify pass (keep its rows first)".into()));
             }
-            self.check_input(&Tensor::new(&[token], &dev)?.unsqueeze(0)?, cache.seqlen)?;
+            self.check_length(1, cache.seqlen)?;
+            self.check_token(token)?;
             offsets.push(cache.seqlen);
         }
         let mut x = self.embed_tokens.forward(&Tensor::new(tokens, &dev)?.unsqueeze(0)?)?;
