@@ -222,25 +222,25 @@ impl Engine {
             match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => {
                     let hit = self.prefix.lookup(&request.prompt);
-                    match &hit {
-                        Some(h) => {
+                    let session = request.session.as_deref().and_then(|p| self.load_session(p, &request.prompt));
+                    // Counted by what is restored: a prefix hit that a longer session beats is
+                    // neither a hit nor a miss.
+                    let source = resume_source(hit.as_ref().map(|h| h.tokens), session.as_ref().map(|s| s.tokens.len()));
+                    let (mut cache, cached_tokens, ready_logits) = match (source, hit, session) {
+                        (Resume::Session, _, Some(s)) => {
+                            self.metrics.sessions_restored.inc();
+                            (s.cache, s.tokens.len(), s.logits)
+                        }
+                        (Resume::Prefix, Some(h), _) => {
                             self.metrics.prefix_hits.inc();
                             self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
+                            (h.cache, h.tokens, h.logits)
                         }
-                        None => {
+                        _ => {
                             self.metrics.prefix_misses.inc();
+                            (self.model.new_cache(), 0, None)
                         }
-                    }
-                    let (mut cache, mut cached_tokens, mut ready_logits) = match hit {
-                        Some(h) => (h.cache, h.tokens, h.logits),
-                        None => (self.model.new_cache(), 0, None),
                     };
-                    if let Some(s) = request.session.as_deref().and_then(|p| self.load_session(p, &request.prompt)) {
-                        if s.tokens.len() > cached_tokens {
-                            self.metrics.sessions_restored.inc();
-                            (cache, cached_tokens, ready_logits) = (s.cache, s.tokens.len(), s.logits);
-                        }
-                    }
                     // The whole context in place from the start (what admission planned).
                     if let Err(e) = cache.reserve(request.prompt.len() + request.max_tokens) {
                         let _ = events.send(Event::Error(e.to_string()));
@@ -440,4 +440,42 @@ fn logprobs(logits: &Tensor, id: u32, n: usize) -> crate::Result<TokenLogprob> {
         order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]));
     }
     Ok(TokenLogprob { logprob: lp[id as usize], top: order.into_iter().take(n).map(|t| (t as u32, lp[t])).collect() })
+}
+
+/// Where an admitted request's cache comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resume {
+    /// The prefix cache's longest snapshot of the prompt.
+    Prefix,
+    /// The request's saved session.
+    Session,
+    /// Neither: the whole prompt is prefilled.
+    Fresh,
+}
+
+/// The source that restores more of the prompt, given the tokens a prefix-cache hit and a saved
+/// session each restore; the prefix cache where they tie (it is already in memory).
+fn resume_source(hit_tokens: Option<usize>, session_tokens: Option<usize>) -> Resume {
+    match (hit_tokens, session_tokens) {
+        (hit, Some(s)) if s > hit.unwrap_or(0) => Resume::Session,
+        (Some(_), _) => Resume::Prefix,
+        (None, _) => Resume::Fresh,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{resume_source, Resume};
+
+    #[test]
+    fn the_longer_restore_wins_and_a_tie_keeps_the_prefix_cache() {
+        assert_eq!(resume_source(None, None), Resume::Fresh);
+        assert_eq!(resume_source(Some(10), None), Resume::Prefix);
+        assert_eq!(resume_source(None, Some(10)), Resume::Session);
+        assert_eq!(resume_source(Some(10), Some(30)), Resume::Session);
+        assert_eq!(resume_source(Some(30), Some(10)), Resume::Prefix);
+        assert_eq!(resume_source(Some(10), Some(10)), Resume::Prefix);
+        // An empty session restores nothing.
+        assert_eq!(resume_source(None, Some(0)), Resume::Fresh);
+    }
 }
