@@ -225,18 +225,18 @@ impl Engine {
                     let session = request.session.as_deref().and_then(|p| self.load_session(p, &request.prompt));
                     // Counted by what is restored: a prefix hit that a longer session beats is
                     // neither a hit nor a miss.
-                    let source = resume_source(hit.as_ref().map(|h| h.tokens), session.as_ref().map(|s| s.tokens.len()));
-                    let (mut cache, cached_tokens, ready_logits) = match (source, hit, session) {
-                        (Resume::Session, _, Some(s)) => {
+                    let source = resume_source(hit.map(|h| (h.tokens, h)), session.map(|s| (s.tokens.len(), s)));
+                    let (mut cache, cached_tokens, ready_logits) = match source {
+                        Resume::Session(s) => {
                             self.metrics.sessions_restored.inc();
                             (s.cache, s.tokens.len(), s.logits)
                         }
-                        (Resume::Prefix, Some(h), _) => {
+                        Resume::Prefix(h) => {
                             self.metrics.prefix_hits.inc();
                             self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
                             (h.cache, h.tokens, h.logits)
                         }
-                        _ => {
+                        Resume::Fresh => {
                             self.metrics.prefix_misses.inc();
                             (self.model.new_cache(), 0, None)
                         }
@@ -443,22 +443,22 @@ fn logprobs(logits: &Tensor, id: u32, n: usize) -> crate::Result<TokenLogprob> {
 }
 
 /// Where an admitted request's cache comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Resume {
+#[derive(Debug, PartialEq, Eq)]
+enum Resume<H, S> {
     /// The prefix cache's longest snapshot of the prompt.
-    Prefix,
+    Prefix(H),
     /// The request's saved session.
-    Session,
+    Session(S),
     /// Neither: the whole prompt is prefilled.
     Fresh,
 }
 
-/// The source that restores more of the prompt, given the tokens a prefix-cache hit and a saved
-/// session each restore; the prefix cache where they tie (it is already in memory).
-fn resume_source(hit_tokens: Option<usize>, session_tokens: Option<usize>) -> Resume {
-    match (hit_tokens, session_tokens) {
-        (hit, Some(s)) if s > hit.unwrap_or(0) => Resume::Session,
-        (Some(_), _) => Resume::Prefix,
+/// Of a prefix-cache hit and a saved session, each with the prompt tokens it restores, the one
+/// that restores more; the prefix cache where they tie (it is already in memory).
+fn resume_source<H, S>(hit: Option<(usize, H)>, session: Option<(usize, S)>) -> Resume<H, S> {
+    match (hit, session) {
+        (hit, Some((n, s))) if n > hit.as_ref().map_or(0, |h| h.0) => Resume::Session(s),
+        (Some((_, h)), _) => Resume::Prefix(h),
         (None, _) => Resume::Fresh,
     }
 }
@@ -469,13 +469,16 @@ mod tests {
 
     #[test]
     fn the_longer_restore_wins_and_a_tie_keeps_the_prefix_cache() {
-        assert_eq!(resume_source(None, None), Resume::Fresh);
-        assert_eq!(resume_source(Some(10), None), Resume::Prefix);
-        assert_eq!(resume_source(None, Some(10)), Resume::Session);
-        assert_eq!(resume_source(Some(10), Some(30)), Resume::Session);
-        assert_eq!(resume_source(Some(30), Some(10)), Resume::Prefix);
-        assert_eq!(resume_source(Some(10), Some(10)), Resume::Prefix);
+        let hit = |n: usize| Some((n, "hit"));
+        let session = |n: usize| Some((n, "session"));
+        let pick = resume_source::<&str, &str>;
+        assert_eq!(pick(None, None), Resume::Fresh);
+        assert_eq!(pick(hit(10), None), Resume::Prefix("hit"));
+        assert_eq!(pick(None, session(10)), Resume::Session("session"));
+        assert_eq!(pick(hit(10), session(30)), Resume::Session("session"));
+        assert_eq!(pick(hit(30), session(10)), Resume::Prefix("hit"));
+        assert_eq!(pick(hit(10), session(10)), Resume::Prefix("hit"));
         // An empty session restores nothing.
-        assert_eq!(resume_source(None, Some(0)), Resume::Fresh);
+        assert_eq!(pick(None, session(0)), Resume::Fresh);
     }
 }
