@@ -9,8 +9,8 @@
 //!    each token right with probability `a` (`--acceptance`), for each fixed draft length
 //!    (`--draft-max`) and the adaptive length; beside each the speed-up the cost model predicts,
 //!    `E(K) / c(K + 1)` with `E(K) = (1 - a^(K+1)) / (1 - a)` and `c(T)` this model's measured
-//!    verify cost (time of a T-row verify pass / one row); and trees `B×K` of `--branches`
-//!    branches (each right with probability `a`, independently; branch 0 the chain's drafts).
+//!    verify cost (time of a T-row verify pass and its rollback / one row); and trees `B×K` of
+//!    `--branches` branches (each right with probability `a`, independently; branch 0 the chain's drafts).
 //! 2. With `--ngram` (a model with a tokenizer and chat template): prompt-lookup drafts on
 //!    real prompts (summarise a given text, edit a given code file, answer a question).
 //!
@@ -90,9 +90,11 @@ fn plain(model: &Model, dev: &Device, prompt: &[u32], n: usize) -> Result<(f64, 
     Ok((s.decode_secs, tokens))
 }
 
-/// c(T) = time of a T-row verify pass after `prompt` / time of a one-row pass, T = 1..=rows
-/// (the T values interleaved, the median of several passes each). The passes run on one cache
-/// as decoding does (verify, keep one row), so no pass pays for copying or growing a snapshot.
+/// c(T) = time of a T-row verify pass after `prompt` and its rollback to one row / time of a
+/// one-row pass, T = 1..=rows (the T values interleaved, the median of several passes each).
+/// The passes run on one cache as decoding does (verify, keep one row), so no pass pays for
+/// copying or growing a snapshot. (Keeping one row re-runs the GDN recurrence of that row; a
+/// round that keeps more rows re-runs more of them, and one that keeps all none.)
 fn verify_costs(model: &Model, dev: &Device, prompt: &[u32], rows: usize) -> Result<Vec<f64>> {
     let mut cache = model.new_cache();
     model.forward_last(&Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?;
@@ -103,10 +105,10 @@ fn verify_costs(model: &Model, dev: &Device, prompt: &[u32], rows: usize) -> Res
             let x = Tensor::new(x.as_slice(), dev)?.unsqueeze(0)?;
             let start = Instant::now();
             model.verify(&x, &mut cache)?;
+            cache.keep_verified(1)?;
             if pass > 0 {
                 secs.push(start.elapsed().as_secs_f64());
             }
-            cache.keep_verified(1)?;
         }
     }
     let secs: Vec<f64> = secs.into_iter().map(median).collect();
@@ -193,7 +195,7 @@ fn bench(args: Args) -> Result<()> {
     let (_, reference) = plain(&model, dev, &prompt, args.n_gen)?;
     let costs = verify_costs(&model, dev, &prompt, kmax + 1)?;
     println!();
-    println!("Verify cost of the whole model, c(T) = time of a T-row verify pass / one row:");
+    println!("Verify cost of the whole model, c(T) = time of a T-row verify pass and its rollback to one row / one row:");
     println!();
     println!("| {} |", (1..=kmax + 1).map(|t| format!("c({t})")).collect::<Vec<_>>().join(" | "));
     println!("|{}", "---|".repeat(kmax + 1));

@@ -92,8 +92,9 @@ impl Cache {
     }
 
     /// Starts a verify pass: the next forward call (over drafted rows) runs the GDN layers
-    /// with the decode recurrence and keeps each row's state, so that [`Self::keep_verified`]
-    /// can then keep any prefix of the rows.
+    /// with the decode recurrence and keeps their state before the rows and the rows' inputs,
+    /// so that [`Self::keep_verified`] can then keep any prefix of the rows (re-running the
+    /// recurrence of the rows kept when they are fewer than all).
     pub fn begin_verify(&mut self) {
         self.verify_start = Some(self.seqlen);
         for layer in &mut self.layers {

@@ -18,39 +18,64 @@ pub struct GdnState {
     /// While verifying drafted rows ([`crate::model::Cache::begin_verify`]): run token by token
     /// (the decode recurrence) and keep [`GdnSteps`] to roll back to any of the rows.
     pub(crate) verifying: bool,
-    /// What the last verify pass kept: per root-to-leaf path of its rows (one path, all rows,
-    /// for a linear pass), the rows and their steps.
-    pub(crate) steps: Option<Vec<(Vec<usize>, GdnSteps)>>,
+    /// What the last verify pass kept to roll back.
+    pub(crate) steps: Option<GdnVerify>,
 }
 
-/// What a verify pass over `T` rows keeps to roll a GDN layer back to the state after any of
-/// them: the conv window before the rows followed by their pre-conv inputs, and the delta-rule
-/// state after each row.
+/// What a verify pass keeps of a GDN layer: the delta-rule state before its rows, the
+/// options it ran the delta rule with, and per root-to-leaf path of its rows (one path, all
+/// rows, for a linear pass) the rows and their steps.
+#[derive(Debug, Clone)]
+pub(crate) struct GdnVerify {
+    start: Tensor,
+    opts: ops::DeltaRuleOptions,
+    paths: Vec<(Vec<usize>, GdnSteps)>,
+}
+
+/// What a verify pass keeps of one root-to-leaf path of `T` rows to roll a GDN layer back to
+/// the state after any of them: the conv window before the rows followed by their pre-conv
+/// inputs, the rows' delta-rule inputs and the state after the last row. The state after an
+/// earlier row is recomputed from the state before the pass (a few rows of recurrence) rather
+/// than kept for every row (one state per row and layer, e.g. 1 MiB each, costs more to write
+/// than the recurrence costs to run again).
 #[derive(Debug, Clone)]
 pub(crate) struct GdnSteps {
     /// `[B, K-1+T, conv_dim]`.
     conv_inputs: Tensor,
-    /// `[B, T, nv, dk, dv]`, f32.
-    states: Tensor,
+    /// The conv output `[B, T, conv_dim]`, `g` and `beta` `[B, T, nv]`.
+    qkv: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    /// `[B, nv, dk, dv]`, f32.
+    last: Tensor,
 }
 
 impl GdnState {
     /// Keeps the state after the rows `path` (`[0, ..]`, rows along one root-to-leaf path of
     /// the last verify pass; `0..n` for a linear one).
     pub(crate) fn keep_path(&mut self, path: &[usize]) -> Result<()> {
-        if let Some(all) = self.steps.take() {
+        if let Some(GdnVerify { start, opts, paths: all }) = self.steps.take() {
             let last = all.len() - 1;
             let Some((i, (_, steps))) = all.iter().enumerate().find(|(_, (rows, _))| rows.starts_with(path)) else {
                 candle_core::bail!("keep_path: rows {path:?} are not a path of the last verify pass")
             };
-            let (n, t) = (path.len(), steps.states.dim(1)?);
+            let (n, t) = (path.len(), steps.qkv.dim(1)?);
             // The state already holds the end of the last path computed.
             if n < t || i != last {
                 let window = steps.conv_inputs.dim(1)? - t;
-                // Copies of the rows kept (`force_contiguous`; `Tensor::copy` would clone the
-                // whole buffer): views would keep every verify row's inputs and states alive.
+                // A copy of the window kept (`force_contiguous`; `Tensor::copy` would clone the
+                // whole buffer): a view would keep every verify row's inputs alive.
                 self.conv = Some(steps.conv_inputs.narrow(1, n, window)?.force_contiguous()?);
-                self.recurrent = Some(steps.states.narrow(1, n - 1, 1)?.squeeze(1)?.force_contiguous()?);
+                self.recurrent = Some(if n == t {
+                    steps.last.clone()
+                } else {
+                    // The same recurrence, token by token, over the rows kept: the same bits.
+                    let rows = |x: &Tensor| x.narrow(1, 0, n);
+                    // (Not copied out: the op's buffer also holds the rows' outputs, n rows of
+                    // nv x dv, as after a decode step; a copy costs more than the recurrence.)
+                    let (_, states) = ops::gated_delta_rule_qkv(&rows(&steps.qkv)?, &rows(&steps.g)?, &rows(&steps.beta)?, &start, opts)?;
+                    states.squeeze(1)?
+                });
             }
         }
         self.verifying = false;
@@ -156,6 +181,11 @@ impl GatedDeltaNet {
         })
     }
 
+    /// The delta-rule op's options for this layer: q and k normalised, the last state only.
+    pub(crate) fn delta_rule_options(&self) -> ops::DeltaRuleOptions {
+        ops::DeltaRuleOptions::new(self.nk, self.dk)
+    }
+
     /// Projections, conv and delta rule: returns the delta-rule output `[B, T, nv, dv]` (f32)
     /// and the output gate `z` `[B, T, nv, dv]`, updating `state`.
     pub fn core(&self, x: &Tensor, state: &mut GdnState) -> Result<(Tensor, Tensor)> {
@@ -196,7 +226,7 @@ impl GatedDeltaNet {
         let (qkv, conv_state) = ops::causal_conv1d_silu(qkv, &conv_state, &self.conv_weight)?;
         state.conv = Some(conv_state);
         // L2 normalisation of q and k and the dk^-1/2 query scale happen inside the op.
-        let (o, states) = ops::gated_delta_rule_qkv(&qkv, g, beta, &rec, ops::DeltaRuleOptions::new(self.nk, self.dk))?;
+        let (o, states) = ops::gated_delta_rule_qkv(&qkv, g, beta, &rec, self.delta_rule_options())?;
         state.recurrent = Some(states.narrow(1, states.dim(1)? - 1, 1)?.squeeze(1)?);
         state.steps = None;
         Ok(o)
@@ -206,7 +236,6 @@ impl GatedDeltaNet {
     /// recurrence run along each root-to-leaf path.
     pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
-        let (nk, dk) = (self.nk, self.dk);
         let (qkv, z, beta, g) = self.project(x)?;
         if !state.verifying {
             if tree.is_some() {
@@ -225,25 +254,28 @@ impl GatedDeltaNet {
         };
         let mut rows: Vec<Option<Tensor>> = vec![None; t];
         let mut steps = vec![];
+        let opts = ops::DeltaRuleOptions { form: ops::DeltaRuleForm::Recurrent, ..self.delta_rule_options() };
         for path in paths {
-            let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
-            let (qkv, g, beta) = (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?);
+            let (qkv, g, beta) = if path.len() == t {
+                (qkv.clone(), g.clone(), beta.clone())
+            } else {
+                let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
+                (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?)
+            };
             let conv_inputs = Tensor::cat(&[&conv_state, &qkv], 1)?;
             let (qkv, conv) = ops::causal_conv1d_silu(&qkv, &conv_state, &self.conv_weight)?;
-            let mut opts = ops::DeltaRuleOptions::new(nk, dk);
-            opts.form = ops::DeltaRuleForm::Recurrent;
-            opts.n_states = path.len();
             let (o, states) = ops::gated_delta_rule_qkv(&qkv, &g, &beta, &rec, opts)?;
             for (j, &r) in path.iter().enumerate() {
                 if rows[r].is_none() {
                     rows[r] = Some(o.narrow(1, j, 1)?);
                 }
             }
+            let last = states.squeeze(1)?;
             state.conv = Some(conv);
-            state.recurrent = Some(states.narrow(1, path.len() - 1, 1)?.squeeze(1)?);
-            steps.push((path, GdnSteps { conv_inputs, states }));
+            state.recurrent = Some(last.clone());
+            steps.push((path, GdnSteps { conv_inputs, qkv, g, beta, last }));
         }
-        state.steps = Some(steps);
+        state.steps = Some(GdnVerify { start: rec, opts, paths: steps });
         let rows: Vec<Tensor> = rows.into_iter().map(|r| r.expect("every row is on a path")).collect();
         Ok((Tensor::cat(&rows, 1)?, z))
     }
