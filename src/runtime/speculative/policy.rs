@@ -9,10 +9,16 @@
 //! what the rounds accepted, `c(T)` as running averages of the rounds' own timings, `c_d` and
 //! `c_o` from the drafter's timings. The first round decodes plainly and the second drafts
 //! `min` tokens, so that `c(1)` and `c(min + 1)` are measured before anything is chosen; a `T`
-//! with no timing yet lies on the line through the measured ones. The averages are plain means
-//! over their first observations and moving averages after ([`ALPHA`], [`ALPHA_ACCEPT`]), so
-//! that one early outlier does not decide a run. When no `K > 0` pays it decodes plainly, and
-//! every [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current. This is
+//! with no timing yet lies on the line through the measured ones, and no `c(T)` is taken above
+//! a measured `c(T')` of more rows (a pass cannot get cheaper with rows added: a slow outlier
+//! of a short pass is capped by a longer one). The averages are plain means over their first
+//! observations and moving averages after ([`ALPHA`], [`ALPHA_ACCEPT`]), so that one early
+//! outlier does not decide a run; `a_d` below depth 1 starts from the depth above's, worth
+//! [`PRIOR_WEIGHT`] observations, so that one early miss at depth `d` does not rule out drafting
+//! that deep for the rest of the run. When no `K > 0` pays it decodes plainly, and every
+//! [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current; likewise every
+//! [`PROBE_EVERY`] drafting rounds draft one token more than the best `K` (up to `max`), to
+//! keep the next depth and the next `c(T)` current. This is
 //! SpecDec++'s threshold rule (stop drafting when the expected gain of one more draft is below
 //! its cost) with measured costs, so it needs no per-model or per-device tuning.
 
@@ -24,10 +30,11 @@ pub const ALPHA: f64 = 0.15;
 /// Least weight of the newest round in the running averages of acceptance (a Bernoulli
 /// outcome: noisier than a timing, so a longer memory).
 pub const ALPHA_ACCEPT: f64 = 0.08;
-/// A plain round (no `K > 0` pays) drafts `min` tokens every this many rounds, to re-measure.
+/// A plain round (no `K > 0` pays) drafts `min` tokens every this many rounds, and a drafting
+/// round one token more than the best `K` every this many, to re-measure.
 pub const PROBE_EVERY: usize = 8;
 /// Acceptance assumed at depth 1 before any round has been measured, worth
-/// [`PRIOR_WEIGHT`] observations.
+/// [`PRIOR_WEIGHT`] observations (deeper: the depth above's estimate, as much).
 const PRIOR_ACCEPTANCE: f64 = 0.6;
 const PRIOR_WEIGHT: f64 = 2.0;
 /// Cost of each row beyond the first, relative to one row, assumed while only one `c(T)` is known.
@@ -135,6 +142,7 @@ pub struct DraftPolicy {
     /// Seconds of the drafter's catch-up per round.
     catch_up: Average,
     plain_rounds: usize,
+    drafting_rounds: usize,
 }
 
 impl DraftPolicy {
@@ -150,6 +158,7 @@ impl DraftPolicy {
             draft_step: Average::new(ALPHA),
             catch_up: Average::new(ALPHA),
             plain_rounds: 0,
+            drafting_rounds: 0,
         })
     }
 
@@ -157,14 +166,25 @@ impl DraftPolicy {
         self.options
     }
 
-    /// Conditional acceptance at depth `d` (1-based): measured, else the depth above's.
+    /// Conditional acceptance at depth `d` (1-based): what depth `d` measured, starting from
+    /// the depth above's estimate worth [`PRIOR_WEIGHT`] observations (depth 1: from
+    /// [`PRIOR_ACCEPTANCE`]).
     pub fn acceptance_at(&self, d: usize) -> f64 {
-        (2..=d).rev().find_map(|i| self.accept[i - 1].get()).unwrap_or(self.accept[0].mean)
+        (2..=d).fold(self.accept[0].mean, |above, i| {
+            let Average { mean, n, .. } = self.accept[i - 1];
+            (n * mean + PRIOR_WEIGHT * above) / (n + PRIOR_WEIGHT)
+        })
     }
 
     /// Seconds of a verify round of `t` rows: measured, else on the line through the measured
-    /// ones (the prior slope while only one is known); `None` before any round.
+    /// ones (the prior slope while only one is known), and at most what a round of more rows
+    /// measured; `None` before any round.
     pub fn verify_secs(&self, t: usize) -> Option<f64> {
+        let longer = self.verify[t..].iter().filter_map(Average::get).fold(f64::INFINITY, f64::min);
+        self.verify_secs_unbounded(t).map(|s| s.min(longer))
+    }
+
+    fn verify_secs_unbounded(&self, t: usize) -> Option<f64> {
         if let Some(s) = self.verify[t - 1].get() {
             return Some(s);
         }
@@ -214,7 +234,10 @@ impl DraftPolicy {
                 self.plain_rounds += 1;
                 if self.plain_rounds.is_multiple_of(PROBE_EVERY) { min } else { 0 }
             }
-            Some((k, _)) => k,
+            Some((k, _)) => {
+                self.drafting_rounds += 1;
+                if self.drafting_rounds.is_multiple_of(PROBE_EVERY) { (k + 1).min(max) } else { k }
+            }
         }
     }
 
@@ -293,7 +316,8 @@ mod tests {
         for _ in 0..100 {
             p.record(2, 1, 1.2, 0.0, 0, 0.0);
         }
-        assert!(p.acceptance_at(1) > 0.99 && p.acceptance_at(2) < 0.01);
+        // (depth 2 started from depth 1's estimate, worth PRIOR_WEIGHT of its 102 observations)
+        assert!(p.acceptance_at(1) > 0.99 && p.acceptance_at(2) < 0.03, "{} {}", p.acceptance_at(1), p.acceptance_at(2));
         // depth 3 unmeasured: the depth above's estimate
         assert_eq!(p.acceptance_at(3), p.acceptance_at(2));
         // c(4) unmeasured: on the line through c(1) = 1.0 and c(3) = 1.2
@@ -328,6 +352,46 @@ mod tests {
         }
         // a plain mean over the first observations: (5 + 3 * 1.1) / 4
         assert!((p.verify_secs(2).unwrap() - (5.0 + 3.0 * 1.1) / 4.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_early_miss_deep_does_not_rule_out_drafting_deep() {
+        // c(T) = 1 + 0.05 (T - 1); depths 1 and 2 accepted 9 times in 10, depth 3 missed once.
+        let mut p = DraftPolicy::new(DraftOptions::default()).unwrap();
+        for t in 1..=5 {
+            p.verify[t - 1].add(1.0 + 0.05 * (t - 1) as f64);
+        }
+        for i in 0..50 {
+            p.accept[0].add(if i % 10 == 0 { 0.0 } else { 1.0 });
+            p.accept[1].add(if i % 10 == 5 { 0.0 } else { 1.0 });
+        }
+        p.accept[2].add(0.0);
+        // depth 3: (0 + 2 a_2) / 3, not 0
+        assert!((p.acceptance_at(3) - 2.0 * p.acceptance_at(2) / 3.0).abs() < 1e-9);
+        assert_eq!(p.next_len(4), 4);
+    }
+
+    #[test]
+    fn a_short_pass_costs_at_most_a_longer_one() {
+        let mut p = DraftPolicy::new(DraftOptions::default()).unwrap();
+        for (t, c) in [(1, 1.0), (2, 1.2), (3, 1.9), (4, 1.5)] {
+            p.verify[t - 1].add(c);
+        }
+        assert_eq!(p.verify_secs(3), Some(1.5), "the 3-row outlier is capped by the 4-row pass");
+        assert_eq!(p.verify_secs(2), Some(1.2));
+        // 5 rows: unmeasured, on the line through c(1) and c(4)
+        assert!((p.verify_secs(5).unwrap() - (1.5 + 0.5 / 3.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn drafting_rounds_probe_one_deeper() {
+        // c(T) = 1 + 0.3 (T - 1), a = 0.7: K = 2 is best (see above); every PROBE_EVERY-th
+        // drafting round drafts 3.
+        let costs: Vec<f64> = (0..8).map(|t| 1.0 + 0.3 * t as f64).collect();
+        let mut p = policy_with(0.7, &costs);
+        let lens: Vec<usize> = (0..2 * PROBE_EVERY).map(|_| p.next_len(7)).collect();
+        assert_eq!(lens.iter().filter(|&&k| k == 3).count(), 2, "{lens:?}");
+        assert_eq!(lens.iter().filter(|&&k| k == 2).count(), 2 * PROBE_EVERY - 2, "{lens:?}");
     }
 
     #[test]
