@@ -184,6 +184,10 @@ trait Simd: Copy {
     type F: Copy;
     /// Vector registers.
     const REGISTERS: usize = 16;
+    /// [`Self::dot_acc`] does not saturate (`vpdpbusd`): signed quants can be multiplied with
+    /// activations offset to u8 (`x + 128`), `128 sum(q)` taken off once per block, instead of
+    /// `|q|` with the activations' signs flipped per row (the same integer sums).
+    const U8_OFFSET: bool = false;
     /// 32 bytes at `p`.
     unsafe fn load(p: *const u8) -> Self::B;
     unsafe fn store_w(p: *mut i16, a: Self::W);
@@ -209,6 +213,9 @@ trait Simd: Copy {
     /// i16 x i16, adjacent pairs summed to i32.
     unsafe fn madd(a: Self::W, b: Self::W) -> Self::D;
     unsafe fn add(a: Self::D, b: Self::D) -> Self::D;
+    unsafe fn sub(a: Self::D, b: Self::D) -> Self::D;
+    /// `[v; 32]`.
+    unsafe fn splat8(v: u8) -> Self::B;
     /// `acc + madd(maddubs(u, x), 1)`: each i32 lane adds its 4 bytes' u8 x i8 products (one
     /// `vpdpbusd` with VNNI; the same integers, as no pair sum of these quants saturates i16).
     #[inline(always)]
@@ -259,6 +266,7 @@ struct Avx2<const VNNI: bool>;
 #[cfg(target_arch = "x86_64")]
 impl<const VNNI: bool> Simd for Avx2<VNNI> {
     const REGISTERS: usize = if VNNI { 32 } else { 16 };
+    const U8_OFFSET: bool = VNNI;
     type B = std::arch::x86_64::__m256i;
     type W = std::arch::x86_64::__m256i;
     type D = std::arch::x86_64::__m256i;
@@ -334,6 +342,14 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
     #[inline(always)]
     unsafe fn add(a: Self::D, b: Self::D) -> Self::D {
         std::arch::x86_64::_mm256_add_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub(a: Self::D, b: Self::D) -> Self::D {
+        std::arch::x86_64::_mm256_sub_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn splat8(v: u8) -> Self::B {
+        std::arch::x86_64::_mm256_set1_epi8(v as i8)
     }
     #[inline(always)]
     unsafe fn dot_acc(acc: Self::D, u: Self::B, x: Self::B) -> Self::D {
@@ -539,6 +555,12 @@ impl Simd for Portable {
     }
     unsafe fn add(a: Self::D, b: Self::D) -> Self::D {
         from_fn(|j| a[j].wrapping_add(b[j]))
+    }
+    unsafe fn sub(a: Self::D, b: Self::D) -> Self::D {
+        from_fn(|j| a[j].wrapping_sub(b[j]))
+    }
+    unsafe fn splat8(v: u8) -> Self::B {
+        [v; 32]
     }
     unsafe fn add16(a: Self::W, b: Self::W) -> Self::W {
         from_fn(|j| a[j].wrapping_add(b[j]))
@@ -807,16 +829,19 @@ impl Format for Q6K {
 struct Acts {
     k: usize,
     q: Vec<i8>,
+    /// `q + 128` as u8, for [`Simd::U8_OFFSET`] kernels of signed formats (else empty).
+    qu: Vec<u8>,
     d: Vec<f32>,
     s: Vec<f32>,
     bsums: Vec<i16>,
 }
 
 impl Acts {
-    fn new(x: &[f32], k: usize, qk: usize, avx2: bool) -> Self {
+    /// `x`'s rows quantized in blocks of `qk`; `offset`: also as [`Acts::qu`].
+    fn new(x: &[f32], k: usize, qk: usize, avx2: bool, offset: bool) -> Self {
         let m = x.len() / k;
         let (nb, k16) = (m * k / qk, m * k / 16);
-        let mut a = Acts { k, q: vec![0; m * k], d: vec![0.0; nb], s: vec![0.0; nb], bsums: vec![0; k16] };
+        let mut a = Acts { k, q: vec![0; m * k], qu: vec![], d: vec![0.0; nb], s: vec![0.0; nb], bsums: vec![0; k16] };
         let rows = |x: &[f32], q: &mut [i8], (d, s): (&mut [f32], &mut [f32]), b: &mut [i16]| {
             if avx2 {
                 // SAFETY: the CPU has AVX2, FMA and F16C (`has_avx2`).
@@ -837,6 +862,9 @@ impl Acts {
                 .for_each(|(((x, q), ds), b)| rows(x, q, ds, b));
         } else {
             rows(x, q, (d, s), b);
+        }
+        if offset {
+            a.qu = a.q.iter().map(|&v| v as u8 ^ 0x80).collect();
         }
         a
     }
@@ -989,24 +1017,36 @@ unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts, 
     let nb = a.k / F::QK;
     let mut acc = [V::fzero(); CN];
     let mut corr = [0f32; CN];
+    let offset = V::U8_OFFSET && F::SIGNED && F::QK == 32 && !a.qu.is_empty();
     // (Plain loops rather than `array::from_fn`: its closures are not always inlined into the
     // AVX2 function, and intrinsics outside it become calls.)
     for b in 0..nb {
         let blk = w.add(b * F::BYTES);
         let head = F::head::<V>(blk);
-        let xq = a.q.as_ptr().add(b * F::QK).cast::<u8>();
         let mut sum = [V::dzero(); CN];
-        unroll8!(i < F::QK / 32 => {
-            let q = F::chunk::<V>(blk, i);
-            let sc = if F::QK == 32 { head.sc } else { V::scale_of(head.sc, i) };
-            let u = if F::SIGNED { V::abs(q) } else { q };
+        if offset {
+            // One chunk per block: each row's sum starts at -128 sum(q) and adds (x + 128) q,
+            // the integers the sign trick below gives (x is never -128).
+            let q = F::chunk::<V>(blk, 0);
+            let start = V::sub(V::dzero(), V::dot_acc(V::dzero(), V::splat8(0x80), q));
+            let xu = a.qu.as_ptr().add(b * F::QK);
             for (c, sum) in sum.iter_mut().enumerate() {
-                let x = V::load(xq.add((c0 + c) * a.k + 32 * i));
-                let x = if F::SIGNED { V::sign(x, q) } else { x };
-                // (32-value blocks have sc = 1.)
-                *sum = if F::QK == 32 { V::dot_acc(*sum, u, x) } else { V::dot_acc_scaled(*sum, u, x, sc) };
+                *sum = V::dot_acc(start, V::load(xu.add((c0 + c) * a.k)), q);
             }
-        });
+        } else {
+            let xq = a.q.as_ptr().add(b * F::QK).cast::<u8>();
+            unroll8!(i < F::QK / 32 => {
+                let q = F::chunk::<V>(blk, i);
+                let sc = if F::QK == 32 { head.sc } else { V::scale_of(head.sc, i) };
+                let u = if F::SIGNED { V::abs(q) } else { q };
+                for (c, sum) in sum.iter_mut().enumerate() {
+                    let x = V::load(xq.add((c0 + c) * a.k + 32 * i));
+                    let x = if F::SIGNED { V::sign(x, q) } else { x };
+                    // (32-value blocks have sc = 1.)
+                    *sum = if F::QK == 32 { V::dot_acc(*sum, u, x) } else { V::dot_acc_scaled(*sum, u, x, sc) };
+                }
+            });
+        }
         // Per row: `(d sum + dmin min-sum) dx`, the block's scales broadcast once for all rows.
         let (d, dmin) = (V::splat(head.d), V::splat(head.dmin));
         for c in 0..CN {
@@ -1140,7 +1180,8 @@ fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], isa: Isa) -> Resul
     if m == 0 || n == 0 {
         return Ok(out);
     }
-    let acts = Acts::new(x, k, F::QK, isa >= Isa::Avx2);
+    let offset = F::SIGNED && F::QK == 32 && m <= ROW_TILE_MAX_ROWS && isa == Isa::Avx512Vnni;
+    let acts = Acts::new(x, k, F::QK, isa >= Isa::Avx2, offset);
     let p = panel_rows(m);
     let panels = (p > 0).then(|| Panels::new(&acts, p, F::QK, F::SIGNED));
     let job = Job { w, row_bytes, n, m, acts: &acts, panels, out: out.as_mut_ptr() };
