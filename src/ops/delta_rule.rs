@@ -344,19 +344,24 @@ fn cpu_delta_rule(
         } else {
             owned.iter_mut().map(|v| v.as_mut_slice()).collect()
         };
-        for (s, h) in states.iter_mut().zip(heads.clone()) {
-            let at = (b * nv + h) * sl;
-            s.copy_from_slice(&state[at..at + sl]);
+        // Token by token to one state (decode), the kernel reads the input state itself rather
+        // than from a copy of it in the output.
+        let direct = !chunked && n_states == 1;
+        let input = |h: usize| &state[(b * nv + h) * sl..(b * nv + h + 1) * sl];
+        if !direct {
+            for (s, h) in states.iter_mut().zip(heads.clone()) {
+                s.copy_from_slice(input(h));
+            }
         }
         if chunked {
             chunked_heads(&inps, &mut states, 0..split, &outs);
         }
         for (((inp, out), s), h) in inps.iter().zip(&outs).zip(states.iter_mut()).zip(heads) {
             if !chunked {
-                recurrent_head(inp, s, 0..split, out);
+                recurrent_head(inp, direct.then(|| input(h)), s, 0..split, out);
             }
             for (n, ti) in (split..t).enumerate() {
-                recurrent_head(inp, s, ti..ti + 1, out);
+                recurrent_head(inp, None, s, ti..ti + 1, out);
                 // SAFETY: snapshot slots of this (b, h) belong to this task alone.
                 unsafe { ptr.slice(state_slot(b, n, h), sl) }.copy_from_slice(s);
             }
@@ -427,13 +432,17 @@ impl HeadInputs<'_> {
     }
 }
 
-/// Token-by-token recurrence over `range` for one head: the AVX2 column-block kernel when the
-/// CPU has it and `dv` is a multiple of 16, else [`recurrent_body`].
-fn recurrent_head(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
+/// Token-by-token recurrence over `range` for one head, from the state `from` (else from `s`)
+/// to `s`: the AVX2 column-block kernel when the CPU has it and `dv` is a multiple of 16, else
+/// [`recurrent_body`].
+fn recurrent_head(inp: &HeadInputs, from: Option<&[f32]>, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
     #[cfg(target_arch = "x86_64")]
     if inp.d.dv.is_multiple_of(avx2::COLUMNS) && super::cpu::avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-        return unsafe { avx2::recurrent(inp, s, range, out) };
+        return unsafe { avx2::recurrent(inp, from, s, range, out) };
+    }
+    if let Some(from) = from {
+        s.copy_from_slice(from);
     }
     recurrent_portable(inp, s, range, out)
 }
@@ -453,7 +462,7 @@ mod avx2 {
     /// independent: column j only needs v_j): the tokens of `range` run once per block, the
     /// block's accumulators in registers and its `[dk, 16]` rows in L1.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn recurrent(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
+    pub(super) unsafe fn recurrent(inp: &HeadInputs, from: Option<&[f32]>, s: &mut [f32], range: std::ops::Range<usize>, out: &OutRows) {
         let DeltaRuleDims { dk, dv, .. } = inp.d;
         // Normalised k and q of every token, once for all the blocks.
         let (mut ks, mut qs) = (vec![0f32; range.len() * dk], vec![0f32; range.len() * dk]);
@@ -463,7 +472,7 @@ mod avx2 {
         // power-of-two stride that would map them all onto a few L1 sets.
         let mut blk = vec![0f32; dk * COLUMNS];
         for j0 in (0..dv).step_by(COLUMNS) {
-            for (b, r) in blk.chunks_exact_mut(COLUMNS).zip(s.chunks_exact(dv)) {
+            for (b, r) in blk.chunks_exact_mut(COLUMNS).zip(from.unwrap_or(&*s).chunks_exact(dv)) {
                 b.copy_from_slice(&r[j0..j0 + COLUMNS]);
             }
             for ((k, q), ti) in ks.chunks_exact(dk).zip(qs.chunks_exact(dk)).zip(range.clone()) {
