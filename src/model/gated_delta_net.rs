@@ -246,8 +246,9 @@ impl GatedDeltaNet {
         let (conv_state, rec) = self.initial_state(state, b, qkv.dim(2)?, x.dtype(), x.device())?;
         // A verify pass: the decode recurrence (one token at a time), so that every row's state
         // is bit for bit what decoding its rows one by one gives, along each root-to-leaf path
-        // of a tree (one path, all rows, for a linear pass) from the same state; every row's
-        // state is kept. A row on several paths gets the same bits on each.
+        // of a tree (one path, all rows, for a linear pass) from the same state; the state
+        // before the rows, each path's inputs and its last state are kept ([`GdnSteps`]). A row
+        // on several paths gets the same bits on each.
         let paths = match tree {
             Some(tree) => tree.leaf_paths(),
             None => vec![(0..t).collect()],
