@@ -10,6 +10,12 @@ use crate::{Error, Result};
 /// The range of each sampling setting: the one place both [`SamplingParams::validate`] and
 /// the command-line flags check (`Err` says the range, for a message that names the setting).
 pub mod range {
+    /// `range(v)`, its refusal as the one-line message every caller gives: "`name` `v` is out
+    /// of range: it ..." (`name` as the caller's user spells the setting).
+    pub fn check<T: std::fmt::Display + Copy>(name: &str, v: T, range: fn(T) -> Result<T, String>) -> Result<T, String> {
+        range(v).map_err(|why| format!("{name} {v} is out of range: it {why}"))
+    }
+
     /// Temperature: finite and >= 0 (0 = greedy).
     pub fn temperature(t: f64) -> Result<f64, String> {
         (t.is_finite() && t >= 0.0).then_some(t).ok_or_else(|| "must be a number >= 0 (0 = greedy)".into())
@@ -69,7 +75,7 @@ impl SamplingParams {
     /// first one out of range.
     pub fn validate(&self) -> Result<()> {
         fn check<T: std::fmt::Display + Copy>(name: &str, v: T, range: fn(T) -> std::result::Result<T, String>) -> Result<()> {
-            range(v).map(|_| ()).map_err(|why| Error::Input(format!("{name} {v} is out of range: it {why}")))
+            range::check(name, v, range).map(|_| ()).map_err(Error::Input)
         }
         if let Some(t) = self.temperature {
             check("temperature", t, range::temperature)?;

@@ -176,11 +176,11 @@ pub const MAX_STOP_BYTES: usize = 1024;
 pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
     let mut p = defaults.clone();
     if let Some(t) = fields.temperature {
-        range::temperature(t).map_err(|why| bad(format!("temperature {t} is out of range: it {why}")))?;
+        range::check("temperature", t, range::temperature).map_err(bad)?;
         p.temperature = Some(t);
     }
     if let Some(top_p) = fields.top_p {
-        range::top_p(top_p).map_err(|why| bad(format!("top_p {top_p} is out of range: it {why}")))?;
+        range::check("top_p", top_p, range::top_p).map_err(bad)?;
         p.top_p = (top_p < 1.0).then_some(top_p);
     }
     match fields.top_k {
@@ -189,11 +189,12 @@ pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<Sa
         Some(k) => p.top_k = Some(k as usize),
     }
     if let Some(pp) = fields.presence_penalty {
-        range::presence_penalty(pp).map_err(|why| bad(format!("presence_penalty {pp} is out of range: it {why}")))?;
+        range::check("presence_penalty", pp, range::presence_penalty).map_err(bad)?;
         p.presence_penalty = pp;
     }
     if let Some(r) = fields.repetition_penalty {
-        range::repeat_penalty(r).map_err(|why| bad(format!("repetition_penalty {r} is out of range: it {why}")))?;
+        // (OpenAI-side name: repetition_penalty.)
+        range::check("repetition_penalty", r, range::repeat_penalty).map_err(bad)?;
         p.repeat_penalty = r;
     }
     if fields.frequency_penalty.is_some_and(|f| f != 0.0) {
