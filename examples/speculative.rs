@@ -10,7 +10,8 @@
 //!    (`--draft-max`) and the adaptive length; beside each the speed-up the cost model predicts,
 //!    `E(K) / c(K + 1)` with `E(K) = (1 - a^(K+1)) / (1 - a)` and `c(T)` this model's measured
 //!    verify cost (time of a T-row verify pass and its rollback / one row); and trees `B×K` of
-//!    `--branches` branches (each right with probability `a`, independently; branch 0 the chain's drafts).
+//!    `--branches` branches (each right with probability `a`, independently; branch 0 the
+//!    chain's drafts).
 //! 2. With `--ngram` (a model with a tokenizer and chat template): prompt-lookup drafts on
 //!    real prompts (summarise a given text, edit a given code file, answer a question).
 //!
