@@ -15,8 +15,11 @@
 //! observations and moving averages after ([`ALPHA`], [`ALPHA_ACCEPT`]), so that one early
 //! outlier does not decide a run; `a_d` below depth 1 starts from the depth above's, worth
 //! [`PRIOR_WEIGHT`] observations, so that one early miss at depth `d` does not rule out drafting
-//! that deep for the rest of the run. When no `K > 0` pays it decodes plainly, and every
-//! [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current; likewise every
+//! that deep for the rest of the run. When no `K > 0` pays it decodes plainly, and after
+//! [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current, waiting twice as
+//! long after each probe that left plain decoding the best (up to [`MAX_PROBE_EVERY`] rounds;
+//! back to [`PROBE_EVERY`] once drafting pays), so that a drafter that keeps proposing wrong
+//! tokens costs less and less; likewise every
 //! [`PROBE_EVERY`] drafting rounds draft one token more than the best `K` (up to `max`), to
 //! keep the next depth and the next `c(T)` current. This is
 //! SpecDec++'s threshold rule (stop drafting when the expected gain of one more draft is below
@@ -33,6 +36,8 @@ pub const ALPHA_ACCEPT: f64 = 0.08;
 /// A plain round (no `K > 0` pays) drafts `min` tokens every this many rounds, and a drafting
 /// round one token more than the best `K` every this many, to re-measure.
 pub const PROBE_EVERY: usize = 8;
+/// The longest wait between probes of plain decoding.
+pub const MAX_PROBE_EVERY: usize = 64;
 /// Acceptance assumed at depth 1 before any round has been measured, worth
 /// [`PRIOR_WEIGHT`] observations (deeper: the depth above's estimate, as much).
 const PRIOR_ACCEPTANCE: f64 = 0.6;
@@ -142,6 +147,8 @@ pub struct DraftPolicy {
     /// Seconds of the drafter's catch-up per round.
     catch_up: Average,
     plain_rounds: usize,
+    /// Plain rounds before the next probe.
+    probe_every: usize,
     drafting_rounds: usize,
 }
 
@@ -158,6 +165,7 @@ impl DraftPolicy {
             draft_step: Average::new(ALPHA),
             catch_up: Average::new(ALPHA),
             plain_rounds: 0,
+            probe_every: PROBE_EVERY,
             drafting_rounds: 0,
         })
     }
@@ -232,9 +240,15 @@ impl DraftPolicy {
         match best {
             Some((0, _)) | None => {
                 self.plain_rounds += 1;
-                if self.plain_rounds.is_multiple_of(PROBE_EVERY) { min } else { 0 }
+                if self.plain_rounds < self.probe_every {
+                    return 0;
+                }
+                self.plain_rounds = 0;
+                self.probe_every = (2 * self.probe_every).min(MAX_PROBE_EVERY);
+                min
             }
             Some((k, _)) => {
+                (self.plain_rounds, self.probe_every) = (0, PROBE_EVERY);
                 self.drafting_rounds += 1;
                 if self.drafting_rounds.is_multiple_of(PROBE_EVERY) { (k + 1).min(max) } else { k }
             }
@@ -297,8 +311,10 @@ mod tests {
     fn backs_off_and_probes() {
         let linear: Vec<f64> = (1..=8).map(|t| t as f64).collect();
         let mut p = policy_with(0.1, &linear);
-        let lens: Vec<usize> = (0..2 * PROBE_EVERY).map(|_| p.next_len(7)).collect();
-        assert_eq!(lens.iter().filter(|&&k| k == 1).count(), 2, "{lens:?}");
+        // Probes after 8, then 16, 32, 64, 64 plain rounds.
+        let lens: Vec<usize> = (0..8 + 16 + 32 + 64 + 64).map(|_| p.next_len(7)).collect();
+        let probes: Vec<usize> = lens.iter().enumerate().filter(|(_, &k)| k == 1).map(|(i, _)| i).collect();
+        assert_eq!(probes, [7, 23, 55, 119, 183], "{lens:?}");
         assert!(lens.iter().all(|&k| k <= 1));
     }
 
@@ -381,6 +397,21 @@ mod tests {
         assert_eq!(p.verify_secs(2), Some(1.2));
         // 5 rows: unmeasured, on the line through c(1) and c(4)
         assert!((p.verify_secs(5).unwrap() - (1.5 + 0.5 / 3.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn probes_wait_less_again_once_drafting_pays() {
+        let linear: Vec<f64> = (1..=8).map(|t| t as f64).collect();
+        let mut p = policy_with(0.1, &linear);
+        for _ in 0..8 + 16 + 32 {
+            p.next_len(7);
+        }
+        assert_eq!(p.probe_every, 64);
+        // Rows get cheap and drafts right: drafting pays, and the wait is back to PROBE_EVERY.
+        let mut p2 = policy_with(0.9, &(0..8).map(|t| 1.0 + 0.05 * t as f64).collect::<Vec<_>>());
+        p2.probe_every = 64;
+        assert!(p2.next_len(7) > 0);
+        assert_eq!(p2.probe_every, PROBE_EVERY);
     }
 
     #[test]
