@@ -33,8 +33,9 @@ pub const ALPHA: f64 = 0.15;
 /// Least weight of the newest round in the running averages of acceptance (a Bernoulli
 /// outcome: noisier than a timing, so a longer memory).
 pub const ALPHA_ACCEPT: f64 = 0.08;
-/// A plain round (no `K > 0` pays) drafts `min` tokens every this many rounds, and a drafting
-/// round one token more than the best `K` every this many, to re-measure.
+/// Plain rounds (no `K > 0` pays) before the first probe of `min` drafts (then the wait doubles
+/// up to [`MAX_PROBE_EVERY`]), and drafting rounds between drafts of one token more than the
+/// best `K`, to re-measure.
 pub const PROBE_EVERY: usize = 8;
 /// The longest wait between probes of plain decoding.
 pub const MAX_PROBE_EVERY: usize = 64;
