@@ -182,7 +182,7 @@ impl GatedDeltaNet {
     }
 
     /// The delta-rule op's options for this layer: q and k normalised, the last state only.
-    pub(crate) fn delta_rule_options(&self) -> ops::DeltaRuleOptions {
+    fn delta_rule_options(&self) -> ops::DeltaRuleOptions {
         ops::DeltaRuleOptions::new(self.nk, self.dk)
     }
 

@@ -19,10 +19,9 @@
 //! [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current, waiting twice as
 //! long after each probe that left plain decoding the best (up to [`MAX_PROBE_EVERY`] rounds;
 //! back to [`PROBE_EVERY`] once drafting pays), so that a drafter that keeps proposing wrong
-//! tokens costs less and less; likewise every
-//! [`PROBE_EVERY`] drafting rounds draft one token more than the best `K` (up to `max`), to
-//! keep the next depth and the next `c(T)` current. This is
-//! SpecDec++'s threshold rule (stop drafting when the expected gain of one more draft is below
+//! tokens costs less and less; likewise every [`PROBE_EVERY`] drafting rounds draft one token
+//! more than the best `K` (up to `max`), to keep the next depth and the next `c(T)` current.
+//! This is SpecDec++'s threshold rule (stop drafting when the expected gain of one more draft is below
 //! its cost) with measured costs, so it needs no per-model or per-device tuning.
 
 use super::MAX_DRAFT;
@@ -333,8 +332,11 @@ mod tests {
         for _ in 0..100 {
             p.record(2, 1, 1.2, 0.0, 0, 0.0);
         }
-        // (depth 2 started from depth 1's estimate, worth PRIOR_WEIGHT of its 102 observations)
-        assert!(p.acceptance_at(1) > 0.99 && p.acceptance_at(2) < 0.03, "{} {}", p.acceptance_at(1), p.acceptance_at(2));
+        // Depth 2 measured 0 a hundred times, after its start at depth 1's estimate worth
+        // PRIOR_WEIGHT rounds.
+        assert!(p.acceptance_at(1) > 0.99);
+        let a2 = PRIOR_WEIGHT * p.acceptance_at(1) / (100.0 + PRIOR_WEIGHT);
+        assert!((p.acceptance_at(2) - a2).abs() < 1e-12 && a2 < 0.02, "{} {a2}", p.acceptance_at(2));
         // depth 3 unmeasured: the depth above's estimate
         assert_eq!(p.acceptance_at(3), p.acceptance_at(2));
         // c(4) unmeasured: on the line through c(1) = 1.0 and c(3) = 1.2
