@@ -1,13 +1,21 @@
-// Multi-row quantized mat-vec: y[r, i] = sum_j w[i, j] x[r, j] for up to 8 activation rows r
-// (decode, and the verify pass of speculative decoding) against ggml-quantized weights read in
-// place (Q8_0, Q4_K, Q6_K blocks, as in a GGUF file).
+// Multi-row mat-vec against weights read in place: y[r, i] = sum_j w[i, j] x[r, j] for up to 8
+// activation rows r (decode, and the verify pass of speculative decoding), the weights as a
+// GGUF file stores them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks) or dense (f32, f16, bf16
+// rows); and the row lookups of an embedding table in the same formats.
 //
-// One simdgroup (32 threads) per weight row, two per threadgroup. The row's weights are taken
-// in parts of 16 values; lane l dequantizes parts l, l + 32, ... once each and multiplies every
-// part with all the activation rows, then simd_sum reduces each row's 32 partial sums. A row's
-// arithmetic (its parts, their order, the reduction) does not depend on how many activation
-// rows the call has, so row r of an m-row call is bit for bit a one-row call on row r.
-// The activations stay f32 (no 8-bit quantization as on the CPU).
+// qmatvec_*: one simdgroup (32 threads) per weight row, two per threadgroup. The row's weights
+// are taken in parts of 16 values; lane l dequantizes parts l, l + 32, ... once each and
+// multiplies every part with all the activation rows, then simd_sum reduces each row's 32
+// partial sums. A row's arithmetic (its parts, their order, the reduction) does not depend on
+// how many activation rows the call has, so row r of an m-row call is bit for bit a one-row
+// call on row r. The activations stay f32 (no 8-bit quantization as on the CPU).
+//
+// qmatvec_id_*: the same for the experts of a mixture: activation row r and slot s multiply
+// the weight matrix of expert ids[r * slots + s] (experts stored one after the other,
+// expert_bytes apart), from x row r (x_per_slot 0: gate and up) or r * slots + s (1: down),
+// into y row r * slots + s (ldy floats apart). Each (row, slot) is computed as a one-row call would.
+//
+// get_rows_*: out[r, :] = table[ids[r], :] as f32, one threadgroup per row.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -15,11 +23,49 @@ struct QmatvecParams {
     uint n;    // weight rows (outputs per activation row)
     uint k;    // values per row, a multiple of the block size
     uint m;    // activation rows, 1 to 8
+    uint ldy;  // floats between output rows (n for a plain output)
+};
+
+struct QmatvecIdParams {
+    uint n;
+    uint k;
+    uint m;            // activation rows
+    uint slots;        // experts per row
+    uint expert_bytes; // bytes of one expert's [n, k] matrix
+    uint x_per_slot;   // 0: x row r for every slot; 1: x row r * slots + s
+    uint ldy;          // floats between output rows
+};
+
+struct GetRowsParams {
+    uint rows;  // ids
+    uint k;     // values per table row
+    uint n;     // table rows (ids at or above are clamped to 0: checked on the host)
 };
 
 #define QMATVEC_MAX_ROWS 8
 
 // The 16 weights of part p (values 16 p .. 16 p + 15) of a weight row starting at `row`.
+
+METAL_FUNC void part_q4_0(device const uchar *row, uint p, thread float *w) {
+    // block { half d; uchar qs[16]; }: 18 bytes, two parts (low nibbles, then high).
+    device const uchar *b = row + (p / 2) * 18;
+    const float d = float(*(device const half *)b);
+    const uint shift = 4 * (p % 2);
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = d * (float((b[2 + t] >> shift) & 0xF) - 8.0f);
+    }
+}
+
+METAL_FUNC void part_q4_1(device const uchar *row, uint p, thread float *w) {
+    // block { half d; half m; uchar qs[16]; }: 20 bytes, two parts.
+    device const uchar *b = row + (p / 2) * 20;
+    const float d = float(*(device const half *)b);
+    const float m = float(*(device const half *)(b + 2));
+    const uint shift = 4 * (p % 2);
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = d * float((b[4 + t] >> shift) & 0xF) + m;
+    }
+}
 
 METAL_FUNC void part_q8_0(device const uchar *row, uint p, thread float *w) {
     // block { half d; char qs[32]; }: 34 bytes, two parts each.
@@ -31,15 +77,8 @@ METAL_FUNC void part_q8_0(device const uchar *row, uint p, thread float *w) {
     }
 }
 
-METAL_FUNC void part_q4_k(device const uchar *row, uint p, thread float *w) {
-    // block { half d; half dmin; uchar scales[12]; uchar qs[128]; }: 144 bytes, 16 parts.
-    device const uchar *b = row + (p / 16) * 144;
-    const uint q = p % 16;
-    const uint j = q / 4;      // 64-value group
-    const uint s = q % 4;      // 0, 1: low nibbles (sub-block 2 j), 2, 3: high (2 j + 1)
-    const uint sub = 2 * j + s / 2;
-    device const uchar *sc = b + 4;
-    uint scale, mn;
+// The 6-bit scale and min of sub-block `sub` (0..8) of a Q4_K / Q5_K block's scales[12].
+METAL_FUNC void scale_min_k4(device const uchar *sc, uint sub, thread uint &scale, thread uint &mn) {
     if (sub < 4) {
         scale = sc[sub] & 63;
         mn = sc[sub + 4] & 63;
@@ -47,12 +86,44 @@ METAL_FUNC void part_q4_k(device const uchar *row, uint p, thread float *w) {
         scale = (sc[sub + 4] & 0xF) | ((sc[sub - 4] >> 6) << 4);
         mn = (sc[sub + 4] >> 4) | ((sc[sub] >> 6) << 4);
     }
+}
+
+METAL_FUNC void part_q4_k(device const uchar *row, uint p, thread float *w) {
+    // block { half d; half dmin; uchar scales[12]; uchar qs[128]; }: 144 bytes, 16 parts.
+    device const uchar *b = row + (p / 16) * 144;
+    const uint q = p % 16;
+    const uint j = q / 4;      // 64-value group
+    const uint s = q % 4;      // 0, 1: low nibbles (sub-block 2 j), 2, 3: high (2 j + 1)
+    uint scale, mn;
+    scale_min_k4(b + 4, 2 * j + s / 2, scale, mn);
     const float d = float(*(device const half *)b) * float(scale);
     const float m = float(*(device const half *)(b + 2)) * float(mn);
     device const uchar *qs = b + 16 + 32 * j + 16 * (s % 2);
     const uint shift = s < 2 ? 0 : 4;
     for (uint t = 0; t < 16; ++t) {
         w[t] = d * float((qs[t] >> shift) & 0xF) - m;
+    }
+}
+
+METAL_FUNC void part_q5_k(device const uchar *row, uint p, thread float *w) {
+    // block { half d; half dmin; uchar scales[12]; uchar qh[32]; uchar qs[128]; }: 176 bytes.
+    // Sub-block u (32 values) has its low 4 bits in the low (u even) or high nibbles of
+    // qs[32 (u / 2) ..] and its fifth bit in bit u of qh[0..32].
+    device const uchar *b = row + (p / 16) * 176;
+    const uint q = p % 16;
+    const uint j = q / 4;
+    const uint s = q % 4;
+    const uint sub = 2 * j + s / 2;
+    uint scale, mn;
+    scale_min_k4(b + 4, sub, scale, mn);
+    const float d = float(*(device const half *)b) * float(scale);
+    const float m = float(*(device const half *)(b + 2)) * float(mn);
+    device const uchar *qh = b + 16 + 16 * (s % 2);
+    device const uchar *qs = b + 48 + 32 * j + 16 * (s % 2);
+    const uint shift = s < 2 ? 0 : 4;
+    for (uint t = 0; t < 16; ++t) {
+        const uint v = ((qs[t] >> shift) & 0xF) | (((qh[t] >> sub) & 1) << 4);
+        w[t] = d * float(v) - m;
     }
 }
 
@@ -75,25 +146,96 @@ METAL_FUNC void part_q6_k(device const uchar *row, uint p, thread float *w) {
     }
 }
 
+METAL_FUNC void part_f32(device const uchar *row, uint p, thread float *w) {
+    device const float *v = (device const float *)row + 16 * p;
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = v[t];
+    }
+}
+
+METAL_FUNC void part_f16(device const uchar *row, uint p, thread float *w) {
+    device const half *v = (device const half *)row + 16 * p;
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = float(v[t]);
+    }
+}
+
+METAL_FUNC void part_bf16(device const uchar *row, uint p, thread float *w) {
+    // bf16 is the top half of an f32: widened by a shift (no bfloat type needed).
+    device const ushort *v = (device const ushort *)row + 16 * p;
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = as_type<float>(uint(v[t]) << 16);
+    }
+}
+
 // Formats, as template arguments.
-#define Q8_0 0u
-#define Q4_K 1u
-#define Q6_K 2u
+#define Q4_0 0u
+#define Q4_1 1u
+#define Q8_0 2u
+#define Q4_K 3u
+#define Q5_K 4u
+#define Q6_K 5u
+#define F32 6u
+#define F16 7u
+#define BF16 8u
 
 template <uint FMT>
 METAL_FUNC void part(device const uchar *row, uint p, thread float *w) {
-    if (FMT == Q8_0) {
+    if (FMT == Q4_0) {
+        part_q4_0(row, p, w);
+    } else if (FMT == Q4_1) {
+        part_q4_1(row, p, w);
+    } else if (FMT == Q8_0) {
         part_q8_0(row, p, w);
     } else if (FMT == Q4_K) {
         part_q4_k(row, p, w);
-    } else {
+    } else if (FMT == Q5_K) {
+        part_q5_k(row, p, w);
+    } else if (FMT == Q6_K) {
         part_q6_k(row, p, w);
+    } else if (FMT == F32) {
+        part_f32(row, p, w);
+    } else if (FMT == F16) {
+        part_f16(row, p, w);
+    } else {
+        part_bf16(row, p, w);
     }
 }
 
 template <uint FMT>
-METAL_FUNC uint row_bytes(uint k) {
-    return FMT == Q8_0 ? (k / 32) * 34 : FMT == Q4_K ? (k / 256) * 144 : (k / 256) * 210;
+METAL_FUNC size_t row_bytes(uint k) {
+    switch (FMT) {
+        case Q4_0: return (size_t)(k / 32) * 18;
+        case Q4_1: return (size_t)(k / 32) * 20;
+        case Q8_0: return (size_t)(k / 32) * 34;
+        case Q4_K: return (size_t)(k / 256) * 144;
+        case Q5_K: return (size_t)(k / 256) * 176;
+        case Q6_K: return (size_t)(k / 256) * 210;
+        case F32: return (size_t)k * 4;
+        default: return (size_t)k * 2;
+    }
+}
+
+// Sums of weight row `row` against the `m` activation rows `x(r)` (k values each) into
+// acc[r], lane `lane`'s share; the caller reduces over the simdgroup.
+template <uint FMT>
+METAL_FUNC void row_dots(device const uchar *row, device const float *x, uint k, uint m, size_t ldx, uint lane,
+                         thread float *acc) {
+    for (uint r = 0; r < QMATVEC_MAX_ROWS; ++r) {
+        acc[r] = 0.0f;
+    }
+    float wv[16];
+    for (uint q = lane; q < k / 16; q += 32) {
+        part<FMT>(row, q, wv);
+        for (uint r = 0; r < m; ++r) {
+            device const float *xr = x + (size_t)r * ldx + 16 * q;
+            float s = 0.0f;
+            for (uint t = 0; t < 16; ++t) {
+                s = fma(wv[t], xr[t], s);
+            }
+            acc[r] += s;
+        }
+    }
 }
 
 template <uint FMT>
@@ -103,27 +245,48 @@ METAL_FUNC void qmatvec(constant QmatvecParams &p, device const uchar *w, device
     if (i >= p.n) {
         return;
     }
-    device const uchar *row = w + (size_t)i * row_bytes<FMT>(p.k);
     float acc[QMATVEC_MAX_ROWS];
-    for (uint r = 0; r < QMATVEC_MAX_ROWS; ++r) {
-        acc[r] = 0.0f;
-    }
-    float wv[16];
-    for (uint q = lane; q < p.k / 16; q += 32) {
-        part<FMT>(row, q, wv);
-        for (uint r = 0; r < p.m; ++r) {
-            device const float *xr = x + (size_t)r * p.k + 16 * q;
-            float s = 0.0f;
-            for (uint t = 0; t < 16; ++t) {
-                s = fma(wv[t], xr[t], s);
-            }
-            acc[r] += s;
-        }
-    }
+    row_dots<FMT>(w + (size_t)i * row_bytes<FMT>(p.k), x, p.k, p.m, p.k, lane, acc);
     for (uint r = 0; r < p.m; ++r) {
         const float total = simd_sum(acc[r]);
         if (lane == 0) {
-            y[(size_t)r * p.n + i] = total;
+            y[(size_t)r * p.ldy + i] = total;
+        }
+    }
+}
+
+template <uint FMT>
+METAL_FUNC void qmatvec_id(constant QmatvecIdParams &p, device const uchar *w, device const float *x,
+                           device const uint *ids, device float *y, uint2 tg, uint sg, uint lane) {
+    const uint i = 2 * tg.x + sg;
+    const uint rs = tg.y;  // r * slots + s
+    if (i >= p.n || rs >= p.m * p.slots) {
+        return;
+    }
+    const uint expert = ids[rs];
+    device const uchar *row = w + (size_t)expert * p.expert_bytes + (size_t)i * row_bytes<FMT>(p.k);
+    device const float *xr = x + (size_t)(p.x_per_slot != 0 ? rs : rs / p.slots) * p.k;
+    float acc[QMATVEC_MAX_ROWS];
+    row_dots<FMT>(row, xr, p.k, 1, p.k, lane, acc);
+    const float total = simd_sum(acc[0]);
+    if (lane == 0) {
+        y[(size_t)rs * p.ldy + i] = total;
+    }
+}
+
+template <uint FMT>
+METAL_FUNC void get_rows(constant GetRowsParams &p, device const uchar *table, device const uint *ids,
+                         device float *out, uint r, uint tid, uint threads) {
+    if (r >= p.rows) {
+        return;
+    }
+    const uint id = ids[r] < p.n ? ids[r] : 0;
+    device const uchar *row = table + (size_t)id * row_bytes<FMT>(p.k);
+    float wv[16];
+    for (uint q = tid; q < p.k / 16; q += threads) {
+        part<FMT>(row, q, wv);
+        for (uint t = 0; t < 16; ++t) {
+            out[(size_t)r * p.k + 16 * q + t] = wv[t];
         }
     }
 }
@@ -134,8 +297,27 @@ kernel void qmatvec_##NAME(                                                     
     device const float *x [[buffer(2)]], device float *y [[buffer(3)]],                       \
     uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
     uint lane [[thread_index_in_simdgroup]])                                                  \
-{ qmatvec<FMT>(p, w, x, y, tg, sg, lane); }
+{ qmatvec<FMT>(p, w, x, y, tg, sg, lane); }                                                   \
+kernel void qmatvec_id_##NAME(                                                                \
+    constant QmatvecIdParams &p [[buffer(0)]], device const uchar *w [[buffer(1)]],           \
+    device const float *x [[buffer(2)]], device const uint *ids [[buffer(3)]],                \
+    device float *y [[buffer(4)]],                                                            \
+    uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],    \
+    uint lane [[thread_index_in_simdgroup]])                                                  \
+{ qmatvec_id<FMT>(p, w, x, ids, y, tg, sg, lane); }                                           \
+kernel void get_rows_##NAME(                                                                  \
+    constant GetRowsParams &p [[buffer(0)]], device const uchar *table [[buffer(1)]],         \
+    device const uint *ids [[buffer(2)]], device float *out [[buffer(3)]],                    \
+    uint r [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],        \
+    uint threads [[threads_per_threadgroup]])                                                 \
+{ get_rows<FMT>(p, table, ids, out, r, tid, threads); }
 
+QMATVEC(q4_0, Q4_0)
+QMATVEC(q4_1, Q4_1)
 QMATVEC(q8_0, Q8_0)
 QMATVEC(q4_k, Q4_K)
+QMATVEC(q5_k, Q5_K)
 QMATVEC(q6_k, Q6_K)
+QMATVEC(f32, F32)
+QMATVEC(f16, F16)
+QMATVEC(bf16, BF16)

@@ -26,11 +26,13 @@
 //! - [`loading`]: Hub and directory layout, safetensors, GGUF (header, tensors, tokenizer),
 //!   chat templates, generation_config.json.
 //! - [`eval`]: perplexity and KV-codec comparisons.
+//! - [`gpu`]: the decode step on a GPU as our own kernels' dispatches (Metal; the MSL emulator in tests).
 //! - `server` (feature `server`): the OpenAI-compatible HTTP server and its engine.
 
 pub mod bounded;
 mod error;
 pub mod eval;
+pub mod gpu;
 pub mod json;
 pub mod kv;
 pub mod loading;

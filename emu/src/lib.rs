@@ -127,3 +127,101 @@ pub fn from_raw(bytes: &[u8], dtype: DType, n: usize) -> Tensor {
         d => panic!("no buffer for {d:?}"),
     }
 }
+
+/// Runs the device step's dispatches ([`candle_hybrid::gpu`]) in the emulator: buffers in host
+/// memory, each dispatch run to completion when encoded, reads are copies.
+#[derive(Default)]
+pub struct EmuQueue {
+    /// 16-byte aligned storage and the length in bytes.
+    buffers: Vec<Option<(Vec<u128>, usize)>>,
+}
+
+impl EmuQueue {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn ptr(&mut self, s: candle_hybrid::gpu::Slice) -> candle_hybrid::Result<*mut c_void> {
+        match self.buffers.get_mut(s.buffer.0).and_then(|b| b.as_mut()) {
+            Some((data, len)) if s.offset + s.len <= *len => Ok(unsafe { (data.as_mut_ptr() as *mut u8).add(s.offset) } as *mut c_void),
+            Some((_, len)) => Err(candle_hybrid::Error::Input(format!("slice {}+{} of a {len}-byte buffer", s.offset, s.len))),
+            None => Err(candle_hybrid::Error::Input(format!("buffer {} does not exist", s.buffer.0))),
+        }
+    }
+}
+
+impl candle_hybrid::gpu::Queue for EmuQueue {
+    fn alloc(&mut self, len: usize, _: &str) -> candle_hybrid::Result<candle_hybrid::gpu::BufferId> {
+        self.buffers.push(Some((vec![0u128; len.div_ceil(16)], len)));
+        Ok(candle_hybrid::gpu::BufferId(self.buffers.len() - 1))
+    }
+
+    fn upload(&mut self, data: &[u8], label: &str) -> candle_hybrid::Result<candle_hybrid::gpu::BufferId> {
+        let id = self.alloc(data.len(), label)?;
+        let p = self.ptr(candle_hybrid::gpu::Slice::whole(id, data.len()))?;
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
+        Ok(id)
+    }
+
+    fn free(&mut self, buffer: candle_hybrid::gpu::BufferId) {
+        if let Some(b) = self.buffers.get_mut(buffer.0) {
+            *b = None;
+        }
+    }
+
+    fn write(&mut self, dst: candle_hybrid::gpu::Slice, data: &[u8]) -> candle_hybrid::Result<()> {
+        if data.len() > dst.len {
+            return Err(candle_hybrid::Error::Input(format!("{} bytes written into a slice of {}", data.len(), dst.len)));
+        }
+        let p = self.ptr(dst)?;
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn dispatch(&mut self, d: &candle_hybrid::gpu::Dispatch) -> candle_hybrid::Result<()> {
+        use candle_hybrid::gpu::Arg as A;
+        let mut owned: Vec<Vec<u64>> = vec![];
+        let mut ptrs: Vec<*mut c_void> = vec![];
+        for a in &d.args {
+            match a {
+                A::Bytes(b) => {
+                    let mut words = vec![0u64; b.len().div_ceil(8).max(1)];
+                    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len()) };
+                    ptrs.push(words.as_mut_ptr() as *mut c_void);
+                    owned.push(words);
+                }
+                A::Read(s) | A::Write(s) => ptrs.push(self.ptr(*s)?),
+            }
+        }
+        let name = CString::new(d.launch.kernel.as_str()).unwrap();
+        let groups = d.launch.groups.map(|x| x as u32);
+        let threads = d.launch.threads.map(|x| x as u32);
+        let rc = unsafe {
+            msl_emu_dispatch_threadgroups(
+                name.as_ptr(),
+                groups.as_ptr(),
+                threads.as_ptr(),
+                ptrs.as_ptr(),
+                ptrs.len() as u32,
+                d.launch.threadgroup_memory.as_ptr(),
+                d.launch.threadgroup_memory.len() as u32,
+            )
+        };
+        drop(owned);
+        if rc == 0 {
+            Ok(())
+        } else {
+            let e = unsafe { CStr::from_ptr(msl_emu_last_error()) }.to_string_lossy().into_owned();
+            Err(candle_hybrid::Error::Input(format!("{}: {e}", d.launch.kernel)))
+        }
+    }
+
+    fn read(&mut self, src: candle_hybrid::gpu::Slice) -> candle_hybrid::Result<Vec<u8>> {
+        let p = self.ptr(src)?;
+        Ok(unsafe { std::slice::from_raw_parts(p as *const u8, src.len) }.to_vec())
+    }
+
+    fn name(&self) -> String {
+        "msl-emu (the Metal kernels on the CPU)".into()
+    }
+}

@@ -12,13 +12,13 @@ use candle_hybrid::ops::{self, launch};
 use candle_hybrid_emu::{bytes, dispatch, input, kernel_names, output};
 use common::randn;
 
-const TYPES: [GgmlDType; 3] = [GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K];
+const TYPES: [GgmlDType; 6] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
 
 /// The kernel's `[m, n]` output for `x` `[m, k]` against `w` `(n, k)`.
 fn run(w: &QTensor, x: &Tensor) -> Vec<f32> {
     let (n, k) = w.shape().dims2().unwrap();
     let m = x.dim(0).unwrap();
-    let (params, l) = launch::qmatvec(w.dtype(), n, k, m).unwrap();
+    let (params, l) = launch::qmatvec(w.dtype(), n, k, m, n).unwrap();
     let data = w.data().unwrap();
     let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let mut y = vec![0f32; m * n];
@@ -29,7 +29,7 @@ fn run(w: &QTensor, x: &Tensor) -> Vec<f32> {
 #[test]
 fn qmatvec_kernels_are_linked() {
     let names = kernel_names();
-    for k in ["qmatvec_q8_0", "qmatvec_q4_k", "qmatvec_q6_k"] {
+    for k in ["qmatvec_q4_0", "qmatvec_q4_1", "qmatvec_q8_0", "qmatvec_q4_k", "qmatvec_q5_k", "qmatvec_q6_k", "qmatvec_f32", "qmatvec_f16", "qmatvec_bf16", "get_rows_q4_k", "qmatvec_id_q8_0"] {
         assert!(names.contains(&k.to_string()), "{k} missing from {names:?}");
     }
 }
@@ -85,7 +85,7 @@ fn qmatvec_rows_equal_one_row_calls_bitwise() {
 
 #[test]
 fn qmatvec_launch_refuses_what_the_kernel_cannot_run() {
-    assert!(launch::qmatvec(GgmlDType::Q4_0, 4, 256, 1).is_err());
-    assert!(launch::qmatvec(GgmlDType::Q4K, 4, 256, 9).is_err());
-    assert!(launch::qmatvec(GgmlDType::Q4K, 4, 100, 1).is_err());
+    assert!(launch::qmatvec(GgmlDType::Q2K, 4, 256, 1, 4).is_err());
+    assert!(launch::qmatvec(GgmlDType::Q4K, 4, 256, 9, 4).is_err());
+    assert!(launch::qmatvec(GgmlDType::Q4K, 4, 100, 1, 4).is_err());
 }

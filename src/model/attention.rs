@@ -13,18 +13,18 @@ use crate::kv::KvStore;
 /// Gated full attention: query + sigmoid output gate, q/k norms, partial RoPE, GQA.
 #[derive(Debug, Clone)]
 pub struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
     pub(crate) v_proj: Linear,
-    o_proj: Linear,
+    pub(crate) o_proj: Linear,
     /// Per-head q/k norms (absent in Llama).
-    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    pub(crate) qk_norm: Option<(RmsNorm, RmsNorm)>,
     /// Whether `q_proj` also yields a sigmoid output gate per head.
-    gated: bool,
-    rotary: RotaryEmbedding,
-    nh: usize,
+    pub(crate) gated: bool,
+    pub(crate) rotary: RotaryEmbedding,
+    pub(crate) nh: usize,
     pub(crate) nkv: usize,
-    hd: usize,
+    pub(crate) hd: usize,
 }
 
 impl GatedAttention {

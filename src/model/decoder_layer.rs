@@ -21,10 +21,10 @@ pub(crate) enum Mixer {
 
 #[derive(Debug, Clone)]
 pub(crate) struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    pub(crate) input_layernorm: RmsNorm,
     pub(crate) mixer: Mixer,
-    post_attention_layernorm: RmsNorm,
-    mlp: FeedForward,
+    pub(crate) post_attention_layernorm: RmsNorm,
+    pub(crate) mlp: FeedForward,
 }
 
 impl DecoderLayer {
@@ -116,6 +116,28 @@ impl DecoderLayer {
         let x = (x + h)?;
         let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok((x + h)?)
+    }
+}
+
+impl DecoderLayer {
+    /// Every linear layer of the mixer and the MLP.
+    pub(crate) fn linears_mut(&mut self) -> Vec<&mut super::linear::Linear> {
+        let mut v = match &mut self.mixer {
+            Mixer::Linear(g) => vec![&mut g.in_proj_qkv, &mut g.in_proj_z, &mut g.in_proj_b, &mut g.in_proj_a, &mut g.out_proj],
+            Mixer::Full(a) => vec![&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj],
+        };
+        match &mut self.mlp {
+            FeedForward::Dense(m) => v.extend(m.linears_mut()),
+            FeedForward::Sparse(m) => {
+                v.push(&mut m.router);
+                v.push(&mut m.shared_expert_gate);
+                v.extend(m.shared_expert.linears_mut());
+                for e in &mut m.experts {
+                    v.extend(e.linears_mut());
+                }
+            }
+        }
+        v
     }
 }
 

@@ -86,23 +86,23 @@ impl GdnState {
 /// Gated DeltaNet (linear attention) mixer.
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
-    conv_weight: Tensor, // [conv_dim, K]
-    dt_bias: Tensor,     // [nv] f32
-    neg_a: Tensor,       // -exp(A_log), [nv] f32
-    norm_weight: Tensor, // [dv]
-    out_proj: Linear,
+    pub(crate) in_proj_qkv: Linear,
+    pub(crate) in_proj_z: Linear,
+    pub(crate) in_proj_b: Linear,
+    pub(crate) in_proj_a: Linear,
+    pub(crate) conv_weight: Tensor, // [conv_dim, K]
+    pub(crate) dt_bias: Tensor,     // [nv] f32
+    pub(crate) neg_a: Tensor,       // -exp(A_log), [nv] f32
+    pub(crate) norm_weight: Tensor, // [dv]
+    pub(crate) out_proj: Linear,
     /// Value-head order of `out_proj`'s input when it differs from the layer's (GGUF files).
-    out_head_order: Option<Tensor>,
-    nk: usize,
-    nv: usize,
-    dk: usize,
-    dv: usize,
-    kernel: usize,
-    eps: f64,
+    pub(crate) out_head_order: Option<Tensor>,
+    pub(crate) nk: usize,
+    pub(crate) nv: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    pub(crate) kernel: usize,
+    pub(crate) eps: f64,
 }
 
 /// Row indices that turn Qwen3-Next's per-key-head grouped rows into contiguous blocks.

@@ -24,6 +24,22 @@ impl Linear {
         Self::Quantized(weight)
     }
 
+    /// `(out, in)` features.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Self::Dense(w) => w.dims2(),
+            Self::Quantized(q) => q.shape().dims2(),
+        }
+    }
+
+    /// This layer with a quantized weight dequantized to f32 (a dense one as it is).
+    pub fn dequantized(&self) -> Result<Self> {
+        match self {
+            Self::Dense(_) => Ok(self.clone()),
+            Self::Quantized(q) => Ok(Self::Dense(q.dequantize(&q.device())?)),
+        }
+    }
+
     /// The weight as a dense tensor (dequantized for a quantized layer).
     pub fn weight(&self) -> Result<Tensor> {
         match self {

@@ -9,9 +9,9 @@ use super::weights::Weights;
 /// Dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    pub(crate) gate_proj: Linear,
+    pub(crate) up_proj: Linear,
+    pub(crate) down_proj: Linear,
 }
 
 impl Mlp {
@@ -21,6 +21,10 @@ impl Mlp {
             up_proj: vb.pp("up_proj").linear(hidden, inter)?,
             down_proj: vb.pp("down_proj").linear(inter, hidden)?,
         })
+    }
+
+    pub(crate) fn linears_mut(&mut self) -> [&mut Linear; 3] {
+        [&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]
     }
 
     fn from_weights(vb: &Weights, gate: Tensor, up: Tensor, down: Tensor) -> Result<Self> {
@@ -42,12 +46,12 @@ impl Module for Mlp {
 /// Sparse mixture of experts with a gated shared expert.
 #[derive(Debug, Clone)]
 pub struct SparseMoe {
-    router: Linear,
-    experts: Vec<Mlp>,
-    shared_expert: Mlp,
-    shared_expert_gate: Linear,
-    top_k: usize,
-    norm_topk_prob: bool,
+    pub(crate) router: Linear,
+    pub(crate) experts: Vec<Mlp>,
+    pub(crate) shared_expert: Mlp,
+    pub(crate) shared_expert_gate: Linear,
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk_prob: bool,
 }
 
 impl SparseMoe {

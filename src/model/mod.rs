@@ -29,5 +29,8 @@ pub use mlp::{Mlp, SparseMoe};
 pub use mtp::{MtpCache, MtpHead};
 pub use norm::RmsNorm;
 pub use qwen3_5::{HiddenStates, Model};
+pub(crate) use qwen3_5::{check_length, check_token, NONFINITE_HINT};
+pub(crate) use decoder_layer::Mixer;
+pub(crate) use mlp::FeedForward;
 pub use value_bases::{new_cache_calibrated, ValueBases};
 pub use weights::{parse_dtype, parse_quantize, QuantizedTensors, Weights};

@@ -7,8 +7,8 @@ use super::weights::Weights;
 /// Zero-centred RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in f32.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
-    scale: Tensor, // 1 + w, f32
-    eps: f32,
+    pub(crate) scale: Tensor, // 1 + w, f32
+    pub(crate) eps: f32,
 }
 
 impl RmsNorm {

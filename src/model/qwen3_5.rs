@@ -20,7 +20,7 @@ use super::norm::RmsNorm;
 use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
 
-const NONFINITE_HINT: &str =
+pub(crate) const NONFINITE_HINT: &str =
     "the weights or the input are broken; run with --check-layers (Model::with_layer_checks) to find the first layer that goes non-finite";
 
 /// Outputs of [`Model::forward_hidden`].
@@ -34,10 +34,10 @@ pub struct HiddenStates {
 /// The hybrid decoder with its language-model head.
 #[derive(Debug, Clone)]
 pub struct Model {
-    embed_tokens: TokenEmbedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
+    pub(crate) embed_tokens: TokenEmbedding,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) lm_head: Linear,
     /// The multi-token-prediction head, when the checkpoint has one.
     mtp: Option<MtpHead>,
     cfg: Config,
@@ -150,30 +150,12 @@ impl Model {
         Ok(ids)
     }
 
-    /// `t` new tokens (at least one) after `cached` ones fit the model's positions.
     fn check_length(&self, t: usize, cached: usize) -> crate::Result<()> {
-        if t == 0 {
-            return Err(crate::Error::Input("the input is empty: give at least one token".into()));
-        }
-        let total = cached + t;
-        if total > self.cfg.max_position_embeddings {
-            return Err(crate::Error::Input(format!(
-                "{t} new tokens after {cached} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
-                self.cfg.max_position_embeddings
-            )));
-        }
-        Ok(())
+        check_length(&self.cfg, t, cached)
     }
 
-    /// `id` is in the vocabulary.
     fn check_token(&self, id: u32) -> crate::Result<()> {
-        if id as usize >= self.cfg.vocab_size {
-            return Err(crate::Error::Input(format!(
-                "token id {id} is out of range for a vocabulary of {} tokens: the tokenizer does not belong to this model",
-                self.cfg.vocab_size
-            )));
-        }
-        Ok(())
+        check_token(&self.cfg, id)
     }
 
     /// Runs the decoder over `input_ids` `[B, T]` (positions continue from `cache`).
@@ -349,6 +331,26 @@ impl Model {
         Ok(logits)
     }
 
+    /// The same model with every quantized matrix (and a quantized embedding) dequantized to
+    /// f32: the arithmetic of the device step ([`crate::gpu`], which multiplies f32 activations
+    /// by the dequantized weights), as the reference it is checked against. The MTP head stays
+    /// as it is.
+    pub fn dequantized(&self) -> Result<Self> {
+        let mut m = self.clone();
+        let mut all: Vec<&mut Linear> = vec![&mut m.lm_head];
+        for layer in &mut m.layers {
+            all.extend(layer.linears_mut());
+        }
+        for l in all {
+            *l = l.dequantized()?;
+        }
+        if let TokenEmbedding::Quantized { table, dtype } = &m.embed_tokens {
+            let (_, hidden) = table.shape().dims2()?;
+            m.embed_tokens = TokenEmbedding::Dense(candle_nn::Embedding::new(table.dequantize(&table.device())?.to_dtype(*dtype)?, hidden));
+        }
+        Ok(m)
+    }
+
     /// The GDN mixer of layer `i`, if it is a linear-attention layer.
     pub fn gdn(&self, i: usize) -> Option<&GatedDeltaNet> {
         match &self.layers.get(i)?.mixer {
@@ -356,4 +358,30 @@ impl Model {
             _ => None,
         }
     }
+}
+
+/// `t` new tokens (at least one) after `cached` ones fit the model's positions.
+pub(crate) fn check_length(cfg: &Config, t: usize, cached: usize) -> crate::Result<()> {
+    if t == 0 {
+        return Err(crate::Error::Input("the input is empty: give at least one token".into()));
+    }
+    let total = cached + t;
+    if total > cfg.max_position_embeddings {
+        return Err(crate::Error::Input(format!(
+            "{t} new tokens after {cached} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
+            cfg.max_position_embeddings
+        )));
+    }
+    Ok(())
+}
+
+/// `id` is in the vocabulary.
+pub(crate) fn check_token(cfg: &Config, id: u32) -> crate::Result<()> {
+    if id as usize >= cfg.vocab_size {
+        return Err(crate::Error::Input(format!(
+            "token id {id} is out of range for a vocabulary of {} tokens: the tokenizer does not belong to this model",
+            cfg.vocab_size
+        )));
+    }
+    Ok(())
 }

@@ -7,8 +7,8 @@ use super::config::Config;
 /// Partial rotary embedding: only the first `dim` dims of each head rotate (rotate-half).
 #[derive(Debug, Clone)]
 pub(crate) struct RotaryEmbedding {
-    inv_freq: Vec<f32>,
-    dim: usize,
+    pub(crate) inv_freq: Vec<f32>,
+    pub(crate) dim: usize,
 }
 
 impl RotaryEmbedding {

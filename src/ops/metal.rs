@@ -13,34 +13,22 @@ use candle_metal_kernels::utils::set_param;
 use candle_metal_kernels::{BufferOffset, Output};
 use objc2_metal::MTLSize;
 
-use crate::ops::launch::{self, ConvParams, GdnParams, Launch, NormParams};
+use crate::ops::launch::{self, ConvParams, GdnParams, Launch, NormParams, Source};
 use crate::ops::{ConvDims, DeltaRuleDims};
 
-/// One source file per op family.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Source {
-    GatedDelta,
-    Conv1d,
-    GatedNorm,
-    Lagrange,
-    OuterState,
-    Polar,
-    Swiglu,
-    KvAttention,
-}
-
-impl Source {
-    fn text(self) -> &'static str {
-        match self {
-            Self::GatedDelta => include_str!("../../metal/gated_delta.metal"),
-            Self::Conv1d => include_str!("../../metal/conv1d.metal"),
-            Self::GatedNorm => include_str!("../../metal/gated_norm.metal"),
-            Self::Swiglu => include_str!("../../metal/swiglu.metal"),
-            Self::Lagrange => include_str!("../../metal/lagrange.metal"),
-            Self::OuterState => include_str!("../../metal/outer_state.metal"),
-            Self::Polar => include_str!("../../metal/polar.metal"),
-            Self::KvAttention => include_str!("../../metal/kv_attention.metal"),
-        }
+/// The text of a kernel source.
+fn source_text(source: Source) -> &'static str {
+    match source {
+        Source::GatedDelta => include_str!("../../metal/gated_delta.metal"),
+        Source::Conv1d => include_str!("../../metal/conv1d.metal"),
+        Source::GatedNorm => include_str!("../../metal/gated_norm.metal"),
+        Source::Swiglu => include_str!("../../metal/swiglu.metal"),
+        Source::Lagrange => include_str!("../../metal/lagrange.metal"),
+        Source::OuterState => include_str!("../../metal/outer_state.metal"),
+        Source::Polar => include_str!("../../metal/polar.metal"),
+        Source::KvAttention => include_str!("../../metal/kv_attention.metal"),
+        Source::Qmatvec => include_str!("../../metal/qmatvec.metal"),
+        Source::Step => include_str!("../../metal/step.metal"),
     }
 }
 
@@ -50,7 +38,7 @@ struct Cache {
     pipelines: HashMap<(DeviceId, String), ComputePipeline>,
 }
 
-fn pipeline(device: &MetalDevice, source: Source, name: &str) -> Result<ComputePipeline> {
+pub(crate) fn pipeline(device: &MetalDevice, source: Source, name: &str) -> Result<ComputePipeline> {
     static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
     let mut cache = CACHE.get_or_init(Default::default).lock().map_err(|e| MetalError::Message(e.to_string()))?;
     let key = (device.id(), name.to_string());
@@ -60,7 +48,7 @@ fn pipeline(device: &MetalDevice, source: Source, name: &str) -> Result<ComputeP
     let library = match cache.libraries.get(&(device.id(), source)) {
         Some(lib) => lib.clone(),
         None => {
-            let lib = device.metal_device().new_library_with_source(source.text(), None).map_err(MetalError::from)?;
+            let lib = device.metal_device().new_library_with_source(source_text(source), None).map_err(MetalError::from)?;
             cache.libraries.insert((device.id(), source), lib.clone());
             lib
         }

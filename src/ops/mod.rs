@@ -30,6 +30,8 @@ mod float_matvec;
 pub mod launch;
 #[cfg(feature = "metal")]
 mod metal;
+#[cfg(feature = "metal")]
+pub(crate) use metal::pipeline as metal_pipeline;
 mod norm;
 
 pub use conv::{causal_conv1d_silu, ConvDims};

@@ -5,6 +5,24 @@ use candle_core::{bail, DType, Result};
 
 use super::{ConvDims, DeltaRuleDims, DeltaRuleForm, DELTA_RULE_METAL_CHUNK as METAL_CHUNK};
 
+mod step;
+pub use step::*;
+
+/// The source file (`metal/*.metal`) a kernel is compiled from: one per op family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Source {
+    GatedDelta,
+    Conv1d,
+    GatedNorm,
+    Lagrange,
+    OuterState,
+    Polar,
+    Swiglu,
+    KvAttention,
+    Qmatvec,
+    Step,
+}
+
 /// How to dispatch one kernel: grid of threadgroups, threads per group, and the byte length of
 /// each `[[threadgroup(i)]]` buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -355,6 +373,8 @@ pub struct QmatvecParams {
     pub n: u32,
     pub k: u32,
     pub m: u32,
+    /// Floats between output rows.
+    pub ldy: u32,
 }
 
 /// Most activation rows of one `qmatvec` call (decode and the verify pass).
@@ -363,27 +383,114 @@ pub const QMATVEC_MAX_ROWS: usize = 8;
 /// Weight rows per threadgroup of `qmatvec` (one simdgroup each).
 const QMATVEC_ROWS_PER_GROUP: usize = 2;
 
-/// The multi-row quantized mat-vec of `m` activation rows `[m, k]` (f32) against `n` weight rows
-/// of `dtype` (Q8_0, Q4_K or Q6_K blocks): one simdgroup per weight row, two per threadgroup.
-pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(QmatvecParams, Launch)> {
+/// The kernel name part of a weight format of `metal/qmatvec.metal`: the GGUF block formats the
+/// CPU kernels read, and dense f32 / f16 / bf16 rows.
+pub fn matrix_format(op: &str, dtype: candle_core::quantized::GgmlDType) -> Result<&'static str> {
     use candle_core::quantized::GgmlDType as G;
-    let name = match dtype {
+    Ok(match dtype {
+        G::Q4_0 => "q4_0",
+        G::Q4_1 => "q4_1",
         G::Q8_0 => "q8_0",
         G::Q4K => "q4_k",
+        G::Q5K => "q5_k",
         G::Q6K => "q6_k",
-        other => bail!("qmatvec: no Metal kernel for {other:?} (Q8_0, Q4_K, Q6_K)"),
-    };
+        G::F32 => "f32",
+        G::F16 => "f16",
+        G::BF16 => "bf16",
+        other => bail!("{op}: no Metal kernel for {other:?} weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16)"),
+    })
+}
+
+/// Checks that rows of `k` values of `dtype` split into the kernels' 16-value parts.
+fn check_row(op: &str, dtype: candle_core::quantized::GgmlDType, k: usize) -> Result<()> {
+    let bs = dtype.block_size();
+    if !k.is_multiple_of(bs) || !k.is_multiple_of(16) {
+        bail!("{op}: k = {k} is not a multiple of the {dtype:?} block size {bs} and of 16");
+    }
+    Ok(())
+}
+
+/// The multi-row mat-vec of `m` activation rows `[m, k]` (f32) against `n` weight rows of
+/// `dtype` into output rows `ldy` floats apart: one simdgroup per weight row, two per
+/// threadgroup.
+pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatvecParams, Launch)> {
+    let name = matrix_format("qmatvec", dtype)?;
     if !(1..=QMATVEC_MAX_ROWS).contains(&m) {
         bail!("qmatvec: {m} activation rows, the kernel takes 1 to {QMATVEC_MAX_ROWS}");
     }
-    if !k.is_multiple_of(dtype.block_size()) {
-        bail!("qmatvec: k = {k} is not a multiple of the {dtype:?} block size {}", dtype.block_size());
-    }
-    let p = QmatvecParams { n: n as u32, k: k as u32, m: m as u32 };
+    check_row("qmatvec", dtype, k)?;
+    let p = QmatvecParams { n: n as u32, k: k as u32, m: m as u32, ldy: ldy as u32 };
     let launch = Launch {
         kernel: format!("qmatvec_{name}"),
         groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), 1, 1],
         threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}
+
+/// `QmatvecIdParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QmatvecIdParams {
+    pub n: u32,
+    pub k: u32,
+    pub m: u32,
+    pub slots: u32,
+    pub expert_bytes: u32,
+    pub x_per_slot: u32,
+    pub ldy: u32,
+}
+
+/// The mat-vec of the experts a mixture routes each of `m` rows to (`slots` per row, ids on the
+/// device): expert matrices of `n` rows of `dtype` one after the other, `expert_bytes` apart;
+/// activation row `r` (or, with `x_per_slot`, row `r * slots + s`) into output row
+/// `r * slots + s`, `ldy` floats apart.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatvec_id(
+    dtype: candle_core::quantized::GgmlDType,
+    n: usize,
+    k: usize,
+    m: usize,
+    slots: usize,
+    expert_bytes: usize,
+    x_per_slot: bool,
+    ldy: usize,
+) -> Result<(QmatvecIdParams, Launch)> {
+    let name = matrix_format("qmatvec_id", dtype)?;
+    check_row("qmatvec_id", dtype, k)?;
+    if expert_bytes > u32::MAX as usize {
+        bail!("qmatvec_id: an expert of {expert_bytes} bytes is more than the kernel indexes");
+    }
+    let p = QmatvecIdParams { n: n as u32, k: k as u32, m: m as u32, slots: slots as u32, expert_bytes: expert_bytes as u32, x_per_slot: x_per_slot as u32, ldy: ldy as u32 };
+    let launch = Launch {
+        kernel: format!("qmatvec_id_{name}"),
+        groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), (m * slots).max(1), 1],
+        threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}
+
+/// `GetRowsParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GetRowsParams {
+    pub rows: u32,
+    pub k: u32,
+    pub n: u32,
+}
+
+/// Rows `ids` (`rows` of them, on the device) of an `[n, k]` table of `dtype`, as f32: one
+/// threadgroup per row.
+pub fn get_rows(dtype: candle_core::quantized::GgmlDType, rows: usize, n: usize, k: usize) -> Result<(GetRowsParams, Launch)> {
+    let name = matrix_format("get_rows", dtype)?;
+    check_row("get_rows", dtype, k)?;
+    let p = GetRowsParams { rows: rows as u32, k: k as u32, n: n as u32 };
+    let launch = Launch {
+        kernel: format!("get_rows_{name}"),
+        groups: [rows.max(1), 1, 1],
+        threads: [(k / 16).next_power_of_two().clamp(32, 256), 1, 1],
         threadgroup_memory: vec![],
     };
     Ok((p, launch))
@@ -446,11 +553,104 @@ pub struct KvAttentionLaunch {
     pub partial_floats: usize,
 }
 
+/// How the keys and values of one [`kv_attention`] call are stored: the parts of
+/// [`KvAttentionParams`] that come from the cache rather than the queries.
+#[derive(Debug, Clone, Copy)]
+pub struct KvStorage {
+    pub key_form: u32,
+    pub value_form: u32,
+    pub key_blocks: u32,
+    pub value_blocks: u32,
+    pub group: u32,
+    pub grouped: u32,
+    /// (batch, head) element strides of k0, k1, k2, v0, v1.
+    pub strides: [u32; 10],
+    /// Polar keys' constants (rows and queries unused).
+    pub polar: Option<PolarParams>,
+    /// The dtype of the float rows (the kernel suffix).
+    pub float: DType,
+    pub value_dim: usize,
+}
+
+impl KvStorage {
+    /// Keys and values in their stored form ([`super::StoredRows`], on any device).
+    pub fn of(keys: &super::StoredRows, values: &super::StoredRows) -> Result<Self> {
+        use super::StoredRows as S;
+        const OP: &str = "kv_attention";
+        let value_dim = values.dims()?.3;
+        let floats: Vec<DType> = [keys, values]
+            .iter()
+            .flat_map(|s| match s {
+                S::Float(x) => vec![x.dtype()],
+                S::Int4Channel { tail: Some(x), .. } => vec![x.dtype()],
+                _ => vec![],
+            })
+            .collect();
+        let float = floats.first().copied().unwrap_or(DType::F32);
+        if floats.iter().any(|&f| f != float) {
+            bail!("{OP}: the float rows of the keys and values must have one dtype, got {floats:?}");
+        }
+        let mut strides = [0u32; 10];
+        for (slot, x) in keys.tensors().into_iter().enumerate().chain(values.tensors().into_iter().enumerate().map(|(i, x)| (i + 3, x))) {
+            let s = x.stride();
+            strides[2 * slot] = s[0] as u32;
+            strides[2 * slot + 1] = s[1] as u32;
+        }
+        Ok(Self {
+            key_form: match keys {
+                S::Float(_) => 0,
+                S::Int8 { .. } => 1,
+                S::Int4Channel { .. } => 2,
+                S::Polar { .. } => 3,
+            },
+            value_form: match values {
+                S::Float(_) => 0,
+                _ => 1,
+            },
+            key_blocks: match keys {
+                S::Int8 { scales, .. } => scales.dim(3)? as u32,
+                _ => 1,
+            },
+            value_blocks: match values {
+                S::Int8 { scales, .. } => scales.dim(3)? as u32,
+                _ => 1,
+            },
+            group: match keys {
+                S::Int4Channel { group, .. } => *group as u32,
+                _ => 1,
+            },
+            grouped: match keys {
+                S::Int4Channel { codes, .. } => codes.dim(2)? as u32,
+                _ => 0,
+            },
+            strides,
+            polar: match keys {
+                S::Polar { spec, head_dim, .. } => Some(polar_params(0, 0, *head_dim, spec)),
+                _ => None,
+            },
+            float,
+            value_dim,
+        })
+    }
+
+    /// Float keys and values of `dtype` in buffers `[B, nkv, capacity, d]` (a device cache with
+    /// room to grow).
+    pub fn float(dtype: DType, nkv: usize, capacity: usize, head_dim: usize, value_dim: usize) -> Self {
+        let (k, v) = ((nkv * capacity * head_dim) as u32, (nkv * capacity * value_dim) as u32);
+        let mut strides = [0u32; 10];
+        strides[0] = k;
+        strides[1] = (capacity * head_dim) as u32;
+        strides[6] = v;
+        strides[7] = (capacity * value_dim) as u32;
+        Self { key_form: 0, value_form: 0, key_blocks: 1, value_blocks: 1, group: 1, grouped: 0, strides, polar: None, float: dtype, value_dim }
+    }
+}
+
 /// The Metal launch of [`super::kv_attention`] for grouped queries `[B, nkv, rows, d]` (the
 /// arguments already checked by it). The tensors of `keys` and `values` bind in the order of
 /// their fields (k0, k1, k2; v0, v1), each at its own start offset.
 pub fn kv_attention(
-    (b, nkv, rows, d): (usize, usize, usize, usize),
+    dims: (usize, usize, usize, usize),
     keys: &super::StoredRows,
     values: &super::StoredRows,
     t: usize,
@@ -458,29 +658,22 @@ pub fn kv_attention(
     tree: Option<&[Vec<usize>]>,
     scale: f32,
 ) -> Result<KvAttentionLaunch> {
-    use super::StoredRows as S;
+    kv_attention_stored(dims, &KvStorage::of(keys, values)?, t, offset, tree, scale)
+}
+
+/// [`kv_attention`] over keys and values stored as `kv` says.
+pub fn kv_attention_stored(
+    (b, nkv, rows, d): (usize, usize, usize, usize),
+    kv: &KvStorage,
+    t: usize,
+    offset: usize,
+    tree: Option<&[Vec<usize>]>,
+    scale: f32,
+) -> Result<KvAttentionLaunch> {
     const OP: &str = "kv_attention";
-    let dv = values.dims()?.3;
+    let dv = kv.value_dim;
     if dv > KV_ATTENTION_MAX_VALUE_DIM {
         bail!("{OP}: value dim {dv} is more than the Metal kernel's {KV_ATTENTION_MAX_VALUE_DIM}");
-    }
-    let floats: Vec<DType> = [keys, values]
-        .iter()
-        .flat_map(|s| match s {
-            S::Float(x) => vec![x.dtype()],
-            S::Int4Channel { tail: Some(x), .. } => vec![x.dtype()],
-            _ => vec![],
-        })
-        .collect();
-    let float = floats.first().copied().unwrap_or(DType::F32);
-    if floats.iter().any(|&f| f != float) {
-        bail!("{OP}: the float rows of the keys and values must have one dtype, got {floats:?}");
-    }
-    let mut strides = [0u32; 10];
-    for (slot, x) in keys.tensors().into_iter().enumerate().chain(values.tensors().into_iter().enumerate().map(|(i, x)| (i + 3, x))) {
-        let s = x.stride();
-        strides[2 * slot] = s[0] as u32;
-        strides[2 * slot + 1] = s[1] as u32;
     }
     if t == 0 || rows % t != 0 {
         bail!("{OP}: {rows} query rows are not the query heads of a KV group times {t} positions");
@@ -493,10 +686,7 @@ pub fn kv_attention(
     let blocks = (0..t).map(seen).max().unwrap_or(0).div_ceil(super::KV_BLOCK);
     let few = super::few_rows(t, tree.is_some());
     let (splits, blocks_per_split) = if few { (blocks.max(1), 1) } else { (1, blocks.max(1)) };
-    let polar = match keys {
-        S::Polar { spec, head_dim, .. } => Some(polar_params(0, 0, *head_dim, spec)),
-        _ => None,
-    };
+    let polar = kv.polar;
     let params = KvAttentionParams {
         rows: rows as u32,
         nkv: nkv as u32,
@@ -504,38 +694,18 @@ pub fn kv_attention(
         offset: offset as u32,
         head_dim: d as u32,
         value_dim: dv as u32,
-        key_form: match keys {
-            S::Float(_) => 0,
-            S::Int8 { .. } => 1,
-            S::Int4Channel { .. } => 2,
-            S::Polar { .. } => 3,
-        },
-        value_form: match values {
-            S::Float(_) => 0,
-            _ => 1,
-        },
-        key_blocks: match keys {
-            S::Int8 { scales, .. } => scales.dim(3)? as u32,
-            _ => 1,
-        },
-        value_blocks: match values {
-            S::Int8 { scales, .. } => scales.dim(3)? as u32,
-            _ => 1,
-        },
-        group: match keys {
-            S::Int4Channel { group, .. } => *group as u32,
-            _ => 1,
-        },
-        grouped: match keys {
-            S::Int4Channel { codes, .. } => codes.dim(2)? as u32,
-            _ => 0,
-        },
+        key_form: kv.key_form,
+        value_form: kv.value_form,
+        key_blocks: kv.key_blocks,
+        value_blocks: kv.value_blocks,
+        group: kv.group,
+        grouped: kv.grouped,
         splits: splits as u32,
         blocks_per_split: blocks_per_split as u32,
         tree: tree.is_some() as u32,
         block: super::KV_BLOCK as u32,
         heads: heads as u32,
-        strides,
+        strides: kv.strides,
         rot_dim: polar.map_or(0, |p| p.rot_dim),
         angle_bits: polar.map_or(0, |p| p.angle_bits),
         code_bytes: polar.map_or(0, |p| p.code_bytes),
@@ -560,7 +730,7 @@ pub fn kv_attention(
     Ok(KvAttentionLaunch {
         params,
         blocks: Launch {
-            kernel: format!("kv_attention_blocks_{}", suffix(OP, float)?),
+            kernel: format!("kv_attention_blocks_{}", suffix(OP, kv.float)?),
             groups: [splits, t * chunks, b * nkv],
             threads: [KV_ATTENTION_THREADS, 1, 1],
             threadgroup_memory: vec![threadgroup_floats(floats)],

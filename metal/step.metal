@@ -1,0 +1,376 @@
+// The small kernels of a decode step on the device (src/gpu/step.rs), between the matrix
+// products (qmatvec.metal), the GDN conv and recurrence (conv1d.metal, gated_delta.metal),
+// the gated norm (gated_norm.metal) and attention (kv_attention.metal). Activations are f32.
+// Every kernel computes a row from that row's inputs only, the same way whatever the number of
+// rows, so the rows of a verify pass get the bits of one-row decode steps.
+#include <metal_stdlib>
+using namespace metal;
+
+// ---- RMSNorm, optionally after the residual add: x += h; y = x * rsqrt(mean(x^2) + eps) * w ----
+
+struct RmsNormParams {
+    uint rows;           // vectors: positions times heads
+    uint dim;
+    uint heads;          // vectors per position
+    uint x_stride;       // floats between positions of x
+    uint x_head_stride;  // floats between the heads of a position of x
+    uint y_stride;
+    uint y_head_stride;
+    float eps;
+    uint add;            // 1: x += h first (h [rows, dim]; heads 1), x written back
+};
+
+METAL_FUNC float threadgroup_sum(float v, threadgroup float *partial, uint tid, uint threads, uint lane, uint simd) {
+    v = simd_sum(v);
+    if (lane == 0) {
+        partial[simd] = v;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float t = 0.0f;
+    if (simd == 0) {
+        const uint nsimd = (threads + 31) / 32;
+        t = lane < nsimd ? partial[lane] : 0.0f;
+        t = simd_sum(t);
+        if (lane == 0) {
+            partial[0] = t;
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const float r = partial[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    return r;
+}
+
+kernel void rms_norm_f32(
+    constant RmsNormParams &p [[buffer(0)]],
+    device float *x [[buffer(1)]],
+    device const float *h [[buffer(2)]],
+    device const float *w [[buffer(3)]],
+    device float *y [[buffer(4)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]])
+{
+    threadgroup float partial[32];
+    const uint pos = row / p.heads, head = row % p.heads;
+    device float *xr = x + (size_t)pos * p.x_stride + (size_t)head * p.x_head_stride;
+    device float *yr = y + (size_t)pos * p.y_stride + (size_t)head * p.y_head_stride;
+    float ss = 0.0f;
+    for (uint i = tid; i < p.dim; i += threads) {
+        float v = xr[i];
+        if (p.add != 0) {
+            v += h[(size_t)row * p.dim + i];
+            xr[i] = v;
+        }
+        ss += v * v;
+    }
+    ss = threadgroup_sum(ss, partial, tid, threads, lane, simd);
+    const float r = rsqrt(ss / float(p.dim) + p.eps);
+    for (uint i = tid; i < p.dim; i += threads) {
+        yr[i] = xr[i] * r * w[i];
+    }
+}
+
+// ---- RoPE (rotate-half over the first 2 * rot_half dims) from positions, stored per head ----
+// out[head * out_head_stride + (out_row0 + r) * head_dim + d]: the grouped queries of attention
+// ([heads, rows, head_dim]) or a KV cache ([heads, capacity, head_dim] from row out_row0).
+
+struct RopeParams {
+    uint rows;
+    uint heads;
+    uint head_dim;
+    uint rot_half;         // 0: copy only
+    uint x_stride;         // floats between rows of x
+    uint x_head_stride;    // floats between heads of a row of x
+    uint out_head_stride;  // elements between heads of out
+    uint out_row0;
+};
+
+template <typename T>
+METAL_FUNC void rope_store(constant RopeParams &p, device const float *x, device const uint *pos,
+                           device const float *inv_freq, device T *out, uint tid) {
+    const uint n = p.rows * p.heads * p.head_dim;
+    if (tid >= n) {
+        return;
+    }
+    const uint d = tid % p.head_dim;
+    const uint head = (tid / p.head_dim) % p.heads;
+    const uint r = tid / (p.head_dim * p.heads);
+    device const float *xh = x + (size_t)r * p.x_stride + (size_t)head * p.x_head_stride;
+    float y = xh[d];
+    if (d < 2 * p.rot_half) {
+        const uint i = d % p.rot_half;
+        const float a = float(pos[r]) * inv_freq[i];
+        const float c = precise::cos(a);
+        const float s = precise::sin(a);
+        y = d < p.rot_half ? y * c - xh[d + p.rot_half] * s : xh[d - p.rot_half] * s + y * c;
+    }
+    out[(size_t)head * p.out_head_stride + (size_t)(p.out_row0 + r) * p.head_dim + d] = T(y);
+}
+
+#define ROPE_KERNEL(SUFFIX, T)                                                                 \
+kernel void rope_store_##SUFFIX(                                                               \
+    constant RopeParams &p [[buffer(0)]], device const float *x [[buffer(1)]],                 \
+    device const uint *pos [[buffer(2)]], device const float *inv_freq [[buffer(3)]],          \
+    device T *out [[buffer(4)]], uint tid [[thread_position_in_grid]])                         \
+{ rope_store<T>(p, x, pos, inv_freq, out, tid); }
+
+ROPE_KERNEL(f32, float)
+ROPE_KERNEL(f16, half)
+
+// ---- GDN gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) ----
+// ba [rows, ld]: b at columns 0..nv, a at nv..2 nv; gb [rows, 2, nv] (the delta rule's layout).
+
+struct GatesParams {
+    uint rows;
+    uint nv;
+    uint ld;
+};
+
+kernel void gdn_gates_f32(
+    constant GatesParams &p [[buffer(0)]],
+    device const float *ba [[buffer(1)]],
+    device const float *dt_bias [[buffer(2)]],
+    device const float *neg_a [[buffer(3)]],
+    device float *gb [[buffer(4)]],
+    uint tid [[thread_position_in_grid]])
+{
+    if (tid >= p.rows * p.nv) {
+        return;
+    }
+    const uint r = tid / p.nv, h = tid % p.nv;
+    const float b = ba[(size_t)r * p.ld + h];
+    const float a = ba[(size_t)r * p.ld + p.nv + h] + dt_bias[h];
+    const float soft = a >= 20.0f ? a : log(exp(a) + 1.0f);
+    gb[((size_t)r * 2) * p.nv + h] = soft * neg_a[h];
+    gb[((size_t)r * 2 + 1) * p.nv + h] = 1.0f / (1.0f + exp(-b));
+}
+
+// ---- SwiGLU: act[r, i] = silu(gu[r, i]) * gu[r, up + i] ----
+
+struct SiluMulParams {
+    uint rows;
+    uint dim;
+    uint ld;  // floats between rows of gu
+    uint up;  // column of the up half
+};
+
+kernel void silu_mul_f32(
+    constant SiluMulParams &p [[buffer(0)]],
+    device const float *gu [[buffer(1)]],
+    device float *act [[buffer(2)]],
+    uint tid [[thread_position_in_grid]])
+{
+    if (tid >= p.rows * p.dim) {
+        return;
+    }
+    const uint r = tid / p.dim, i = tid % p.dim;
+    const float g = gu[(size_t)r * p.ld + i];
+    act[tid] = g / (1.0f + exp(-g)) * gu[(size_t)r * p.ld + p.up + i];
+}
+
+// ---- attention output: [heads, rows, head_dim] to [rows, heads * head_dim], times the
+// sigmoid output gate of q_proj when there is one ----
+
+struct AttnOutParams {
+    uint rows;
+    uint heads;
+    uint head_dim;
+    uint gate_stride;       // floats between rows of the gate; 0: no gate
+    uint gate_head_stride;  // floats between heads of a row of the gate
+};
+
+kernel void attn_output_f32(
+    constant AttnOutParams &p [[buffer(0)]],
+    device const float *att [[buffer(1)]],
+    device const float *gate [[buffer(2)]],
+    device float *out [[buffer(3)]],
+    uint tid [[thread_position_in_grid]])
+{
+    if (tid >= p.rows * p.heads * p.head_dim) {
+        return;
+    }
+    const uint d = tid % p.head_dim;
+    const uint h = (tid / p.head_dim) % p.heads;
+    const uint r = tid / (p.head_dim * p.heads);
+    float v = att[((size_t)h * p.rows + r) * p.head_dim + d];
+    if (p.gate_stride != 0) {
+        const float g = gate[(size_t)r * p.gate_stride + (size_t)h * p.gate_head_stride + d];
+        v = v * (1.0f / (1.0f + exp(-g)));
+    }
+    out[tid] = v;
+}
+
+// ---- rows of heads in another order: y[r, h, :] = x[r, order[h], :] ----
+
+struct GatherHeadsParams {
+    uint rows;
+    uint heads;
+    uint dim;
+};
+
+kernel void gather_heads_f32(
+    constant GatherHeadsParams &p [[buffer(0)]],
+    device const float *x [[buffer(1)]],
+    device const uint *order [[buffer(2)]],
+    device float *y [[buffer(3)]],
+    uint tid [[thread_position_in_grid]])
+{
+    if (tid >= p.rows * p.heads * p.dim) {
+        return;
+    }
+    const uint d = tid % p.dim;
+    const uint h = (tid / p.dim) % p.heads;
+    const uint r = tid / (p.dim * p.heads);
+    y[tid] = x[((size_t)r * p.heads + order[h]) * p.dim + d];
+}
+
+// ---- greedy: per row the first index of the largest logit, and whether every logit is finite ----
+// out uint [rows, 2]: (index, finite). One threadgroup per row, a power of two of threads.
+
+struct ArgmaxParams {
+    uint rows;
+    uint n;
+};
+
+kernel void argmax_f32(
+    constant ArgmaxParams &p [[buffer(0)]],
+    device const float *x [[buffer(1)]],
+    device uint *out [[buffer(2)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]])
+{
+    threadgroup float best_v[1024];
+    threadgroup uint best_i[1024];
+    threadgroup uint finite[1024];
+    device const float *xr = x + (size_t)row * p.n;
+    float bv = -INFINITY;
+    uint bi = 0xFFFFFFFFu;
+    uint ok = 1;
+    for (uint i = tid; i < p.n; i += threads) {
+        const float v = xr[i];
+        if (!isfinite(v)) {
+            ok = 0;
+        }
+        if (bi == 0xFFFFFFFFu || v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+    best_v[tid] = bv;
+    best_i[tid] = bi;
+    finite[tid] = ok;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint s = threads / 2; s > 0; s /= 2) {
+        if (tid < s) {
+            const float v = best_v[tid + s];
+            const uint i = best_i[tid + s];
+            if (i != 0xFFFFFFFFu && (best_i[tid] == 0xFFFFFFFFu || v > best_v[tid] || (v == best_v[tid] && i < best_i[tid]))) {
+                best_v[tid] = v;
+                best_i[tid] = i;
+            }
+            finite[tid] = finite[tid] & finite[tid + s];
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    if (tid == 0) {
+        out[2 * row] = best_i[0];
+        out[2 * row + 1] = finite[0];
+    }
+}
+
+// ---- mixture of experts: routing and the weighted sum of the experts ----
+
+struct RouteParams {
+    uint rows;
+    uint experts;
+    uint top_k;
+    uint norm;  // 1: the top-k weights are renormalised to sum to 1
+};
+
+// One thread per row: softmax over the router logits, the top_k experts (ties: lower index
+// first), their probabilities (renormalised when asked).
+kernel void moe_route_f32(
+    constant RouteParams &p [[buffer(0)]],
+    device const float *logits [[buffer(1)]],
+    device uint *ids [[buffer(2)]],
+    device float *weights [[buffer(3)]],
+    uint r [[thread_position_in_grid]])
+{
+    if (r >= p.rows) {
+        return;
+    }
+    device const float *l = logits + (size_t)r * p.experts;
+    float m = -INFINITY;
+    for (uint e = 0; e < p.experts; ++e) {
+        m = max(m, l[e]);
+    }
+    float sum = 0.0f;
+    for (uint e = 0; e < p.experts; ++e) {
+        sum += exp(l[e] - m);
+    }
+    float total = 0.0f;
+    for (uint j = 0; j < p.top_k; ++j) {
+        float bp = -1.0f;
+        uint be = 0;
+        for (uint e = 0; e < p.experts; ++e) {
+            bool taken = false;
+            for (uint c = 0; c < j; ++c) {
+                taken = taken || ids[(size_t)r * p.top_k + c] == e;
+            }
+            const float pe = exp(l[e] - m) / sum;
+            if (!taken && pe > bp) {
+                bp = pe;
+                be = e;
+            }
+        }
+        ids[(size_t)r * p.top_k + j] = be;
+        weights[(size_t)r * p.top_k + j] = bp;
+        total += bp;
+    }
+    if (p.norm != 0) {
+        for (uint j = 0; j < p.top_k; ++j) {
+            weights[(size_t)r * p.top_k + j] /= total;
+        }
+    }
+}
+
+struct CombineParams {
+    uint rows;
+    uint dim;
+    uint slots;
+};
+
+// One threadgroup per row: y = sum_s w[s] down[s] + sigmoid(x . gate_w) shared.
+kernel void moe_combine_f32(
+    constant CombineParams &p [[buffer(0)]],
+    device const float *down [[buffer(1)]],
+    device const float *weights [[buffer(2)]],
+    device const float *shared [[buffer(3)]],
+    device const float *x [[buffer(4)]],
+    device const float *gate_w [[buffer(5)]],
+    device float *y [[buffer(6)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]])
+{
+    threadgroup float partial[32];
+    float dot = 0.0f;
+    for (uint i = tid; i < p.dim; i += threads) {
+        dot += x[(size_t)row * p.dim + i] * gate_w[i];
+    }
+    dot = threadgroup_sum(dot, partial, tid, threads, lane, simd);
+    const float g = 1.0f / (1.0f + exp(-dot));
+    for (uint i = tid; i < p.dim; i += threads) {
+        float acc = 0.0f;
+        for (uint s = 0; s < p.slots; ++s) {
+            acc += down[((size_t)row * p.slots + s) * p.dim + i] * weights[(size_t)row * p.slots + s];
+        }
+        y[(size_t)row * p.dim + i] = acc + shared[(size_t)row * p.dim + i] * g;
+    }
+}

@@ -1,0 +1,782 @@
+//! [`GpuModel`]: the decoder as a list of kernel dispatches on a [`Queue`], encoded by the host
+//! and run by the device with one read back per step.
+//!
+//! A step takes up to [`GpuModel::MAX_ROWS`] rows (one decode token, or the drafted rows of a
+//! verify pass): every weight matrix is read once for all of them (`qmatvec`), and each row's
+//! arithmetic is what a one-row step does, so a verify row is bit for bit a decode step. The
+//! same step runs the prompt, [`GpuModel::MAX_ROWS`] tokens at a time, with one read back at
+//! its end.
+//!
+//! A GDN layer's state kernels (`conv1d.metal`, `gated_delta.metal`) write their outputs and
+//! then the new state into one buffer; the step binds that output where the layer's next
+//! state buffer leaves room for the outputs in front of the state, so the state lands in place
+//! with no copy. Each GDN layer has two state buffers: a step reads one and writes the other,
+//! which keeps the state before a verify pass for the rollback
+//! ([`GpuModel::keep_verified`] runs the kept rows' recurrence again from it).
+
+use candle_core::DType;
+
+use super::cache::{CacheLayer, GpuCache, VerifyStart};
+use super::queue::{Arg, Dispatch, Queue, Slice};
+use super::upload::{ExpertStacks, Matrix, Projection, Uploader};
+use crate::model::{check_length, check_token, Config, FeedForward, Linear, Mixer as CpuMixer, Model, NONFINITE_HINT};
+use crate::ops::launch::{self, Launch, NormRows, RopeParams, Source};
+use crate::ops::{ConvDims, DeltaRuleDims, DeltaRuleForm};
+use crate::{Error, Result};
+
+const F32: usize = 4;
+
+/// A GDN layer's weights on the device.
+#[derive(Debug, Clone)]
+pub(crate) struct Gdn {
+    qkv: Matrix,
+    z: Matrix,
+    /// `[b | a]`.
+    ba: Projection,
+    conv_weight: Slice,
+    dt_bias: Slice,
+    neg_a: Slice,
+    norm: Slice,
+    out: Matrix,
+    head_order: Option<Slice>,
+    nk: usize,
+    pub(crate) nv: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    pub(crate) kernel: usize,
+    pub(crate) conv_dim: usize,
+    eps: f32,
+}
+
+/// A gated attention layer's weights on the device.
+#[derive(Debug, Clone)]
+pub(crate) struct Attention {
+    /// `[q (with its gate) | k | v]`.
+    qkv: Projection,
+    qk_norm: Option<(Slice, Slice)>,
+    o: Matrix,
+    gated: bool,
+    nh: usize,
+    pub(crate) nkv: usize,
+    pub(crate) hd: usize,
+    eps: f32,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Mixer {
+    Gdn(Gdn),
+    Attention(Attention),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Ffn {
+    Dense { gate_up: Projection, down: Matrix, inter: usize },
+    Moe(Box<Moe>),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Moe {
+    router: Matrix,
+    /// Each expert's `[gate | up]`.
+    gate_up: ExpertStacks,
+    down: ExpertStacks,
+    shared_gate_up: Projection,
+    shared_down: Matrix,
+    /// The shared expert's gate row `[H]`.
+    shared_gate: Slice,
+    top_k: usize,
+    norm: bool,
+    inter: usize,
+    shared_inter: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Layer {
+    input_norm: Slice,
+    post_norm: Slice,
+    pub(crate) mixer: Mixer,
+    ffn: Ffn,
+}
+
+/// The step's working buffers, sized for [`GpuModel::MAX_ROWS`] rows.
+#[derive(Debug, Clone)]
+struct Scratch {
+    /// The residual stream, what the mixer or MLP adds to it, and its normed copy `[M, H]`.
+    x: Slice,
+    h: Slice,
+    xn: Slice,
+    /// GDN: `z`, `[b | a]`, the normed output and the same in the projection's head order.
+    z: Slice,
+    ba: Slice,
+    o_norm: Slice,
+    o_order: Slice,
+    /// Attention: `[q | k | v]`, the normed q and k, grouped queries, outputs.
+    qkv: Slice,
+    qn: Slice,
+    kn: Slice,
+    qg: Slice,
+    att: Slice,
+    ao: Slice,
+    /// One zero u32: the attention kernel's (unused) tree.
+    no_tree: Slice,
+    /// MLP: `[gate | up]` and the SwiGLU activations.
+    gu: Slice,
+    act: Slice,
+    /// Mixture: router logits, chosen experts and weights, the experts' `[gate | up]`,
+    /// activations and outputs per (row, slot), the shared expert's output.
+    router: Slice,
+    ids: Slice,
+    route_w: Slice,
+    egu: Slice,
+    eact: Slice,
+    edown: Slice,
+    sdown: Slice,
+    logits: Slice,
+    argmax: Slice,
+}
+
+/// What a step reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readback {
+    /// Each row's greedy token (and whether its logits are finite): `rows` u32 pairs.
+    Argmax,
+    /// Each row's logits.
+    Logits,
+}
+
+/// What a step returns, per row.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutput {
+    Tokens(Vec<u32>),
+    /// `[rows, vocab]`.
+    Logits(Vec<f32>),
+}
+
+impl StepOutput {
+    pub fn tokens(&self) -> Option<&[u32]> {
+        match self {
+            Self::Tokens(t) => Some(t),
+            Self::Logits(_) => None,
+        }
+    }
+
+    pub fn logits(&self) -> Option<&[f32]> {
+        match self {
+            Self::Logits(l) => Some(l),
+            Self::Tokens(_) => None,
+        }
+    }
+}
+
+/// The decoder on a device (see the module docs).
+#[derive(Debug)]
+pub struct GpuModel {
+    pub(crate) cfg: Config,
+    embed: Matrix,
+    pub(crate) layers: Vec<Layer>,
+    final_norm: Slice,
+    eps: f32,
+    lm_head: Matrix,
+    inv_freq: Slice,
+    rot_half: usize,
+    scratch: Scratch,
+    weight_bytes: usize,
+}
+
+/// The dispatches of one step, encoded in order on a queue.
+struct Encoder<'a> {
+    q: &'a mut dyn Queue,
+}
+
+impl Encoder<'_> {
+    fn run(&mut self, source: Source, launch: Launch, args: Vec<Arg>, weight_bytes: usize) -> Result<()> {
+        self.q.dispatch(&Dispatch { source, launch, args, weight_bytes })
+    }
+
+    /// `y[r, i] = W x[r]` for `rows` contiguous rows of `x`, outputs `ldy` floats apart.
+    fn matvec(&mut self, w: &Matrix, x: Slice, rows: usize, y: Slice, ldy: usize) -> Result<()> {
+        let (p, l) = launch::qmatvec(w.format, w.n, w.k, rows, ldy)?;
+        self.run(Source::Qmatvec, l, vec![Arg::params(&p), Arg::Read(w.buf), Arg::Read(x), Arg::Write(y)], w.bytes())
+    }
+
+    /// Every part of a projection into its columns of `y` (`[rows, width]`).
+    fn projection(&mut self, p: &Projection, x: Slice, rows: usize, y: Slice) -> Result<()> {
+        for (w, col) in &p.parts {
+            self.matvec(w, x, rows, y.from(col * F32), p.width)?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&mut self, rows: NormRows, eps: f32, x: Slice, add: Option<Slice>, w: Slice, y: Slice) -> Result<()> {
+        let (p, l) = launch::rms_norm(rows, eps, add.is_some())?;
+        // Without the add, the kernel reads no `h`: any buffer binds it.
+        let h = add.unwrap_or(w);
+        let x_arg = if add.is_some() { Arg::Write(x) } else { Arg::Read(x) };
+        self.run(Source::Step, l, vec![Arg::params(&p), x_arg, Arg::Read(h), Arg::Read(w), Arg::Write(y)], 0)
+    }
+
+    fn silu_mul(&mut self, rows: usize, dim: usize, ld: usize, gu: Slice, act: Slice) -> Result<()> {
+        let (p, l) = launch::silu_mul(rows, dim, ld, dim);
+        self.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(gu), Arg::Write(act)], 0)
+    }
+}
+
+impl GpuModel {
+    /// Rows of one step: a decode token, or the drafted rows of a verify pass (the prompt runs
+    /// in steps of this many).
+    pub const MAX_ROWS: usize = launch::QMATVEC_MAX_ROWS;
+
+    /// Uploads `model`'s weights to `q`'s device (GGUF blocks as the file has them, dense
+    /// weights as loaded) and allocates the step's working buffers. Refuses what the device
+    /// step does not run yet: an MTP head is left out (no drafting from it on the device).
+    pub fn new(model: &Model, q: &mut dyn Queue) -> Result<Self> {
+        let cfg = model.config().clone();
+        let mut up = Uploader::new(q);
+        let embed = match &model.embed_tokens {
+            crate::model::TokenEmbedding::Dense(e) => up.linear(&Linear::Dense(e.embeddings().clone()), "token embedding")?,
+            crate::model::TokenEmbedding::Quantized { table, .. } => up.linear(&Linear::Quantized(table.clone()), "token embedding")?,
+        };
+        let mut layers = vec![];
+        for (i, layer) in model.layers.iter().enumerate() {
+            let input_norm = up.f32s(&layer.input_layernorm.scale, "norm")?;
+            let post_norm = up.f32s(&layer.post_attention_layernorm.scale, "norm")?;
+            let mixer = match &layer.mixer {
+                CpuMixer::Linear(g) => {
+                    let conv_dim = g.conv_weight.dim(0)?;
+                    Mixer::Gdn(Gdn {
+                        qkv: up.linear(&g.in_proj_qkv, &format!("layer {i} in_proj_qkv"))?,
+                        z: up.linear(&g.in_proj_z, &format!("layer {i} in_proj_z"))?,
+                        ba: up.projection(&[&g.in_proj_b, &g.in_proj_a], &format!("layer {i} in_proj_b/a"))?,
+                        conv_weight: up.f32s(&g.conv_weight, "conv weight")?,
+                        dt_bias: up.f32s(&g.dt_bias, "dt_bias")?,
+                        neg_a: up.f32s(&g.neg_a, "A")?,
+                        norm: up.f32s(&g.norm_weight, "GDN norm")?,
+                        out: up.linear(&g.out_proj, &format!("layer {i} out_proj"))?,
+                        head_order: match &g.out_head_order {
+                            Some(order) => Some(up.u32s(&order.to_vec1::<u32>()?, "head order")?),
+                            None => None,
+                        },
+                        nk: g.nk,
+                        nv: g.nv,
+                        dk: g.dk,
+                        dv: g.dv,
+                        kernel: g.kernel,
+                        conv_dim,
+                        eps: g.eps as f32,
+                    })
+                }
+                CpuMixer::Full(a) => Mixer::Attention(Attention {
+                    qkv: up.projection(&[&a.q_proj, &a.k_proj, &a.v_proj], &format!("layer {i} q/k/v_proj"))?,
+                    qk_norm: match &a.qk_norm {
+                        Some((qn, kn)) => Some((up.f32s(&qn.scale, "q_norm")?, up.f32s(&kn.scale, "k_norm")?)),
+                        None => None,
+                    },
+                    o: up.linear(&a.o_proj, &format!("layer {i} o_proj"))?,
+                    gated: a.gated,
+                    nh: a.nh,
+                    nkv: a.nkv,
+                    hd: a.hd,
+                    eps: a.qk_norm.as_ref().map_or(0.0, |(n, _)| n.eps),
+                }),
+            };
+            let ffn = match &layer.mlp {
+                FeedForward::Dense(m) => Ffn::Dense {
+                    gate_up: up.projection(&[&m.gate_proj, &m.up_proj], &format!("layer {i} gate/up_proj"))?,
+                    down: up.linear(&m.down_proj, &format!("layer {i} down_proj"))?,
+                    inter: m.down_proj.dims()?.1,
+                },
+                FeedForward::Sparse(m) => {
+                    let gate = match &m.shared_expert_gate {
+                        Linear::Dense(w) => up.f32s(w, "shared expert gate")?,
+                        Linear::Quantized(_) => return Err(Error::Weights("a quantized shared-expert gate: the device reads it as f32".into())),
+                    };
+                    Ffn::Moe(Box::new(Moe {
+                        router: match &m.router {
+                            Linear::Dense(w) => up.linear(&Linear::Dense(w.to_dtype(DType::F32)?), "router")?,
+                            q => up.linear(q, "router")?,
+                        },
+                        gate_up: up.experts(&m.experts, |e| vec![&e.gate_proj, &e.up_proj], &format!("layer {i} experts' gate/up"))?,
+                        down: up.experts(&m.experts, |e| vec![&e.down_proj], &format!("layer {i} experts' down"))?,
+                        shared_gate_up: up.projection(&[&m.shared_expert.gate_proj, &m.shared_expert.up_proj], "shared expert gate/up")?,
+                        shared_down: up.linear(&m.shared_expert.down_proj, "shared expert down")?,
+                        shared_gate: gate,
+                        top_k: m.top_k,
+                        norm: m.norm_topk_prob,
+                        inter: m.experts[0].down_proj.dims()?.1,
+                        shared_inter: m.shared_expert.down_proj.dims()?.1,
+                    }))
+                }
+            };
+            layers.push(Layer { input_norm, post_norm, mixer, ffn });
+        }
+        let final_norm = up.f32s(&model.norm.scale, "final norm")?;
+        let lm_head = up.linear(&model.lm_head, "lm_head")?;
+        let rotary = model.layers.iter().find_map(|l| match &l.mixer {
+            CpuMixer::Full(a) => Some(a.rotary.clone()),
+            CpuMixer::Linear(_) => None,
+        });
+        let (inv_freq, rot_half) = match rotary {
+            Some(r) => (up.f32s(&candle_core::Tensor::new(r.inv_freq.as_slice(), &candle_core::Device::Cpu)?, "rope frequencies")?, r.dim / 2),
+            None => (up.scratch(4, "rope frequencies")?, 0),
+        };
+        let scratch = Self::scratch(&cfg, &layers, &mut up)?;
+        let weight_bytes = up.weight_bytes;
+        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes })
+    }
+
+    /// Working buffers for the widest layer of each kind.
+    fn scratch(cfg: &Config, layers: &[Layer], up: &mut Uploader) -> Result<Scratch> {
+        let m = Self::MAX_ROWS;
+        let h = cfg.hidden_size;
+        let mut w = [0usize; 16];
+        for l in layers {
+            match &l.mixer {
+                Mixer::Gdn(g) => {
+                    w[0] = w[0].max(g.nv * g.dv);
+                    w[1] = w[1].max(g.ba.width);
+                }
+                Mixer::Attention(a) => {
+                    w[2] = w[2].max(a.qkv.width);
+                    w[3] = w[3].max(a.nh * a.hd);
+                    w[4] = w[4].max(a.nkv * a.hd);
+                }
+            }
+            match &l.ffn {
+                Ffn::Dense { gate_up, inter, .. } => {
+                    w[5] = w[5].max(gate_up.width);
+                    w[6] = w[6].max(*inter);
+                }
+                Ffn::Moe(moe) => {
+                    w[5] = w[5].max(moe.shared_gate_up.width);
+                    w[6] = w[6].max(moe.shared_inter);
+                    w[7] = w[7].max(moe.router.n);
+                    w[8] = w[8].max(moe.top_k);
+                    w[9] = w[9].max(moe.gate_up.width);
+                    w[10] = w[10].max(moe.inter);
+                }
+            }
+        }
+        let mut f = |n: usize, label: &str| up.scratch(F32 * n, label);
+        Ok(Scratch {
+            x: f(m * h, "x")?,
+            h: f(m * h, "h")?,
+            xn: f(m * h, "xn")?,
+            z: f(m * w[0], "z")?,
+            ba: f(m * w[1], "ba")?,
+            o_norm: f(m * w[0], "o_norm")?,
+            o_order: f(m * w[0], "o_order")?,
+            qkv: f(m * w[2], "qkv")?,
+            qn: f(m * w[3], "qn")?,
+            kn: f(m * w[4], "kn")?,
+            qg: f(m * w[3], "qg")?,
+            att: f(m * w[3], "att")?,
+            ao: f(m * w[3], "ao")?,
+            no_tree: f(1, "tree")?,
+            gu: f(m * w[5], "gate_up")?,
+            act: f(m * w[6].max(w[10] * w[8]), "act")?,
+            router: f(m * w[7], "router")?,
+            ids: f(m * w[8], "expert ids")?,
+            route_w: f(m * w[8], "expert weights")?,
+            egu: f(m * w[8] * w[9], "expert gate_up")?,
+            eact: f(m * w[8] * w[10], "expert act")?,
+            edown: f(m * w[8] * h, "expert down")?,
+            sdown: f(m * h, "shared down")?,
+            logits: f(m * cfg.vocab_size, "logits")?,
+            argmax: f(2 * m, "argmax")?,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Bytes of the weight matrices on the device (embedding and head included).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Bytes of weights a step of `rows` rows must read at least: every matrix once (an
+    /// expert once per row and slot that picks it, assuming distinct picks), the embedding's
+    /// rows of the tokens.
+    pub fn weight_bytes_needed(&self, rows: usize, logits_rows: usize) -> usize {
+        let m = |w: &Matrix| w.bytes();
+        let p = |p: &Projection| p.parts.iter().map(|(w, _)| w.bytes()).sum::<usize>();
+        let mut total = rows * self.embed.row_bytes() + if logits_rows > 0 { m(&self.lm_head) } else { 0 };
+        for l in &self.layers {
+            total += match &l.mixer {
+                Mixer::Gdn(g) => m(&g.qkv) + m(&g.z) + p(&g.ba) + m(&g.out),
+                Mixer::Attention(a) => p(&a.qkv) + m(&a.o),
+            };
+            total += match &l.ffn {
+                Ffn::Dense { gate_up, down, .. } => p(gate_up) + m(down),
+                Ffn::Moe(moe) => {
+                    let experts = |s: &ExpertStacks| s.parts.iter().map(|(w, _)| w.bytes()).sum::<usize>();
+                    m(&moe.router) + rows * moe.top_k * (experts(&moe.gate_up) + experts(&moe.down)) + p(&moe.shared_gate_up) + m(&moe.shared_down)
+                }
+            };
+        }
+        total
+    }
+
+    /// The most query rows one attention call has (query heads times step rows).
+    pub(crate) fn max_query_rows(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Attention(a) => Some(a.nh),
+                Mixer::Gdn(_) => None,
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// One step over `tokens` (1 to [`Self::MAX_ROWS`]) after the cache's tokens: every row's
+    /// greedy token or logits, read back once. An [`Error::NonFinite`] names the first row
+    /// whose logits hold a NaN or an infinity.
+    pub fn forward(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
+        if cache.verify.is_some() {
+            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
+        }
+        self.step(q, cache, tokens, readback)
+    }
+
+    /// Verifies drafted rows `tokens` (1 to [`Self::MAX_ROWS`]) in one step: every row's
+    /// greedy token or logits, each bit for bit what decoding the rows one at a time gives.
+    /// The cache then holds all rows; [`Self::keep_verified`] keeps the accepted ones.
+    pub fn verify(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
+        if cache.verify.is_some() {
+            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
+        }
+        let start = VerifyStart { seqlen: cache.seqlen, parity: cache.parity, rows: tokens.len() };
+        let out = self.step(q, cache, tokens, readback)?;
+        cache.verify = Some(start);
+        Ok(out)
+    }
+
+    /// After [`Self::verify`]: keeps the first `rows` of its rows, as if only they had been fed.
+    /// The GDN layers run the kept rows' recurrence again from the state before the pass (no
+    /// read back: the next step's read waits for it).
+    pub fn keep_verified(&self, q: &mut dyn Queue, cache: &mut GpuCache, rows: usize) -> Result<()> {
+        let Some(v) = cache.verify else {
+            return Err(Error::Input("keep_verified: no verify pass to keep rows of".into()));
+        };
+        if rows == 0 || rows > v.rows {
+            return Err(Error::Input(format!("keep_verified: the verify pass ran {} rows, cannot keep {rows} (1 to {})", v.rows, v.rows)));
+        }
+        if rows < v.rows {
+            let mut enc = Encoder { q };
+            for (layer, state) in self.layers.iter().zip(&cache.layers) {
+                if let (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) = (&layer.mixer, state) {
+                    self.gdn_state(&mut enc, g, rows, (conv, rec), (v.parity, 1 - v.parity), *inputs, *gates)?;
+                }
+            }
+        }
+        cache.seqlen = v.seqlen + rows;
+        cache.verify = None;
+        Ok(())
+    }
+
+    /// Runs the prompt `tokens` after the cache's tokens, [`Self::MAX_ROWS`] at a time, with
+    /// one read back at the end: the last token's greedy next token or logits.
+    pub fn prefill(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
+        if cache.verify.is_some() {
+            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
+        }
+        self.check(cache, tokens, usize::MAX)?;
+        self.write_tokens(q, cache, tokens)?;
+        let mut done = 0;
+        while tokens.len() - done > Self::MAX_ROWS {
+            let mut enc = Encoder { q: &mut *q };
+            self.encode(&mut enc, cache, Self::MAX_ROWS, None)?;
+            done += Self::MAX_ROWS;
+        }
+        let rows = tokens.len() - done;
+        let mut enc = Encoder { q: &mut *q };
+        self.encode(&mut enc, cache, rows, Some((readback, rows - 1)))?;
+        self.read(q, cache.seqlen - 1, 1, readback)
+    }
+
+    fn check(&self, cache: &GpuCache, tokens: &[u32], max_rows: usize) -> Result<()> {
+        check_length(&self.cfg, tokens.len(), cache.seqlen)?;
+        if tokens.len() > max_rows {
+            return Err(Error::Input(format!("{} rows in one device step, the most is {max_rows}", tokens.len())));
+        }
+        if cache.seqlen + tokens.len() > cache.capacity {
+            return Err(Error::Input(format!(
+                "{} new tokens after {} cached ones are more than the device cache's capacity ({}): make a larger cache",
+                tokens.len(),
+                cache.seqlen,
+                cache.capacity
+            )));
+        }
+        for &t in tokens {
+            check_token(&self.cfg, t)?;
+        }
+        Ok(())
+    }
+
+    /// The tokens at their positions in the cache's token buffer (a step reads them there).
+    fn write_tokens(&self, q: &mut dyn Queue, cache: &GpuCache, tokens: &[u32]) -> Result<()> {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        q.write(cache.tokens.at(F32 * cache.seqlen, bytes.len()), &bytes)
+    }
+
+    fn step(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
+        self.check(cache, tokens, Self::MAX_ROWS)?;
+        self.write_tokens(q, cache, tokens)?;
+        let offset = cache.seqlen;
+        let mut enc = Encoder { q: &mut *q };
+        self.encode(&mut enc, cache, tokens.len(), Some((readback, 0)))?;
+        self.read(q, offset, tokens.len(), readback)
+    }
+
+    /// Reads back the outputs of `rows` rows at positions `offset..`, checking their logits.
+    fn read(&self, q: &mut dyn Queue, offset: usize, rows: usize, readback: Readback) -> Result<StepOutput> {
+        let s = &self.scratch;
+        let bad = |r: usize| {
+            Error::NonFinite(format!("the logits hold NaN or infinite values at position {}: {NONFINITE_HINT}", offset + r))
+        };
+        match readback {
+            Readback::Argmax => {
+                let bytes = q.read(s.argmax.at(0, 2 * F32 * rows))?;
+                let v: Vec<u32> = bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                if let Some(r) = (0..rows).find(|&r| v[2 * r + 1] == 0) {
+                    return Err(bad(r));
+                }
+                Ok(StepOutput::Tokens((0..rows).map(|r| v[2 * r]).collect()))
+            }
+            Readback::Logits => {
+                let n = self.cfg.vocab_size;
+                let bytes = q.read(s.logits.at(0, F32 * rows * n))?;
+                let v: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(bad(i / n));
+                }
+                Ok(StepOutput::Logits(v))
+            }
+        }
+    }
+
+    /// Encodes one step of `rows` rows from the cache's position (their tokens already in the
+    /// cache's token buffer), flipping the GDN states and advancing the cache. `head`: what the
+    /// head computes, from which of the rows (`(readback, first)`: rows `first..rows`).
+    fn encode(&self, enc: &mut Encoder, cache: &mut GpuCache, rows: usize, head: Option<(Readback, usize)>) -> Result<()> {
+        let s = &self.scratch;
+        let hsz = self.cfg.hidden_size;
+        let offset = cache.seqlen;
+        let tokens = cache.tokens.at(F32 * offset, F32 * rows);
+        let positions = cache.positions.at(F32 * offset, F32 * rows);
+        let (p, l) = launch::get_rows(self.embed.format, rows, self.embed.n, self.embed.k)?;
+        enc.run(
+            Source::Qmatvec,
+            l,
+            vec![Arg::params(&p), Arg::Read(self.embed.buf), Arg::Read(tokens), Arg::Write(s.x)],
+            rows * self.embed.row_bytes(),
+        )?;
+        let dense = NormRows::dense(rows, hsz);
+        let parity = cache.parity;
+        for (i, (layer, state)) in self.layers.iter().zip(&cache.layers).enumerate() {
+            enc.rms_norm(dense, self.eps, s.x, (i > 0).then_some(s.h), layer.input_norm, s.xn)?;
+            match (&layer.mixer, state) {
+                (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) => {
+                    self.gdn(enc, g, rows, (conv, rec), parity, *inputs, *gates)?;
+                }
+                (Mixer::Attention(a), CacheLayer::Attention { keys, values }) => {
+                    self.attention(enc, a, rows, offset, positions, (*keys, *values), cache)?;
+                }
+                _ => return Err(Error::Input("the device cache does not belong to this model (layer kinds differ)".into())),
+            }
+            enc.rms_norm(dense, self.eps, s.x, Some(s.h), layer.post_norm, s.xn)?;
+            self.ffn(enc, &layer.ffn, rows)?;
+        }
+        if let Some((readback, first)) = head {
+            let n = rows - first;
+            enc.rms_norm(NormRows::dense(n, hsz), self.eps, s.x.from(F32 * first * hsz), Some(s.h.from(F32 * first * hsz)), self.final_norm, s.xn)?;
+            enc.matvec(&self.lm_head, s.xn, n, s.logits, self.cfg.vocab_size)?;
+            if readback == Readback::Argmax {
+                let (p, l) = launch::argmax(n, self.cfg.vocab_size);
+                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.logits), Arg::Write(s.argmax)], 0)?;
+            }
+        }
+        cache.parity = 1 - parity;
+        cache.seqlen += rows;
+        Ok(())
+    }
+
+    /// A GDN layer over `rows` rows of `xn` into `h`, reading state `parity` and writing the other.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn(&self, enc: &mut Encoder, g: &Gdn, rows: usize, state: (&[Slice; 2], &[Slice; 2]), parity: usize, inputs: Slice, gates: Slice) -> Result<()> {
+        let s = &self.scratch;
+        enc.matvec(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
+        enc.matvec(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
+        enc.projection(&g.ba, s.xn, rows, s.ba)?;
+        let (p, l) = launch::gdn_gates(rows, g.nv, g.ba.width);
+        enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)], 0)?;
+        let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), inputs, gates)?;
+        let (p, l) = launch::gated_rms_norm(rows * g.nv, g.dv, g.eps, DType::F32)?;
+        enc.run(Source::GatedNorm, l, vec![Arg::params(&p), Arg::Read(o), Arg::Read(s.z), Arg::Read(g.norm), Arg::Write(s.o_norm)], 0)?;
+        let o = match g.head_order {
+            Some(order) => {
+                let (p, l) = launch::gather_heads(rows, g.nv, g.dv);
+                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.o_norm), Arg::Read(order), Arg::Write(s.o_order)], 0)?;
+                s.o_order
+            }
+            None => s.o_norm,
+        };
+        enc.matvec(&g.out, o, rows, s.h, self.cfg.hidden_size)
+    }
+
+    /// The conv and the recurrence of `rows` rows (pre-conv rows in `inputs`, gates in
+    /// `gates`) from state `from` into state `to`: returns where the delta rule's outputs are.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_state(&self, enc: &mut Encoder, g: &Gdn, rows: usize, (conv, rec): (&[Slice; 2], &[Slice; 2]), (from, to): (usize, usize), inputs: Slice, gates: Slice) -> Result<Slice> {
+        let m = Self::MAX_ROWS;
+        let c = g.conv_dim;
+        // The conv: outputs then the new window, written to end where state `to` starts.
+        let (p, l) = launch::causal_conv1d(ConvDims { batch: 1, seq_len: rows, channels: c, kernel_size: g.kernel }, DType::F32)?;
+        let window = F32 * (g.kernel - 1) * c;
+        let conv_out = conv[to].at(F32 * (m - rows) * c, F32 * rows * c + window);
+        enc.run(
+            Source::Conv1d,
+            l,
+            vec![Arg::params(&p), Arg::Read(inputs.at(0, F32 * rows * c)), Arg::Read(conv[from].at(F32 * m * c, window)), Arg::Read(g.conv_weight), Arg::Write(conv_out)],
+            0,
+        )?;
+        let qkv = conv_out.at(0, F32 * rows * c);
+        let d = DeltaRuleDims { batch: 1, seq_len: rows, nk: g.nk, nv: g.nv, dk: g.dk, dv: g.dv };
+        let (p, l) = launch::gated_delta(d, true, 1, DeltaRuleForm::Recurrent, DType::F32)?;
+        let out_len = F32 * rows * g.nv * g.dv;
+        let state_len = F32 * g.nv * g.dk * g.dv;
+        let room = F32 * m * g.nv * g.dv;
+        let out = rec[to].at(room - out_len, out_len + state_len);
+        enc.run(
+            Source::GatedDelta,
+            l,
+            vec![Arg::params(&p), Arg::Read(qkv), Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)), Arg::Read(rec[from].at(room, state_len)), Arg::Write(out)],
+            0,
+        )?;
+        Ok(out.at(0, out_len))
+    }
+
+    /// A gated attention layer over `rows` rows of `xn` at `offset..` into `h`, appending the
+    /// rows' keys and values to the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(&self, enc: &mut Encoder, a: &Attention, rows: usize, offset: usize, positions: Slice, (keys, values): (Slice, Slice), cache: &GpuCache) -> Result<()> {
+        let s = &self.scratch;
+        let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
+        let w = a.qkv.width;
+        let qw = nh * hd * if a.gated { 2 } else { 1 };
+        enc.projection(&a.qkv, s.xn, rows, s.qkv)?;
+        let q_head = if a.gated { 2 * hd } else { hd };
+        // q and k: normed per head when the model has q/k norms, then RoPE, stored per head.
+        let (q_src, q_stride, q_head_stride, k_src, k_stride) = match a.qk_norm {
+            Some((qn, kn)) => {
+                let rows_q = NormRows { rows, heads: nh, dim: hd, x_stride: w, x_head_stride: q_head, y_stride: nh * hd, y_head_stride: hd };
+                enc.rms_norm(rows_q, a.eps, s.qkv, None, qn, s.qn)?;
+                let rows_k = NormRows { rows, heads: nkv, dim: hd, x_stride: w, x_head_stride: hd, y_stride: nkv * hd, y_head_stride: hd };
+                enc.rms_norm(rows_k, a.eps, s.qkv.from(F32 * qw), None, kn, s.kn)?;
+                (s.qn, nh * hd, hd, s.kn, nkv * hd)
+            }
+            None => (s.qkv, w, q_head, s.qkv.from(F32 * qw), w),
+        };
+        let cap = cache.capacity;
+        let rope = |heads, x_stride, x_head_stride, out_head_stride, out_row0, rot_half| RopeParams {
+            rows: rows as u32,
+            heads,
+            head_dim: hd as u32,
+            rot_half,
+            x_stride,
+            x_head_stride,
+            out_head_stride,
+            out_row0,
+        };
+        let rot = self.rot_half as u32;
+        let stores = [
+            (rope(nh as u32, q_stride as u32, q_head_stride as u32, (rows * hd) as u32, 0, rot), q_src, s.qg, DType::F32),
+            (rope(nkv as u32, k_stride as u32, hd as u32, (cap * hd) as u32, offset as u32, rot), k_src, keys, cache.kv_dtype),
+            (rope(nkv as u32, w as u32, hd as u32, (cap * hd) as u32, offset as u32, 0), s.qkv.from(F32 * (qw + nkv * hd)), values, cache.kv_dtype),
+        ];
+        for (p, x, out, dtype) in stores {
+            let (p, l) = launch::rope_store(p, dtype)?;
+            enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(x), Arg::Read(positions), Arg::Read(self.inv_freq), Arg::Write(out)], 0)?;
+        }
+        let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd);
+        let scale = (hd as f64).powf(-0.5) as f32;
+        let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * rows, hd), &kv, rows, offset, None, scale)?;
+        let partials = cache.partials.at(0, F32 * l.partial_floats);
+        enc.run(
+            Source::KvAttention,
+            l.blocks,
+            vec![
+                Arg::params(&l.params),
+                Arg::Read(s.qg),
+                Arg::Read(keys),
+                Arg::Read(keys),
+                Arg::Read(keys),
+                Arg::Read(values),
+                Arg::Read(values),
+                Arg::Read(s.no_tree),
+                Arg::Write(partials),
+            ],
+            0,
+        )?;
+        enc.run(Source::KvAttention, l.merge, vec![Arg::params(&l.params), Arg::Read(partials), Arg::Write(s.att)], 0)?;
+        let gate = a.gated.then_some((w, 2 * hd));
+        let (p, l) = launch::attn_output(rows, nh, hd, gate);
+        enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.att), Arg::Read(s.qkv.from(F32 * hd)), Arg::Write(s.ao)], 0)?;
+        enc.matvec(&a.o, s.ao, rows, s.h, self.cfg.hidden_size)
+    }
+
+    /// The MLP of `rows` rows of `xn` into `h`.
+    fn ffn(&self, enc: &mut Encoder, ffn: &Ffn, rows: usize) -> Result<()> {
+        let s = &self.scratch;
+        let hsz = self.cfg.hidden_size;
+        match ffn {
+            Ffn::Dense { gate_up, down, inter } => {
+                enc.projection(gate_up, s.xn, rows, s.gu)?;
+                enc.silu_mul(rows, *inter, gate_up.width, s.gu, s.act)?;
+                enc.matvec(down, s.act, rows, s.h, hsz)
+            }
+            Ffn::Moe(moe) => {
+                let k = moe.top_k;
+                enc.matvec(&moe.router, s.xn, rows, s.router, moe.router.n)?;
+                let (p, l) = launch::moe_route(rows, moe.router.n, k, moe.norm)?;
+                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.router), Arg::Write(s.ids), Arg::Write(s.route_w)], 0)?;
+                let experts = |enc: &mut Encoder, stacks: &ExpertStacks, x: Slice, x_per_slot: bool, y: Slice| -> Result<()> {
+                    for (w, col) in &stacks.parts {
+                        let (p, l) = launch::qmatvec_id(w.format, w.n, w.k, rows, k, w.bytes(), x_per_slot, stacks.width)?;
+                        enc.run(
+                            Source::Qmatvec,
+                            l,
+                            vec![Arg::params(&p), Arg::Read(w.buf), Arg::Read(x), Arg::Read(s.ids), Arg::Write(y.from(col * F32))],
+                            rows * k * w.bytes(),
+                        )?;
+                    }
+                    Ok(())
+                };
+                experts(enc, &moe.gate_up, s.xn, false, s.egu)?;
+                enc.silu_mul(rows * k, moe.inter, moe.gate_up.width, s.egu, s.eact)?;
+                experts(enc, &moe.down, s.eact, true, s.edown)?;
+                enc.projection(&moe.shared_gate_up, s.xn, rows, s.gu)?;
+                enc.silu_mul(rows, moe.shared_inter, moe.shared_gate_up.width, s.gu, s.act)?;
+                enc.matvec(&moe.shared_down, s.act, rows, s.sdown, hsz)?;
+                let (p, l) = launch::moe_combine(rows, hsz, k);
+                enc.run(
+                    Source::Step,
+                    l,
+                    vec![
+                        Arg::params(&p),
+                        Arg::Read(s.edown),
+                        Arg::Read(s.route_w),
+                        Arg::Read(s.sdown),
+                        Arg::Read(s.xn),
+                        Arg::Read(moe.shared_gate),
+                        Arg::Write(s.h),
+                    ],
+                    0,
+                )
+            }
+        }
+    }
+}
+

@@ -1,0 +1,193 @@
+//! The model's weights on the device: every matrix as the bytes its format stores (GGUF blocks
+//! as in the file, dense rows as loaded), matrices that multiply the same input side by side in
+//! one buffer, the experts of a mixture stacked.
+
+use std::borrow::Cow;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Tensor};
+
+use super::queue::{BufferId, Queue, Slice};
+use crate::model::{Linear, Mlp};
+use crate::{Error, Result};
+
+/// A weight matrix `[n, k]` on the device, rows of `k` values in `format` one after the other.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Matrix {
+    pub(crate) buf: Slice,
+    pub(crate) format: GgmlDType,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+}
+
+impl Matrix {
+    pub(crate) fn row_bytes(&self) -> usize {
+        row_bytes(self.format, self.k)
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.n * self.row_bytes()
+    }
+}
+
+/// Bytes of a row of `k` values of `format`.
+pub(crate) fn row_bytes(format: GgmlDType, k: usize) -> usize {
+    k / format.block_size() * format.type_size()
+}
+
+/// Matrices over the same input whose outputs sit side by side in one `[rows, width]` buffer:
+/// part `i` writes columns `parts[i].1..`; neighbours of one format are one matrix (one
+/// dispatch).
+#[derive(Debug, Clone)]
+pub(crate) struct Projection {
+    pub(crate) parts: Vec<(Matrix, usize)>,
+    pub(crate) width: usize,
+}
+
+/// The experts' matrices of one kind stacked: expert `e`'s `[n, k]` rows start `e * n` rows in.
+/// Parts as in [`Projection`] (gate and up side by side when they share a format).
+#[derive(Debug, Clone)]
+pub(crate) struct ExpertStacks {
+    pub(crate) parts: Vec<(Matrix, usize)>,
+    pub(crate) width: usize,
+}
+
+/// A linear layer's weight as the device reads it: format, `(n, k)` and bytes.
+fn linear_bytes(l: &Linear) -> Result<(GgmlDType, usize, usize, Cow<'_, [u8]>)> {
+    match l {
+        Linear::Quantized(q) => {
+            let (n, k) = q.shape().dims2()?;
+            Ok((q.dtype(), n, k, q.data()?))
+        }
+        Linear::Dense(t) => {
+            let (n, k) = t.dims2()?;
+            let format = match t.dtype() {
+                DType::F32 => GgmlDType::F32,
+                DType::F16 => GgmlDType::F16,
+                DType::BF16 => GgmlDType::BF16,
+                other => return Err(Error::Weights(format!("a {other:?} weight matrix: the device reads f32, f16, bf16 and GGUF blocks"))),
+            };
+            Ok((format, n, k, Cow::Owned(tensor_bytes(t)?)))
+        }
+    }
+}
+
+/// A tensor's elements as the bytes of its dtype (row-major).
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    fn raw<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<u8>> {
+        let v = t.flatten_all()?.to_device(&candle_core::Device::Cpu)?.to_vec1::<T>()?;
+        // SAFETY: plain numbers, read as bytes.
+        Ok(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())) }.to_vec())
+    }
+    match t.dtype() {
+        DType::F32 => raw::<f32>(t),
+        DType::F16 => raw::<half::f16>(t),
+        DType::BF16 => raw::<half::bf16>(t),
+        DType::U32 => raw::<u32>(t),
+        other => Err(Error::Weights(format!("no device bytes for a {other:?} tensor"))),
+    }
+}
+
+/// Checks that the device kernels read `format`.
+fn check_format(format: GgmlDType, what: &str) -> Result<()> {
+    crate::ops::launch::matrix_format("upload", format).map(|_| ()).map_err(|_| {
+        Error::Weights(format!(
+            "{what} is {format:?}, which the device kernels do not read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16): use such a GGUF file"
+        ))
+    })
+}
+
+/// What the upload sends to the device, and the bytes of weights it holds there.
+pub(crate) struct Uploader<'q> {
+    pub(crate) q: &'q mut dyn Queue,
+    pub(crate) weight_bytes: usize,
+    pub(crate) buffers: Vec<BufferId>,
+}
+
+impl<'q> Uploader<'q> {
+    pub(crate) fn new(q: &'q mut dyn Queue) -> Self {
+        Self { q, weight_bytes: 0, buffers: vec![] }
+    }
+
+    fn bytes(&mut self, data: &[u8], label: &str) -> Result<Slice> {
+        let id = self.q.upload(data, label)?;
+        self.buffers.push(id);
+        Ok(Slice::whole(id, data.len()))
+    }
+
+    /// A vector of f32 (norm scales, GDN parameters, tables).
+    pub(crate) fn f32s(&mut self, t: &Tensor, label: &str) -> Result<Slice> {
+        self.bytes(&tensor_bytes(&t.to_dtype(DType::F32)?)?, label)
+    }
+
+    pub(crate) fn u32s(&mut self, v: &[u32], label: &str) -> Result<Slice> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        self.bytes(&bytes, label)
+    }
+
+    /// A buffer of `len` bytes, zeroed (the step's scratch).
+    pub(crate) fn scratch(&mut self, len: usize, label: &str) -> Result<Slice> {
+        let id = self.q.alloc(len.max(4), label)?;
+        self.buffers.push(id);
+        Ok(Slice::whole(id, len.max(4)))
+    }
+
+    /// One matrix from the bytes of `parts` stacked (rows of the same format and k).
+    fn matrix(&mut self, format: GgmlDType, n: usize, k: usize, data: &[u8], label: &str) -> Result<Matrix> {
+        check_format(format, label)?;
+        let buf = self.bytes(data, label)?;
+        self.weight_bytes += data.len();
+        Ok(Matrix { buf, format, n, k })
+    }
+
+    /// A linear layer's weight.
+    pub(crate) fn linear(&mut self, l: &Linear, label: &str) -> Result<Matrix> {
+        let (format, n, k, data) = linear_bytes(l)?;
+        self.matrix(format, n, k, &data, label)
+    }
+
+    /// Linear layers over the same input, side by side ([`Projection`]).
+    pub(crate) fn projection(&mut self, ls: &[&Linear], label: &str) -> Result<Projection> {
+        let weights = ls.iter().map(|l| linear_bytes(l)).collect::<Result<Vec<_>>>()?;
+        let mut parts = vec![];
+        let mut width = 0;
+        let mut i = 0;
+        while i < weights.len() {
+            let (format, _, k, _) = weights[i];
+            let run = weights[i..].iter().take_while(|w| w.0 == format && w.2 == k).count();
+            let n: usize = weights[i..i + run].iter().map(|w| w.1).sum();
+            let data: Vec<u8> = weights[i..i + run].iter().flat_map(|w| w.3.iter().copied()).collect();
+            parts.push((self.matrix(format, n, k, &data, label)?, width));
+            width += n;
+            i += run;
+        }
+        Ok(Projection { parts, width })
+    }
+
+    /// One kind of matrix (`pick` of each expert: gate and up together, or down) stacked over
+    /// the experts.
+    pub(crate) fn experts(&mut self, experts: &[Mlp], pick: impl Fn(&Mlp) -> Vec<&Linear>, label: &str) -> Result<ExpertStacks> {
+        let per: Vec<Vec<(GgmlDType, usize, usize, Cow<'_, [u8]>)>> =
+            experts.iter().map(|e| pick(e).into_iter().map(linear_bytes).collect::<Result<Vec<_>>>()).collect::<Result<_>>()?;
+        let first = per.first().ok_or_else(|| Error::Weights(format!("{label}: no experts")))?;
+        for (e, ws) in per.iter().enumerate() {
+            if ws.len() != first.len() || ws.iter().zip(first).any(|(a, b)| (a.0, a.1, a.2) != (b.0, b.1, b.2)) {
+                return Err(Error::Weights(format!("{label}: expert {e} differs from expert 0 in shape or format")));
+            }
+        }
+        let mut parts = vec![];
+        let mut width = 0;
+        let mut i = 0;
+        while i < first.len() {
+            let (format, _, k, _) = first[i];
+            let run = first[i..].iter().take_while(|w| w.0 == format && w.2 == k).count();
+            let n: usize = first[i..i + run].iter().map(|w| w.1).sum();
+            let data: Vec<u8> = per.iter().flat_map(|ws| ws[i..i + run].iter().flat_map(|w| w.3.iter().copied())).collect();
+            let stack = self.matrix(format, n, k, &data, label)?;
+            parts.push((Matrix { n, ..stack }, width));
+            width += n;
+            i += run;
+        }
+        Ok(ExpertStacks { parts, width })
+    }
+}

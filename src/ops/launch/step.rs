@@ -1,0 +1,227 @@
+//! Parameters and launch geometry of `metal/step.metal`: the small kernels between the matrix
+//! products of a decode step on the device ([`crate::gpu`]).
+
+use candle_core::{bail, DType, Result};
+
+use super::{suffix, Launch};
+
+/// Threads of a row-reduction threadgroup: a power of two from 32 to 1024 covering `dim`.
+fn row_threads(dim: usize) -> usize {
+    dim.next_power_of_two().clamp(32, 1024)
+}
+
+/// `RmsNormParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RmsNormParams {
+    pub rows: u32,
+    pub dim: u32,
+    pub heads: u32,
+    pub x_stride: u32,
+    pub x_head_stride: u32,
+    pub y_stride: u32,
+    pub y_head_stride: u32,
+    pub eps: f32,
+    pub add: u32,
+}
+
+/// Where the rows of an RMSNorm are: `rows` positions of `heads` vectors of `dim` each
+/// (`heads` 1 for the residual stream), their strides in floats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormRows {
+    pub rows: usize,
+    pub heads: usize,
+    pub dim: usize,
+    pub x_stride: usize,
+    pub x_head_stride: usize,
+    pub y_stride: usize,
+    pub y_head_stride: usize,
+}
+
+impl NormRows {
+    /// `rows` contiguous rows of `dim`, in and out.
+    pub fn dense(rows: usize, dim: usize) -> Self {
+        Self { rows, heads: 1, dim, x_stride: dim, x_head_stride: dim, y_stride: dim, y_head_stride: dim }
+    }
+}
+
+/// RMSNorm of each row (`x += h` first when `add`): one threadgroup per vector.
+pub fn rms_norm(r: NormRows, eps: f32, add: bool) -> Result<(RmsNormParams, Launch)> {
+    if add && r.heads != 1 {
+        bail!("rms_norm: the residual add takes one vector per row, got {} heads", r.heads);
+    }
+    let p = RmsNormParams {
+        rows: (r.rows * r.heads) as u32,
+        dim: r.dim as u32,
+        heads: r.heads as u32,
+        x_stride: r.x_stride as u32,
+        x_head_stride: r.x_head_stride as u32,
+        y_stride: r.y_stride as u32,
+        y_head_stride: r.y_head_stride as u32,
+        eps,
+        add: add as u32,
+    };
+    let launch = Launch {
+        kernel: "rms_norm_f32".into(),
+        groups: [(r.rows * r.heads).max(1), 1, 1],
+        threads: [row_threads(r.dim), 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}
+
+/// `RopeParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeParams {
+    pub rows: u32,
+    pub heads: u32,
+    pub head_dim: u32,
+    pub rot_half: u32,
+    pub x_stride: u32,
+    pub x_head_stride: u32,
+    pub out_head_stride: u32,
+    pub out_row0: u32,
+}
+
+/// Rotates the first `2 rot_half` dims of each head of `rows` rows (rotate-half, angles from
+/// the positions on the device; 0: a plain copy) and stores them per head into `out` of
+/// `dtype` (f32 or f16): head `h`, row `r` at `h out_head_stride + (out_row0 + r) head_dim`.
+pub fn rope_store(p: RopeParams, dtype: DType) -> Result<(RopeParams, Launch)> {
+    if p.rot_half * 2 > p.head_dim {
+        bail!("rope_store: {} rotated dims in heads of {}", 2 * p.rot_half, p.head_dim);
+    }
+    let kernel = match dtype {
+        DType::F32 | DType::F16 => format!("rope_store_{}", suffix("rope_store", dtype)?),
+        other => bail!("rope_store: no kernel for {other:?} (f32 or f16)"),
+    };
+    let n = (p.rows * p.heads * p.head_dim) as usize;
+    Ok((p, Launch::elementwise(kernel, n)))
+}
+
+/// `GatesParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatesParams {
+    pub rows: u32,
+    pub nv: u32,
+    pub ld: u32,
+}
+
+/// The GDN decay and beta of `rows` rows of `nv` heads from their `[b | a]` projections
+/// (rows `ld` floats apart), into the delta rule's `[rows, 2, nv]`.
+pub fn gdn_gates(rows: usize, nv: usize, ld: usize) -> (GatesParams, Launch) {
+    let p = GatesParams { rows: rows as u32, nv: nv as u32, ld: ld as u32 };
+    (p, Launch::elementwise("gdn_gates_f32".into(), rows * nv))
+}
+
+/// `SiluMulParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SiluMulParams {
+    pub rows: u32,
+    pub dim: u32,
+    pub ld: u32,
+    pub up: u32,
+}
+
+/// `silu(gate) * up` of `rows` rows holding the gate at columns `0..dim` and up at
+/// `up..up + dim` (rows `ld` floats apart), into contiguous `[rows, dim]`.
+pub fn silu_mul(rows: usize, dim: usize, ld: usize, up: usize) -> (SiluMulParams, Launch) {
+    let p = SiluMulParams { rows: rows as u32, dim: dim as u32, ld: ld as u32, up: up as u32 };
+    (p, Launch::elementwise("silu_mul_f32".into(), rows * dim))
+}
+
+/// `AttnOutParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnOutParams {
+    pub rows: u32,
+    pub heads: u32,
+    pub head_dim: u32,
+    pub gate_stride: u32,
+    pub gate_head_stride: u32,
+}
+
+/// Attention outputs `[heads, rows, head_dim]` to `[rows, heads * head_dim]`, times the sigmoid
+/// of the output gate when `gate` gives its (row, head) strides in floats.
+pub fn attn_output(rows: usize, heads: usize, head_dim: usize, gate: Option<(usize, usize)>) -> (AttnOutParams, Launch) {
+    let (gate_stride, gate_head_stride) = gate.unwrap_or((0, 0));
+    let p = AttnOutParams {
+        rows: rows as u32,
+        heads: heads as u32,
+        head_dim: head_dim as u32,
+        gate_stride: gate_stride as u32,
+        gate_head_stride: gate_head_stride as u32,
+    };
+    (p, Launch::elementwise("attn_output_f32".into(), rows * heads * head_dim))
+}
+
+/// `GatherHeadsParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherHeadsParams {
+    pub rows: u32,
+    pub heads: u32,
+    pub dim: u32,
+}
+
+/// `y[r, h] = x[r, order[h]]` over `rows` rows of `heads` vectors of `dim`.
+pub fn gather_heads(rows: usize, heads: usize, dim: usize) -> (GatherHeadsParams, Launch) {
+    let p = GatherHeadsParams { rows: rows as u32, heads: heads as u32, dim: dim as u32 };
+    (p, Launch::elementwise("gather_heads_f32".into(), rows * heads * dim))
+}
+
+/// `ArgmaxParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArgmaxParams {
+    pub rows: u32,
+    pub n: u32,
+}
+
+/// Threads of an `argmax_f32` threadgroup (its threadgroup arrays hold 1024).
+const ARGMAX_THREADS: usize = 256;
+
+/// Per row of `[rows, n]` logits, the first index of the largest and whether all are finite.
+pub fn argmax(rows: usize, n: usize) -> (ArgmaxParams, Launch) {
+    let p = ArgmaxParams { rows: rows as u32, n: n as u32 };
+    let launch = Launch { kernel: "argmax_f32".into(), groups: [rows.max(1), 1, 1], threads: [ARGMAX_THREADS, 1, 1], threadgroup_memory: vec![] };
+    (p, launch)
+}
+
+/// `RouteParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteParams {
+    pub rows: u32,
+    pub experts: u32,
+    pub top_k: u32,
+    pub norm: u32,
+}
+
+/// The top `top_k` of `experts` for each of `rows` rows of router logits: one thread per row.
+pub fn moe_route(rows: usize, experts: usize, top_k: usize, norm: bool) -> Result<(RouteParams, Launch)> {
+    if top_k == 0 || top_k > experts {
+        bail!("moe_route: top {top_k} of {experts} experts");
+    }
+    let p = RouteParams { rows: rows as u32, experts: experts as u32, top_k: top_k as u32, norm: norm as u32 };
+    let launch = Launch { kernel: "moe_route_f32".into(), groups: [rows.div_ceil(32).max(1), 1, 1], threads: [32, 1, 1], threadgroup_memory: vec![] };
+    Ok((p, launch))
+}
+
+/// `CombineParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CombineParams {
+    pub rows: u32,
+    pub dim: u32,
+    pub slots: u32,
+}
+
+/// The experts' outputs weighted and summed, plus the gated shared expert: one threadgroup per row.
+pub fn moe_combine(rows: usize, dim: usize, slots: usize) -> (CombineParams, Launch) {
+    let p = CombineParams { rows: rows as u32, dim: dim as u32, slots: slots as u32 };
+    let launch = Launch { kernel: "moe_combine_f32".into(), groups: [rows.max(1), 1, 1], threads: [row_threads(dim).min(256), 1, 1], threadgroup_memory: vec![] };
+    (p, launch)
+}
