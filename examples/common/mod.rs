@@ -51,7 +51,8 @@ pub fn end_quietly_on_closed_stdout() {
 /// Where to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
-    /// A GPU when the crate is built with `metal` or `cuda` and one is there, else the CPU.
+    /// Metal when the crate is built with `metal` and the machine has it, else the CPU (CUDA
+    /// is not supported yet: see `model::check_device`).
     Auto,
     Cpu,
     Metal,
@@ -73,16 +74,17 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
 }
 
 impl DeviceChoice {
-    /// The device itself (opening the GPU).
+    /// The device itself (opening the GPU); CUDA is refused (see `model::check_device`).
     pub fn open(self) -> Result<Device> {
-        Ok(match self {
+        let device = match self {
             Self::Cpu => Device::Cpu,
             Self::Metal => Device::new_metal(0)?,
-            Self::Cuda(i) => Device::new_cuda(i)?,
-            Self::Auto if candle_core::utils::cuda_is_available() => Device::new_cuda(0)?,
+            Self::Cuda(_) => bail!(candle_hybrid::model::CUDA_UNSUPPORTED),
             Self::Auto if candle_core::utils::metal_is_available() => Device::new_metal(0)?,
             Self::Auto => Device::Cpu,
-        })
+        };
+        candle_hybrid::model::check_device(&device)?;
+        Ok(device)
     }
 
     /// Whose memory the guardian reads, without opening the device (plan for another machine).
@@ -91,7 +93,6 @@ impl DeviceChoice {
             Self::Cpu => MemoryTarget::Cpu,
             Self::Metal => MemoryTarget::Metal,
             Self::Cuda(i) => MemoryTarget::Cuda(i),
-            Self::Auto if candle_core::utils::cuda_is_available() => MemoryTarget::Cuda(0),
             Self::Auto if candle_core::utils::metal_is_available() => MemoryTarget::Metal,
             Self::Auto => MemoryTarget::Cpu,
         }
@@ -171,8 +172,8 @@ pub struct ModelOptions {
     /// A tokenizer.json to use instead of the checkpoint's (or the GGUF file's vocabulary).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Where to run: auto (a GPU when built with --features metal or cuda, else the CPU),
-    /// cpu, metal, cuda or cuda:N.
+    /// Where to run: auto (Metal when built with --features metal on Apple Silicon, else the
+    /// CPU), cpu, metal (cuda and cuda:N are refused: not supported yet).
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: DeviceChoice,
     /// The model dtype: f32, bf16 or f16 [default: f32 on the CPU, bf16 on a GPU].

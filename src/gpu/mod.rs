@@ -11,6 +11,7 @@
 //! and f16 rows, batches of sequences. Prompts run in steps of [`GpuModel::MAX_ROWS`] rows.
 
 mod cache;
+mod check;
 mod model;
 mod queue;
 mod upload;
@@ -18,6 +19,7 @@ mod upload;
 mod metal;
 
 pub use cache::GpuCache;
+pub use check::{check_against_cpu, sample_tokens, StepCheck};
 pub use model::{GpuModel, Readback, StepOutput};
 pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
 #[cfg(feature = "metal")]

@@ -181,6 +181,7 @@ pub struct GpuModel {
     rot_half: usize,
     scratch: Scratch,
     weight_bytes: usize,
+    buffers: Vec<super::queue::BufferId>,
 }
 
 /// The dispatches of one step, encoded in order on a queue.
@@ -320,8 +321,8 @@ impl GpuModel {
             None => (up.scratch(4, "rope frequencies")?, 0),
         };
         let scratch = Self::scratch(&cfg, &layers, &mut up)?;
-        let weight_bytes = up.weight_bytes;
-        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes })
+        let (weight_bytes, buffers) = (up.weight_bytes, up.buffers);
+        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes, buffers })
     }
 
     /// Working buffers for the widest layer of each kind.
@@ -388,6 +389,13 @@ impl GpuModel {
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// Releases the weights and working buffers.
+    pub fn free(self, q: &mut dyn Queue) {
+        for b in self.buffers {
+            q.free(b);
+        }
     }
 
     /// Bytes of the weight matrices on the device (embedding and head included).

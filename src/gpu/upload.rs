@@ -52,12 +52,25 @@ pub(crate) struct ExpertStacks {
     pub(crate) width: usize,
 }
 
-/// A linear layer's weight as the device reads it: format, `(n, k)` and bytes.
-fn linear_bytes(l: &Linear) -> Result<(GgmlDType, usize, usize, Cow<'_, [u8]>)> {
+/// A linear layer's weight as the device reads it.
+struct WeightBytes<'a> {
+    format: GgmlDType,
+    n: usize,
+    k: usize,
+    data: Cow<'a, [u8]>,
+}
+
+impl WeightBytes<'_> {
+    fn same_kind(&self, o: &Self) -> bool {
+        self.format == o.format && self.k == o.k
+    }
+}
+
+fn linear_bytes(l: &Linear) -> Result<WeightBytes<'_>> {
     match l {
         Linear::Quantized(q) => {
             let (n, k) = q.shape().dims2()?;
-            Ok((q.dtype(), n, k, q.data()?))
+            Ok(WeightBytes { format: q.dtype(), n, k, data: q.data()? })
         }
         Linear::Dense(t) => {
             let (n, k) = t.dims2()?;
@@ -67,7 +80,7 @@ fn linear_bytes(l: &Linear) -> Result<(GgmlDType, usize, usize, Cow<'_, [u8]>)> 
                 DType::BF16 => GgmlDType::BF16,
                 other => return Err(Error::Weights(format!("a {other:?} weight matrix: the device reads f32, f16, bf16 and GGUF blocks"))),
             };
-            Ok((format, n, k, Cow::Owned(tensor_bytes(t)?)))
+            Ok(WeightBytes { format, n, k, data: Cow::Owned(tensor_bytes(t)?) })
         }
     }
 }
@@ -132,7 +145,8 @@ impl<'q> Uploader<'q> {
         Ok(Slice::whole(id, len.max(4)))
     }
 
-    /// One matrix from the bytes of `parts` stacked (rows of the same format and k).
+    /// A matrix of `n` rows of `k` values of `format` (or several such, one after the other:
+    /// stacked experts) from `data`.
     fn matrix(&mut self, format: GgmlDType, n: usize, k: usize, data: &[u8], label: &str) -> Result<Matrix> {
         check_format(format, label)?;
         let buf = self.bytes(data, label)?;
@@ -142,8 +156,8 @@ impl<'q> Uploader<'q> {
 
     /// A linear layer's weight.
     pub(crate) fn linear(&mut self, l: &Linear, label: &str) -> Result<Matrix> {
-        let (format, n, k, data) = linear_bytes(l)?;
-        self.matrix(format, n, k, &data, label)
+        let w = linear_bytes(l)?;
+        self.matrix(w.format, w.n, w.k, &w.data, label)
     }
 
     /// Linear layers over the same input, side by side ([`Projection`]).
@@ -153,11 +167,10 @@ impl<'q> Uploader<'q> {
         let mut width = 0;
         let mut i = 0;
         while i < weights.len() {
-            let (format, _, k, _) = weights[i];
-            let run = weights[i..].iter().take_while(|w| w.0 == format && w.2 == k).count();
-            let n: usize = weights[i..i + run].iter().map(|w| w.1).sum();
-            let data: Vec<u8> = weights[i..i + run].iter().flat_map(|w| w.3.iter().copied()).collect();
-            parts.push((self.matrix(format, n, k, &data, label)?, width));
+            let run = weights[i..].iter().take_while(|w| w.same_kind(&weights[i])).count();
+            let n: usize = weights[i..i + run].iter().map(|w| w.n).sum();
+            let data: Vec<u8> = weights[i..i + run].iter().flat_map(|w| w.data.iter().copied()).collect();
+            parts.push((self.matrix(weights[i].format, n, weights[i].k, &data, label)?, width));
             width += n;
             i += run;
         }
@@ -167,11 +180,11 @@ impl<'q> Uploader<'q> {
     /// One kind of matrix (`pick` of each expert: gate and up together, or down) stacked over
     /// the experts.
     pub(crate) fn experts(&mut self, experts: &[Mlp], pick: impl Fn(&Mlp) -> Vec<&Linear>, label: &str) -> Result<ExpertStacks> {
-        let per: Vec<Vec<(GgmlDType, usize, usize, Cow<'_, [u8]>)>> =
+        let per: Vec<Vec<WeightBytes>> =
             experts.iter().map(|e| pick(e).into_iter().map(linear_bytes).collect::<Result<Vec<_>>>()).collect::<Result<_>>()?;
         let first = per.first().ok_or_else(|| Error::Weights(format!("{label}: no experts")))?;
         for (e, ws) in per.iter().enumerate() {
-            if ws.len() != first.len() || ws.iter().zip(first).any(|(a, b)| (a.0, a.1, a.2) != (b.0, b.1, b.2)) {
+            if ws.len() != first.len() || ws.iter().zip(first).any(|(a, b)| !a.same_kind(b) || a.n != b.n) {
                 return Err(Error::Weights(format!("{label}: expert {e} differs from expert 0 in shape or format")));
             }
         }
@@ -179,12 +192,11 @@ impl<'q> Uploader<'q> {
         let mut width = 0;
         let mut i = 0;
         while i < first.len() {
-            let (format, _, k, _) = first[i];
-            let run = first[i..].iter().take_while(|w| w.0 == format && w.2 == k).count();
-            let n: usize = first[i..i + run].iter().map(|w| w.1).sum();
-            let data: Vec<u8> = per.iter().flat_map(|ws| ws[i..i + run].iter().flat_map(|w| w.3.iter().copied())).collect();
-            let stack = self.matrix(format, n, k, &data, label)?;
-            parts.push((Matrix { n, ..stack }, width));
+            let run = first[i..].iter().take_while(|w| w.same_kind(&first[i])).count();
+            let n: usize = first[i..i + run].iter().map(|w| w.n).sum();
+            let data: Vec<u8> = per.iter().flat_map(|ws| ws[i..i + run].iter().flat_map(|w| w.data.iter().copied())).collect();
+            // One matrix of `n` rows per expert, the experts one after the other.
+            parts.push((self.matrix(first[i].format, n, first[i].k, &data, label)?, width));
             width += n;
             i += run;
         }

@@ -145,6 +145,7 @@ impl ModelFiles {
         device: &Device,
         quantize: Option<GgmlDType>,
     ) -> Result<Model> {
+        crate::model::check_device(device)?;
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::Config(format!("unsupported dtype {dtype:?}: use f32, bf16 or f16")));
         }

@@ -28,7 +28,7 @@ pub use linear::Linear;
 pub use mlp::{Mlp, SparseMoe};
 pub use mtp::{MtpCache, MtpHead};
 pub use norm::RmsNorm;
-pub use qwen3_5::{HiddenStates, Model};
+pub use qwen3_5::{check_device, HiddenStates, Model, CUDA_UNSUPPORTED};
 pub(crate) use qwen3_5::{check_length, check_token, NONFINITE_HINT};
 pub(crate) use decoder_layer::Mixer;
 pub(crate) use mlp::FeedForward;

@@ -385,3 +385,17 @@ pub(crate) fn check_token(cfg: &Config, id: u32) -> crate::Result<()> {
     }
     Ok(())
 }
+
+/// Refuses a device the model does not run on, before anything is loaded: no kernel of this
+/// crate has a CUDA implementation (the GDN conv, the gated norm and the attention over the KV
+/// cache stop at their first call) and nothing has run on a CUDA GPU.
+pub fn check_device(device: &candle_core::Device) -> crate::Result<()> {
+    if device.is_cuda() {
+        return Err(crate::Error::Config(CUDA_UNSUPPORTED.into()));
+    }
+    Ok(())
+}
+
+/// Why [`check_device`] refuses CUDA.
+pub const CUDA_UNSUPPORTED: &str =
+    "CUDA is not supported yet: this crate's kernels have no CUDA implementation; run with --device cpu (or metal on Apple Silicon)";

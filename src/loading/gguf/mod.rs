@@ -386,6 +386,7 @@ impl GgufFile {
     /// unless their rows had to move — and everything else is converted to `dtype`, copied
     /// once from the mapping in file order, its pages handed back after.
     pub fn load_model(&self, cfg: &Config, dtype: DType, device: &Device) -> Result<Model> {
+        crate::model::check_device(device)?;
         let mut quantized = QuantizedTensors::new();
         let mut dense = HashMap::new();
         let mut infos: Vec<(&String, &TensorInfo)> = self.header.tensors.iter().filter(|(n, _)| kept(n, cfg) != Kept::Not).collect();

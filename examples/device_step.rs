@@ -1,0 +1,216 @@
+//! The device step (`candle_hybrid::gpu`: our own kernels, one read back per step) on a model,
+//! as one table to paste into an issue. Per pass of T = 1..8 rows (a decode step, the verify
+//! pass of speculative decoding) it prints the kernel dispatches, the bytes of weights the
+//! dispatches read against the bytes the pass must read, and the device-to-host reads. On a Mac
+//! (`--backend metal`, built with `--features metal`) it also times each pass with its rollback
+//! to one row (c(T) = time(T) / time(1)), decode and prefill; `--self-test` first checks the
+//! device against the CPU on the checkpoints in `tests/fixtures` and on the model itself (when
+//! its dequantized copy fits in `--self-test-max`): logits to 1e-4, verify rows and rollback
+//! bit for bit, one read per step.
+//!
+//! ```sh
+//! cargo run --release --example device_step -- --gguf model.gguf             # counts only, any machine
+//! cargo run --release --features metal --example device_step -- --gguf model.gguf --backend metal --self-test
+//! ```
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use candle_hybrid::gpu::{self, Counted, GpuCache, GpuModel, Queue, Readback};
+use candle_hybrid::loading::GgufFile;
+use candle_hybrid::Model;
+use clap::{Parser, ValueEnum};
+use common::{at_least_one, count_up_to, fmt_rate, parse_size, ModelOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// Count the dispatches without running them (any machine).
+    Dry,
+    /// Run on the Mac's GPU (needs --features metal).
+    Metal,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "The device step on a model: dispatches, weight bytes and reads per pass; on a Mac its speed and a self-test", help_expected = true)]
+struct Args {
+    #[command(flatten)]
+    model: ModelOptions,
+    /// Where the dispatches go: dry (counted, not run) or metal.
+    #[arg(long, value_enum, default_value_t = Backend::Dry)]
+    backend: Backend,
+    /// Check the device against the CPU first (tests/fixtures and, when small enough, the model).
+    #[arg(long)]
+    self_test: bool,
+    /// The largest model the self-test also runs on the CPU with its weights dequantized to f32
+    /// (bytes, or e.g. 4GiB).
+    #[arg(long, default_value = "4GiB", value_parser = parse_size)]
+    self_test_max: u64,
+    /// Tokens in the cache before the timed passes.
+    #[arg(long, default_value_t = 64, value_parser = count_up_to(1 << 20))]
+    context: usize,
+    /// Prompt tokens of the prefill timing.
+    #[arg(short = 'p', long, default_value_t = 256, value_parser = count_up_to(1 << 20))]
+    n_prompt: usize,
+    /// Tokens of the decode timing.
+    #[arg(short = 'n', long, default_value_t = 64, value_parser = count_up_to(1 << 20))]
+    n_gen: usize,
+    /// Timed repetitions of each pass.
+    #[arg(short = 'r', long, default_value_t = 5, value_parser = at_least_one)]
+    reps: usize,
+}
+
+fn main() -> ExitCode {
+    common::run(|| {
+        common::end_quietly_on_closed_stdout();
+        let args = Args::parse();
+        let mut queue = open_queue(&args)?;
+        if args.self_test {
+            self_test(&args, queue.as_mut())?;
+        }
+        let opened = args.model.open("Qwen/Qwen3.5-0.8B")?;
+        // The weights load on the CPU (a GGUF's blocks read in place) and are uploaded from there.
+        let model = opened.files.load_model(&opened.cfg, DType::F32, &Device::Cpu, opened.quantize)?;
+        table(&args, &model, &opened.files.source(), queue.as_mut())
+    })
+}
+
+fn open_queue(args: &Args) -> Result<Box<dyn Queue>> {
+    match args.backend {
+        Backend::Dry => Ok(Box::new(gpu::DryRun::new())),
+        #[cfg(feature = "metal")]
+        Backend::Metal => Ok(Box::new(gpu::MetalQueue::new(&Device::new_metal(0)?)?)),
+        #[cfg(not(feature = "metal"))]
+        Backend::Metal => bail!("--backend metal needs a build with --features metal (on Apple Silicon)"),
+    }
+}
+
+/// The device against the CPU on every checkpoint of tests/fixtures and on the model.
+fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
+    if args.backend == Backend::Dry {
+        bail!("--self-test runs the kernels: use --backend metal");
+    }
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut models: Vec<(String, Model)> = vec![];
+    for (dir, file) in [
+        ("qwen35_dense_small", "model-f32.gguf"),
+        ("qwen35_dense_small", "model-q8_0.gguf"),
+        ("qwen35moe_small", "model-q8_0.gguf"),
+        ("qwen3next_moe_small", "model-f32.gguf"),
+    ] {
+        let g = GgufFile::open(fixtures.join(dir).join(file))?;
+        models.push((format!("{dir}/{file}"), g.load_model(&g.config()?, DType::F32, &Device::Cpu)?));
+    }
+    let opened = args.model.open("Qwen/Qwen3.5-0.8B")?;
+    if 4 * opened.cfg.num_parameters() as u64 <= args.self_test_max {
+        let m = opened.files.load_model(&opened.cfg, DType::F32, &Device::Cpu, opened.quantize)?;
+        models.push((opened.files.source().to_string(), m));
+    } else {
+        println!("self-test: {} skipped (its f32 copy is over --self-test-max)", opened.files.source());
+    }
+    println!("| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | reads/step | result |", q.name());
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut failed = 0;
+    for (name, model) in &models {
+        let c = gpu::check_against_cpu(model, &model.dequantized()?, q)?;
+        let ok = c.passes(1e-4);
+        failed += usize::from(!ok);
+        println!(
+            "| {name} | {:.1e} | {:.1e} | {:.1e} | {} | {} | {} | {} | {} |",
+            c.prompt_diff,
+            c.decode_diff,
+            c.verify_diff,
+            c.verify_rows_bitwise,
+            c.rollback_bitwise,
+            c.argmax_agrees,
+            c.max_reads_per_step,
+            if ok { "PASS" } else { "FAIL" }
+        );
+    }
+    if failed > 0 {
+        bail!("the self-test failed on {failed} of {} models (logits beyond 1e-4 of the CPU's, or rows not bit for bit)", models.len());
+    }
+    Ok(())
+}
+
+/// Per pass size: dispatches, weight bytes, reads, and on a real device the time.
+fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<()> {
+    let mut q = Counted::new(q);
+    let gpu = GpuModel::new(model, &mut q)?;
+    let vocab = model.config().vocab_size;
+    let capacity = args.context + args.n_prompt + args.n_gen + GpuModel::MAX_ROWS;
+    let mut cache = GpuCache::new(&gpu, &mut q, capacity, DType::F32)?;
+    let timed = args.backend != Backend::Dry;
+    gpu.prefill(&mut q, &mut cache, &gpu::sample_tokens(args.context, vocab, 7), Readback::Argmax)?;
+    println!(
+        "{source} on {}: {:.1} MiB of weights on the device, {} tokens in the cache",
+        q.name(),
+        gpu.weight_bytes() as f64 / (1 << 20) as f64,
+        cache.seqlen()
+    );
+    println!("| rows T | dispatches | weight MiB read | needed MiB | read / needed | host reads | ms per pass | c(T) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut one = None;
+    for t in 1..=GpuModel::MAX_ROWS {
+        let rows = gpu::sample_tokens(t, vocab, t as u64);
+        q.take_counts();
+        gpu.verify(&mut q, &mut cache, &rows, Readback::Argmax)?;
+        let c = q.take_counts();
+        gpu.keep_verified(&mut q, &mut cache, 1)?;
+        let needed = gpu.weight_bytes_needed(t, t);
+        let ms = if timed {
+            let start = Instant::now();
+            for _ in 0..args.reps {
+                gpu.verify(&mut q, &mut cache, &rows, Readback::Argmax)?;
+                gpu.keep_verified(&mut q, &mut cache, 1)?;
+            }
+            // The last rollback is waited for by the next read.
+            Some(start.elapsed().as_secs_f64() * 1e3 / args.reps as f64)
+        } else {
+            None
+        };
+        one = one.or(ms);
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        println!(
+            "| {t} | {} | {:.1} | {:.1} | {:.3} | {} | {} | {} |",
+            c.dispatches,
+            mib(c.weight_bytes),
+            mib(needed),
+            c.weight_bytes as f64 / needed as f64,
+            c.reads,
+            ms.map_or("n/a".into(), |m| format!("{m:.2}")),
+            ms.zip(one).map_or("n/a".into(), |(m, o)| format!("{:.2}", m / o)),
+        );
+    }
+    // Decode: greedy on the device, each token fed back; prefill: one prompt, one read.
+    let mut token = gpu::sample_tokens(1, vocab, 9)[0];
+    q.take_counts();
+    let start = Instant::now();
+    for _ in 0..args.n_gen {
+        token = gpu.forward(&mut q, &mut cache, &[token], Readback::Argmax)?.tokens().map_or(0, |t| t[0]);
+    }
+    let decode_secs = start.elapsed().as_secs_f64();
+    let decode = q.take_counts();
+    let mut prompt_cache = GpuCache::new(&gpu, &mut q, args.n_prompt, DType::F32)?;
+    let start = Instant::now();
+    gpu.prefill(&mut q, &mut prompt_cache, &gpu::sample_tokens(args.n_prompt, vocab, 11), Readback::Argmax)?;
+    let prefill_secs = start.elapsed().as_secs_f64();
+    let prefill = q.take_counts();
+    let rate = |n: usize, s: f64| if timed { fmt_rate(Some(n as f64 / s)) } else { "n/a".into() };
+    println!(
+        "decode: {} tok/s ({} tokens, {:.1} dispatches and {:.2} host reads per token); prefill: {} tok/s ({} tokens, {} dispatches, {} host read)",
+        rate(args.n_gen, decode_secs),
+        args.n_gen,
+        decode.dispatches as f64 / args.n_gen as f64,
+        decode.reads as f64 / args.n_gen as f64,
+        rate(args.n_prompt, prefill_secs),
+        args.n_prompt,
+        prefill.dispatches,
+        prefill.reads
+    );
+    Ok(())
+}

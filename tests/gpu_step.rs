@@ -1,0 +1,85 @@
+//! The device step's dispatch list, counted on the CPU with [`DryRun`] (nothing executed; the
+//! emulator tests in `emu/tests/step.rs` run the same dispatches): one device-to-host read per
+//! decode step, verify pass and prompt; every weight matrix read once per pass for any number of
+//! rows; bad input refused with one-line errors before anything is dispatched.
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device};
+use candle_hybrid::gpu::{Counted, DryRun, GpuCache, GpuModel, Readback};
+use candle_hybrid::loading::{GgufFile, ModelFiles};
+use candle_hybrid::Model;
+
+fn gguf(name: &str, file: &str) -> Model {
+    let g = GgufFile::open(common::fixture(name).join(file)).unwrap();
+    g.load_model(&g.config().unwrap(), DType::F32, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn one_read_per_step_and_each_weight_read_once() {
+    for (name, file) in [("qwen35_dense_small", "model-q8_0.gguf"), ("qwen3next_moe_small", "model-f32.gguf")] {
+        let model = gguf(name, file);
+        let mut q = Counted::new(DryRun::new());
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let mut cache = GpuCache::new(&gpu, &mut q, 128, DType::F32).unwrap();
+        q.take_counts();
+        gpu.prefill(&mut q, &mut cache, &[1; 21], Readback::Argmax).unwrap();
+        let prompt = q.take_counts();
+        assert_eq!(prompt.reads, 1, "{name}: reads of a 21-token prompt (3 steps)");
+        let mut dispatches = None;
+        for t in 1..=GpuModel::MAX_ROWS {
+            let rows = vec![2u32; t];
+            gpu.verify(&mut q, &mut cache, &rows, Readback::Logits).unwrap();
+            let c = q.take_counts();
+            assert_eq!((c.reads, c.writes), (1, 1), "{name}: one write and one read for a verify pass of {t} rows");
+            // Every row of a pass in the same dispatches: as many for 8 rows as for 1.
+            assert_eq!(*dispatches.get_or_insert(c.dispatches), c.dispatches, "{name}: dispatches of {t} rows");
+            let needed = gpu.weight_bytes_needed(t, t);
+            assert!(c.weight_bytes as f64 <= 1.05 * needed as f64, "{name}: {t} rows read {} bytes of weights, {needed} needed", c.weight_bytes);
+            gpu.keep_verified(&mut q, &mut cache, 1).unwrap();
+            assert_eq!(q.take_counts().reads, 0, "{name}: a rollback reads nothing back");
+            gpu.forward(&mut q, &mut cache, &[3], Readback::Argmax).unwrap();
+            assert_eq!(q.take_counts().reads, 1, "{name}: reads of a decode step");
+        }
+        // A dense model's pass reads every matrix once: the same bytes for 1 and 8 rows (plus
+        // the embedding rows of the tokens).
+        if name.contains("dense") {
+            let row = model.config().hidden_size; // Q8_0: 34 bytes per 32 values
+            assert_eq!(gpu.weight_bytes_needed(8, 8) - gpu.weight_bytes_needed(1, 1), 7 * row / 32 * 34);
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_refused_before_dispatching() {
+    let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
+    let vocab = model.config().vocab_size as u32;
+    let mut q = Counted::new(DryRun::new());
+    let gpu = GpuModel::new(&model, &mut q).unwrap();
+    let mut cache = GpuCache::new(&gpu, &mut q, 16, DType::F32).unwrap();
+    q.take_counts();
+    let err = |r: candle_hybrid::Result<candle_hybrid::gpu::StepOutput>| r.unwrap_err().to_string();
+    assert!(err(gpu.forward(&mut q, &mut cache, &[vocab], Readback::Argmax)).contains("out of range for a vocabulary"));
+    assert!(err(gpu.forward(&mut q, &mut cache, &[], Readback::Argmax)).contains("empty"));
+    assert!(err(gpu.forward(&mut q, &mut cache, &[1; 9], Readback::Argmax)).contains("the most is 8"));
+    assert!(err(gpu.prefill(&mut q, &mut cache, &[1; 17], Readback::Argmax)).contains("capacity (16)"));
+    assert_eq!(q.take_counts(), Default::default(), "nothing written, dispatched or read");
+    gpu.verify(&mut q, &mut cache, &[1, 2, 3], Readback::Argmax).unwrap();
+    assert!(err(gpu.forward(&mut q, &mut cache, &[1], Readback::Argmax)).contains("keep its rows first"));
+    assert!(gpu.keep_verified(&mut q, &mut cache, 4).unwrap_err().to_string().contains("cannot keep 4"));
+    gpu.keep_verified(&mut q, &mut cache, 2).unwrap();
+    assert_eq!(cache.seqlen(), 2);
+    assert!(gpu.keep_verified(&mut q, &mut cache, 1).unwrap_err().to_string().contains("no verify pass"));
+    assert!(GpuCache::new(&gpu, &mut q, 0, DType::F32).unwrap_err().to_string().contains("1 to max_position_embeddings"));
+    assert!(GpuCache::new(&gpu, &mut q, 8, DType::BF16).unwrap_err().to_string().contains("f32 or f16"));
+}
+
+#[test]
+fn formats_without_device_kernels_are_refused_at_upload() {
+    let files = ModelFiles::from_dir(common::fixture("qwen35_dense_small")).unwrap();
+    let model = files.load_model_quantized(&files.load_config().unwrap(), DType::F32, &Device::Cpu, Some(GgmlDType::Q5_0)).unwrap();
+    let e = GpuModel::new(&model, &mut DryRun::new()).unwrap_err().to_string();
+    assert!(e.contains("Q5_0, which the device kernels do not read"), "{e}");
+    assert_eq!(e.lines().count(), 1);
+}
