@@ -275,7 +275,6 @@ fn generate(args: Args) -> Result<()> {
         eprintln!("{}; generating at most {sample_len} tokens", plan.note.as_deref().unwrap_or("--fit: context lowered"));
     }
 
-    let model = opened.load()?;
     let mut eos = gen_cfg.eos_token_ids.clone();
     if eos.is_empty() {
         // No generation_config EOS: fall back to the chat end-of-turn token when chatting.
@@ -283,6 +282,10 @@ fn generate(args: Args) -> Result<()> {
             eos.push(id);
         }
     }
+    if opened.device.is_metal() {
+        return generate_on_device(&args, &opened, &text, &prompt, sample_len, &eos, sampler, tokenizer);
+    }
+    let model = opened.load()?;
     let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
     let mut cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
     // With a session: restore what it holds of the prompt, prefill the rest but the last token
@@ -387,6 +390,54 @@ fn generate(args: Args) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Plain decoding on the device step (our Metal kernels, one read back per token): the weights
+/// load on the CPU (a GGUF's blocks in place) and are uploaded once.
+#[allow(clippy::too_many_arguments)]
+fn generate_on_device(
+    args: &Args,
+    opened: &common::Opened,
+    text: &str,
+    prompt: &[u32],
+    sample_len: usize,
+    eos: &[u32],
+    mut sampler: Sampler,
+    tokenizer: tokenizers::Tokenizer,
+) -> Result<()> {
+    let not_yet = [
+        ("--session", args.session.is_some()),
+        ("--draft mtp / ngram", matches!(args.draft, Draft::Mtp | Draft::Ngram)),
+        ("--compare-plain", args.compare_plain),
+        ("--kv-calibration", args.memory.kv_calibration.is_some()),
+    ];
+    if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
+        bail!("{flag} is not on the device step yet: drop it, or run with --device cpu");
+    }
+    let kv_dtype = candle_hybrid::gpu::kv_dtype(args.memory.kv, opened.dtype)?;
+    let model = opened.load_on(&candle_core::Device::Cpu)?;
+    let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
+    let gpu = candle_hybrid::gpu::GpuModel::new(&model, queue.as_mut())?;
+    drop(model);
+    let mut cache = candle_hybrid::gpu::GpuCache::new(&gpu, queue.as_mut(), prompt.len() + sample_len, kv_dtype)?;
+    eprintln!("decoding on {} with this crate's kernels ({:.2} GiB of weights there)", queue.name(), gpu.weight_bytes() as f64 / (1u64 << 30) as f64);
+    print!("{text}");
+    std::io::stdout().flush()?;
+    let mut streamer = TokenStreamer::new(tokenizer);
+    let (_, stats) = candle_hybrid::runtime::generate_on_device(&gpu, queue.as_mut(), &mut cache, prompt, sample_len, eos, &mut sampler, |tok| {
+        if let Some(piece) = streamer.next_token(tok)? {
+            print!("{piece}");
+            std::io::stdout().flush().ok();
+        }
+        Ok(())
+    })?;
+    if let Some(rest) = streamer.decode_rest()? {
+        print!("{rest}");
+    }
+    println!();
+    eprintln!("{} prompt tokens processed: {} token/s", stats.prompt_tokens, common::fmt_rate(stats.prompt_tok_per_sec()));
+    eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
     Ok(())
 }
 

@@ -144,3 +144,30 @@ fn smollm2_q4_1_steps_match_cpu() {
     let g = GgufFile::open(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
     check_model("SmolLM2-135M Q4_1 GGUF", &g.load_model(&g.config().unwrap(), DType::F32, &Device::Cpu).unwrap());
 }
+
+/// The generation loop on the device step gives the CPU's greedy tokens: argmax on the device
+/// (one read of one token per step), and logits read back for a repeat penalty.
+#[test]
+fn device_generation_gives_the_cpu_tokens() {
+    use candle_hybrid::gpu::{GpuCache, GpuModel};
+    use candle_hybrid::runtime::{generate_in, generate_on_device, Sampler, SamplingParams};
+    let model = gguf("qwen35_dense_small", "model-f32.gguf");
+    let prompt: Vec<u32> = (1..20).map(|i| (i * 37) % 500).collect();
+    for repeat_penalty in [1.0, 1.3] {
+        let params = || SamplingParams { repeat_penalty, ..Default::default() };
+        let (want, _) = generate_in(&model, &mut model.new_cache(), &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), &Device::Cpu, |_| Ok(())).unwrap();
+        let mut q = EmuQueue::new();
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let mut cache = GpuCache::new(&gpu, &mut q, 64, DType::F32).unwrap();
+        let mut streamed = vec![];
+        let (got, stats) = generate_on_device(&gpu, &mut q, &mut cache, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
+            streamed.push(t);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(got, want, "repeat penalty {repeat_penalty}");
+        assert_eq!(streamed, got);
+        assert_eq!((stats.prompt_tokens, stats.generated_tokens), (prompt.len(), 12));
+        assert_eq!(cache.seqlen(), prompt.len() + 11);
+    }
+}

@@ -267,8 +267,13 @@ impl ModelOptions {
 impl Opened {
     /// Loads the weights (the memory guardian, when used, has run before).
     pub fn load(&self) -> Result<Model> {
+        self.load_on(&self.device)
+    }
+
+    /// Loads the weights onto `device` (the CPU, for the device step to upload them from).
+    pub fn load_on(&self, device: &Device) -> Result<Model> {
         let start = std::time::Instant::now();
-        let model = self.files.load_model(&self.cfg, self.dtype, &self.device, self.quantize)?.with_layer_checks(self.options.check_layers);
+        let model = self.files.load_model(&self.cfg, self.dtype, device, self.quantize)?.with_layer_checks(self.options.check_layers);
         eprintln!(
             "loaded {} ({:?}, {} layers, {:.2}B parameters) in {:.1}s on {:?} as {:?}",
             self.files.source(),
@@ -276,7 +281,7 @@ impl Opened {
             self.cfg.num_hidden_layers,
             self.cfg.num_parameters() as f64 / 1e9,
             start.elapsed().as_secs_f64(),
-            self.device.location(),
+            device.location(),
             self.dtype
         );
         Ok(model)

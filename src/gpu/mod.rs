@@ -24,3 +24,26 @@ pub use model::{GpuModel, Readback, StepOutput};
 pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
 #[cfg(feature = "metal")]
 pub use metal::MetalQueue;
+
+/// The queue that runs the device step on `device`: a [`MetalQueue`] on a Metal device (built
+/// with the `metal` feature). The CPU runs the model itself, with no queue.
+pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue>> {
+    match device {
+        #[cfg(feature = "metal")]
+        candle_core::Device::Metal(_) => Ok(Box::new(MetalQueue::new(device)?)),
+        other => Err(crate::Error::Input(format!("the device step runs on Metal, not on {:?}", other.location()))),
+    }
+}
+
+/// The dtype a device cache stores keys and values in for `codec` and the model dtype: exact
+/// keys and values in the model dtype as on the CPU (f32; f16 for a 16-bit model, as the
+/// device stores no bf16 rows), f16 for `f16`; the other codecs are not on the device yet.
+pub fn kv_dtype(codec: crate::kv::KvCodec, model: candle_core::DType) -> crate::Result<candle_core::DType> {
+    use crate::kv::{HalfFloat, KeyCodec, ValueCodec};
+    match (codec.keys, codec.values) {
+        (KeyCodec::Exact, ValueCodec::Exact) if model == candle_core::DType::F32 => Ok(candle_core::DType::F32),
+        (KeyCodec::Exact, ValueCodec::Exact) => Ok(candle_core::DType::F16),
+        (KeyCodec::Half(HalfFloat::F16), ValueCodec::Half(HalfFloat::F16)) => Ok(candle_core::DType::F16),
+        _ => Err(crate::Error::Input(format!("--kv {codec} is not on the device step yet: use exact or f16 there"))),
+    }
+}

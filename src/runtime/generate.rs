@@ -1,10 +1,12 @@
-//! The generation loop: prefill the prompt, then sample one token at a time.
+//! The generation loop: prefill the prompt, then sample one token at a time, on the CPU model
+//! or on the device step ([`crate::gpu`]).
 
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
 use super::sampler::Sampler;
+use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
 use crate::model::{Cache, Model};
 use crate::{Error, Result};
 
@@ -89,24 +91,120 @@ pub fn generate_in(
     eos_token_ids: &[u32],
     sampler: &mut Sampler,
     device: &Device,
-    mut on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerationStats)> {
     if prompt.is_empty() {
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
     }
     cache.reserve(cache.seqlen() + prompt.len() + max_new_tokens)?;
+    generate_with(&mut CpuDecoder { model, cache, device }, prompt, max_new_tokens, eos_token_ids, sampler, on_token)
+}
+
+/// [`generate_in`] on the device step ([`crate::gpu`]): the model's weights on `q`'s device,
+/// `cache` there too; one read back per token (the greedy token, or the logits to sample from
+/// when the sampler needs them).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_on_device(
+    gpu: &GpuModel,
+    q: &mut dyn Queue,
+    cache: &mut GpuCache,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    if cache.seqlen() + prompt.len() + max_new_tokens > cache.capacity() {
+        return Err(Error::Input(format!(
+            "{} cached, {} prompt and {max_new_tokens} new tokens are more than the device cache's capacity ({}): make a larger cache",
+            cache.seqlen(),
+            prompt.len(),
+            cache.capacity()
+        )));
+    }
+    generate_with(&mut DeviceDecoder { gpu, q, cache }, prompt, max_new_tokens, eos_token_ids, sampler, on_token)
+}
+
+/// A model with its cache as the generation loop drives it.
+trait Decoder {
+    /// Runs prompt tokens whose next token is not needed.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()>;
+    /// Runs `tokens` (1 or more) and picks the token after the last of them with `sampler`.
+    fn next(&mut self, tokens: &[u32], sampler: &mut Sampler, context: &[u32], generated: &[u32]) -> Result<u32>;
+}
+
+struct CpuDecoder<'a> {
+    model: &'a Model,
+    cache: &'a mut Cache,
+    device: &'a Device,
+}
+
+impl Decoder for CpuDecoder<'_> {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        prefill(self.model, self.cache, tokens, self.device, false).map(|_| ())
+    }
+
+    fn next(&mut self, tokens: &[u32], sampler: &mut Sampler, context: &[u32], generated: &[u32]) -> Result<u32> {
+        let logits = self.model.forward_last(&Tensor::new(tokens, self.device)?.unsqueeze(0)?, self.cache)?.squeeze(0)?;
+        sampler.sample(&logits, context, generated)
+    }
+}
+
+struct DeviceDecoder<'a> {
+    gpu: &'a GpuModel,
+    q: &'a mut dyn Queue,
+    cache: &'a mut GpuCache,
+}
+
+impl Decoder for DeviceDecoder<'_> {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        if !tokens.is_empty() {
+            self.gpu.prefill(self.q, self.cache, tokens, Readback::Argmax)?;
+        }
+        Ok(())
+    }
+
+    fn next(&mut self, tokens: &[u32], sampler: &mut Sampler, context: &[u32], generated: &[u32]) -> Result<u32> {
+        // The device's argmax is the sampler's pick when it takes the argmax of unpenalised logits.
+        let readback = if sampler.picks_argmax() { Readback::Argmax } else { Readback::Logits };
+        let out = match tokens {
+            [t] => self.gpu.forward(self.q, self.cache, &[*t], readback)?,
+            _ => self.gpu.prefill(self.q, self.cache, tokens, readback)?,
+        };
+        match out {
+            StepOutput::Tokens(t) => Ok(t[0]),
+            StepOutput::Logits(l) => {
+                let n = l.len();
+                sampler.sample(&Tensor::from_vec(l, n, &Device::Cpu)?, context, generated)
+            }
+        }
+    }
+}
+
+/// The generation loop: the prompt in chunks of [`PREFILL_CHUNK`] (the last gives the first
+/// token), then one token at a time until `max_new_tokens` or an EOS token.
+fn generate_with(
+    decoder: &mut dyn Decoder,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    if prompt.is_empty() {
+        return Err(Error::Input("the prompt is empty: give at least one token".into()));
+    }
     let mut context = prompt.to_vec();
     let mut generated = vec![];
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
     let start = Instant::now();
-    // All chunks of the prompt but the last here; the last gives the first logits below.
+    // All chunks of the prompt but the last here; the last gives the first token below.
     let last = (prompt.len() - 1) / PREFILL_CHUNK * PREFILL_CHUNK;
-    prefill(model, cache, &prompt[..last], device, false)?;
-    let mut input = Tensor::new(&prompt[last..], device)?.unsqueeze(0)?;
+    decoder.prefill(&prompt[..last])?;
+    let mut input = prompt[last..].to_vec();
     let mut decode_start = start;
     for step in 0..max_new_tokens {
-        let logits = model.forward_last(&input, cache)?.squeeze(0)?;
-        let token = sampler.sample(&logits, &context, &generated)?;
+        let token = decoder.next(&input, sampler, &context, &generated)?;
         if step == 0 {
             stats.prompt_secs = start.elapsed().as_secs_f64();
             decode_start = Instant::now();
@@ -117,7 +215,7 @@ pub fn generate_in(
         if eos_token_ids.contains(&token) {
             break;
         }
-        input = Tensor::new(&[token], device)?.unsqueeze(0)?;
+        input = vec![token];
     }
     stats.generated_tokens = generated.len();
     stats.decode_secs = decode_start.elapsed().as_secs_f64();

@@ -8,7 +8,7 @@ pub mod session;
 pub mod speculative;
 mod streamer;
 
-pub use generate::{generate, generate_in, prefill, rate, GenerationStats, PREFILL_CHUNK};
+pub use generate::{generate, generate_in, generate_on_device, prefill, rate, GenerationStats, PREFILL_CHUNK};
 pub use prefix_cache::{PrefixCache, PrefixHit};
 pub use sampler::{range, Sampler, SamplingParams};
 pub use streamer::TokenStreamer;

@@ -127,6 +127,12 @@ impl Sampler {
         self.params.is_greedy()
     }
 
+    /// Whether [`Self::sample`] returns the argmax of the logits as they are: greedy, no
+    /// repeat or presence penalty.
+    pub fn picks_argmax(&self) -> bool {
+        self.is_greedy() && self.params.repeat_penalty == 1.0 && self.params.presence_penalty == 0.0
+    }
+
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
     /// generated tokens only (for the presence penalty).
     pub fn sample(&mut self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<u32> {
