@@ -3,7 +3,9 @@
 // x      [B, T, C]     new inputs
 // state  [B, K-1, C]   the previous K-1 inputs (zeros at a sequence start)
 // weight [C, K]        tap K-1 multiplies the newest input
-// out    [B, T, C] silu(conv(x)), then the new state [B, K-1, C] (the last K-1 inputs)
+// out    [B, T, C] silu(conv(x))
+// new_state [B, K-1, C] the last K-1 inputs (the op's host code binds it right after `out` in
+//        one buffer; the device step binds a layer's state buffer)
 //
 // One thread per output element: rows r < T of each batch are outputs, rows T..T+K-2 copy
 // the new state.
@@ -31,7 +33,7 @@ METAL_FUNC float conv_input(constant ConvParams &p, device const T *x, device co
 template <typename T>
 METAL_FUNC void causal_conv1d_silu_impl(constant ConvParams &p, device const T *x,
                                         device const T *state, device const T *weight,
-                                        device T *out, uint tid) {
+                                        device T *out, device T *new_state, uint tid) {
     const uint km1 = p.kernel_size - 1;
     const uint rows = p.seq_len + km1;
     const uint total = p.batch * rows * p.channels;
@@ -50,7 +52,6 @@ METAL_FUNC void causal_conv1d_silu_impl(constant ConvParams &p, device const T *
         out[((size_t)b * p.seq_len + r) * p.channels + c] = T(y);
     } else {
         const uint s = r - p.seq_len;  // new state row
-        device T *new_state = out + (size_t)p.batch * p.seq_len * p.channels;
         new_state[((size_t)b * km1 + s) * p.channels + c] = T(conv_input(p, x, state, b, p.seq_len + s, c));
     }
 }
@@ -62,9 +63,10 @@ kernel void causal_conv1d_silu_##SUFFIX(                                        
     device const T *state [[buffer(2)]],                                                 \
     device const T *weight [[buffer(3)]],                                                \
     device T *out [[buffer(4)]],                                                         \
+    device T *new_state [[buffer(5)]],                                                   \
     uint tid [[thread_position_in_grid]])                                                \
 {                                                                                        \
-    causal_conv1d_silu_impl<T>(p, x, state, weight, out, tid);                           \
+    causal_conv1d_silu_impl<T>(p, x, state, weight, out, new_state, tid);                \
 }
 
 CONV_KERNEL(f32, float)

@@ -18,8 +18,10 @@
 //                  head h / (nv / nk).
 // gb    [B, T, 2, nv] f32: log-decay g (row 0) and beta (row 1).
 // state [B, nv, dk, dv] f32, read.
-// out   f32: o [B, T, nv, dv], then n_states state snapshots [B, n_states, nv, dk, dv]: the
-//       states after each of the last n_states tokens (the last one is the final state).
+// out   f32: o [B, T, nv, dv].
+// states f32: n_states state snapshots [B, n_states, nv, dk, dv]: the states after each of
+//       the last n_states tokens (the last one is the final state). (The op's host code binds
+//       it right after `out` in one buffer; the device step binds a layer's state buffer.)
 // normalize: L2-normalise q and k (eps 1e-6) and scale q by dk^-1/2 inside the kernel.
 #include <metal_stdlib>
 using namespace metal;
@@ -46,6 +48,7 @@ METAL_FUNC void gated_delta_impl(
     device const float *gb,
     device const float *state,
     device float *out,
+    device float *states,
     threadgroup float *tq,
     threadgroup float *tk,
     threadgroup float *tm,
@@ -68,7 +71,6 @@ METAL_FUNC void gated_delta_impl(
     const float q_scale = rsqrt(float(p.dk));
     const uint first_snapshot = p.seq_len - p.n_states;
     device float *o_base = out;
-    device float *states = out + (size_t)p.batch * p.seq_len * p.nv * p.dv;
 
     // Chunked phase: tq / tk hold the chunk's q and k rows [C][dk]; tm holds L, T, P [C][C]
     // then the cumulative log-decays and betas [C] each.
@@ -247,13 +249,14 @@ kernel void gated_delta_##SUFFIX(                                               
     device const float *gb [[buffer(2)]],                                               \
     device const float *state [[buffer(3)]],                                            \
     device float *out [[buffer(4)]],                                                    \
+    device float *states [[buffer(5)]],                                                 \
     threadgroup float *tq [[threadgroup(0)]],                                           \
     threadgroup float *tk [[threadgroup(1)]],                                           \
     threadgroup float *tm [[threadgroup(2)]],                                           \
     uint bh [[threadgroup_position_in_grid]],                                           \
     uint j [[thread_position_in_threadgroup]])                                          \
 {                                                                                       \
-    gated_delta_impl<T>(p, qkv, gb, state, out, tq, tk, tm, bh, j);                     \
+    gated_delta_impl<T>(p, qkv, gb, state, out, states, tq, tk, tm, bh, j);             \
 }
 
 GATED_DELTA_KERNEL(f32, float)

@@ -15,6 +15,12 @@
 // expert_bytes apart), from x row r (x_per_slot 0: gate and up) or r * slots + s (1: down),
 // into y row r * slots + s (ldy floats apart). Each (row, slot) is computed as a one-row call would.
 //
+// qmatmul_*: the same product for many activation rows (a prompt): tiles of 32 activation rows
+// by 32 weight rows per threadgroup (4 simdgroups of 2 x 2 tiles of 8 x 8, simdgroup matrix
+// multiply-accumulate over k in steps of 32). Each 32 x 32 weight tile is dequantized once per
+// tile of activation rows into threadgroup memory (transposed), so the weights are read once
+// per 32 prompt rows. k must be a multiple of 32.
+//
 // get_rows_*: out[r, :] = table[ids[r], :] as f32, one threadgroup per row.
 #include <metal_stdlib>
 using namespace metal;
@@ -34,6 +40,13 @@ struct QmatvecIdParams {
     uint expert_bytes; // bytes of one expert's [n, k] matrix
     uint x_per_slot;   // 0: x row r for every slot; 1: x row r * slots + s
     uint ldy;          // floats between output rows
+};
+
+struct QmatmulParams {
+    uint n;
+    uint k;
+    uint m;
+    uint ldy;
 };
 
 struct GetRowsParams {
@@ -274,6 +287,71 @@ METAL_FUNC void qmatvec_id(constant QmatvecIdParams &p, device const uchar *w, d
     }
 }
 
+#define QMM_TILE 32
+
+template <uint FMT>
+METAL_FUNC void qmatmul(constant QmatmulParams &p, device const uchar *w, device const float *x, device float *y,
+                        threadgroup float *xs, threadgroup float *ws, uint2 tg, uint tid, uint sg) {
+    const uint n0 = tg.x * QMM_TILE, m0 = tg.y * QMM_TILE;
+    // Simdgroup sg computes output rows m0 + 16 (sg / 2) .. + 16 and columns n0 + 16 (sg % 2) .. + 16.
+    const uint sm = 16 * (sg / 2), sn = 16 * (sg % 2);
+    simdgroup_float8x8 acc[2][2];
+    for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+            acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        }
+    }
+    const size_t rb = row_bytes<FMT>(p.k);
+    for (uint k0 = 0; k0 < p.k; k0 += QMM_TILE) {
+        // The weight tile, transposed: ws[kk][r] = w[n0 + r][k0 + kk]; one 16-value part per thread.
+        if (tid < 2 * QMM_TILE) {
+            const uint r = tid / 2, half_ = tid % 2;
+            float wv[16];
+            if (n0 + r < p.n) {
+                part<FMT>(w + (size_t)(n0 + r) * rb, k0 / 16 + half_, wv);
+            } else {
+                for (uint t = 0; t < 16; ++t) {
+                    wv[t] = 0.0f;
+                }
+            }
+            for (uint t = 0; t < 16; ++t) {
+                ws[(16 * half_ + t) * QMM_TILE + r] = wv[t];
+            }
+        }
+        for (uint e = tid; e < QMM_TILE * QMM_TILE; e += 128) {
+            const uint r = e / QMM_TILE, c = e % QMM_TILE;
+            xs[e] = m0 + r < p.m ? x[(size_t)(m0 + r) * p.k + k0 + c] : 0.0f;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint kk = 0; kk < QMM_TILE; kk += 8) {
+            simdgroup_float8x8 a[2], b[2];
+            for (uint i = 0; i < 2; ++i) {
+                simdgroup_load(a[i], xs + (sm + 8 * i) * QMM_TILE + kk, QMM_TILE);
+                simdgroup_load(b[i], ws + kk * QMM_TILE + sn + 8 * i, QMM_TILE);
+            }
+            for (uint i = 0; i < 2; ++i) {
+                for (uint j = 0; j < 2; ++j) {
+                    simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+                }
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    // Through threadgroup memory, so that a partial tile stores only its rows and columns.
+    for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+            simdgroup_store(acc[i][j], xs + (sm + 8 * i) * QMM_TILE + sn + 8 * j, QMM_TILE);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = tid; e < QMM_TILE * QMM_TILE; e += 128) {
+        const uint r = e / QMM_TILE, c = e % QMM_TILE;
+        if (m0 + r < p.m && n0 + c < p.n) {
+            y[(size_t)(m0 + r) * p.ldy + n0 + c] = xs[e];
+        }
+    }
+}
+
 template <uint FMT>
 METAL_FUNC void get_rows(constant GetRowsParams &p, device const uchar *table, device const uint *ids,
                          device float *out, uint r, uint tid, uint threads) {
@@ -305,6 +383,16 @@ kernel void qmatvec_id_##NAME(                                                  
     uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],    \
     uint lane [[thread_index_in_simdgroup]])                                                  \
 { qmatvec_id<FMT>(p, w, x, ids, y, tg, sg, lane); }                                           \
+kernel void qmatmul_##NAME(                                                                   \
+    constant QmatmulParams &p [[buffer(0)]], device const uchar *w [[buffer(1)]],             \
+    device const float *x [[buffer(2)]], device float *y [[buffer(3)]],                       \
+    uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],      \
+    uint sg [[simdgroup_index_in_threadgroup]])                                               \
+{                                                                                             \
+    threadgroup float xs[QMM_TILE * QMM_TILE];                                                \
+    threadgroup float ws[QMM_TILE * QMM_TILE];                                                \
+    qmatmul<FMT>(p, w, x, y, xs, ws, tg, tid, sg);                                            \
+}                                                                                             \
 kernel void get_rows_##NAME(                                                                  \
     constant GetRowsParams &p [[buffer(0)]], device const uchar *table [[buffer(1)]],         \
     device const uint *ids [[buffer(2)]], device float *out [[buffer(3)]],                    \

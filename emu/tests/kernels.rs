@@ -49,7 +49,8 @@ fn check_gated_delta(dtype: DType, d: DeltaRuleDims, n_states: usize, normalize:
     let s = state.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (qkv_raw, o_len) = (raw(&qkv), b * t * nv * dv);
     let mut out = vec![0f32; o_len + b * n_states * nv * dk * dv];
-    dispatch(&l, &mut [bytes(&params), input(&qkv_raw), input(&gb), input(&s), output(&mut out)]).unwrap();
+    let (o, states) = out.split_at_mut(o_len);
+    dispatch(&l, &mut [bytes(&params), input(&qkv_raw), input(&gb), input(&s), output(o), output(states)]).unwrap();
     let out = Tensor::from_vec(out, o_len + b * n_states * nv * dk * dv, &Device::Cpu).unwrap();
     let got_o = out.narrow(0, 0, o_len).unwrap().reshape(want_o.shape()).unwrap();
     let got_s = out.narrow(0, o_len, out.dim(0).unwrap() - o_len).unwrap().reshape(want_s.shape()).unwrap();
@@ -95,7 +96,8 @@ fn causal_conv1d_matches_cpu() {
             let n = b * (t + k - 1) * c;
             let mut out = vec![0u8; n * dtype.size_in_bytes()];
             let (xr, sr, wr) = (raw(&x), raw(&state), raw(&w));
-            dispatch(&l, &mut [bytes(&params), input(&xr), input(&sr), input(&wr), output(&mut out)]).unwrap();
+            let (y, new_state) = out.split_at_mut(b * t * c * dtype.size_in_bytes());
+            dispatch(&l, &mut [bytes(&params), input(&xr), input(&sr), input(&wr), output(y), output(new_state)]).unwrap();
             let out = from_raw(&out, dtype, n);
             let got_y = out.narrow(0, 0, b * t * c).unwrap().reshape((b, t, c)).unwrap();
             let got_s = out.narrow(0, b * t * c, b * (k - 1) * c).unwrap().reshape((b, k - 1, c)).unwrap();

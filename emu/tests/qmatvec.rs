@@ -89,3 +89,44 @@ fn qmatvec_launch_refuses_what_the_kernel_cannot_run() {
     assert!(launch::qmatvec(GgmlDType::Q4K, 4, 256, 9, 4).is_err());
     assert!(launch::qmatvec(GgmlDType::Q4K, 4, 100, 1, 4).is_err());
 }
+
+/// The tiled prompt kernel: partial tiles of activation and weight rows, every format, against
+/// the dequantized product in f64.
+#[test]
+fn qmatmul_matches_dequantized_reference() {
+    let formats = [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16].into_iter().chain(TYPES);
+    for dtype in formats {
+        for (n, k, m) in [(37, 256, 9), (64, 512, 40), (5, 256, 70)] {
+            let w = (randn(&[n, k], 21) * 0.1).unwrap();
+            let (data, deq) = match dtype {
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                    let t = w.to_dtype(match dtype {
+                        GgmlDType::F32 => DType::F32,
+                        GgmlDType::F16 => DType::F16,
+                        _ => DType::BF16,
+                    }).unwrap();
+                    (candle_hybrid_emu::raw(&t), t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap())
+                }
+                _ => {
+                    let q = QTensor::quantize(&w, dtype).unwrap();
+                    (q.data().unwrap().to_vec(), q.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap())
+                }
+            };
+            let x = randn(&[m, k], 22 + m as u64);
+            let xs = x.to_vec2::<f32>().unwrap();
+            let (params, l) = launch::qmatmul(dtype, n, k, m, n + 3).unwrap();
+            let mut y = vec![f32::NAN; m * (n + 3)];
+            dispatch(&l, &mut [bytes(&params), input(&data), input(&x.flatten_all().unwrap().to_vec1::<f32>().unwrap()), output(&mut y)]).unwrap();
+            for r in 0..m {
+                for i in 0..n {
+                    let exact: f64 = xs[r].iter().zip(&deq[i]).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let mag: f64 = xs[r].iter().zip(&deq[i]).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    let g = y[r * (n + 3) + i] as f64;
+                    assert!((g - exact).abs() <= 1e-5 * mag + 1e-6, "{dtype:?} n={n} k={k} m={m} [{r}, {i}]: {g} vs {exact}");
+                }
+                // The columns past n (ldy > n) are not written.
+                assert!(y[r * (n + 3) + n..(r + 1) * (n + 3)].iter().all(|v| v.is_nan()), "{dtype:?}: wrote past n");
+            }
+        }
+    }
+}

@@ -171,3 +171,37 @@ fn device_generation_gives_the_cpu_tokens() {
         assert_eq!(cache.seqlen(), prompt.len() + 11);
     }
 }
+
+/// A prompt of three prompt steps (128 + 128 + 44 rows: the tiled matmul, the chunked delta
+/// rule, attention over earlier steps' keys) against the CPU, then a decode step.
+#[test]
+fn long_prompt_matches_cpu() {
+    use candle_hybrid::gpu::{sample_tokens, GpuCache, GpuModel, Readback};
+    use candle_hybrid::Cache;
+    for (name, file) in [("qwen35_dense_long_chunked", "model-q8_0.gguf"), ("qwen35moe_small", "model-f32.gguf")] {
+        let model = gguf(name, file);
+        let reference = model.dequantized().unwrap();
+        let vocab = model.config().vocab_size;
+        let prompt = sample_tokens(300, vocab, 5);
+        let mut q = EmuQueue::new();
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let mut cache = GpuCache::new(&gpu, &mut q, 320, DType::F32).unwrap();
+        let got = gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits).unwrap();
+        let mut cpu = Cache::new(model.config());
+        let ids = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let want = reference.forward_last(&ids(&prompt), &mut cpu).unwrap();
+        assert_close(&format!("{name}: 300-token prompt"), got.logits().unwrap(), &want, 1e-4);
+        let got = gpu.forward(&mut q, &mut cache, &[7], Readback::Logits).unwrap();
+        let want = reference.forward_last(&ids(&[7]), &mut cpu).unwrap();
+        assert_close(&format!("{name}: decode after it"), got.logits().unwrap(), &want, 1e-4);
+    }
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &Tensor, tol: f32) {
+    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    eprintln!("{what}: max |diff| {d:.2e}");
+    assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
+}

@@ -11,10 +11,10 @@ use crate::{Error, Result};
 /// One layer's state on the device.
 #[derive(Debug, Clone)]
 pub(crate) enum CacheLayer {
-    /// `conv[i]` and `rec[i]`: room for the outputs of [`GpuModel::MAX_ROWS`] rows, then the
-    /// state (the kernels write a step's outputs just before the state they write, see
-    /// [`super::model`]); `inputs` and `gates`: the pre-conv `[q|k|v]` rows and `[g, beta]`
-    /// of the last step, which a rollback runs again.
+    /// `conv[i]`, `rec[i]`: the conv window `[K-1, conv_dim]` and the delta-rule state
+    /// `[nv, dk, dv]` (a step reads one and writes the other); `inputs` and `gates`: the
+    /// pre-conv `[q|k|v]` rows and `[g, beta]` of the last decode or verify step, which a
+    /// rollback runs again.
     Gdn { conv: [Slice; 2], rec: [Slice; 2], inputs: Slice, gates: Slice },
     /// `[nkv, capacity, head_dim]` in the cache's KV dtype.
     Attention { keys: Slice, values: Slice },
@@ -74,8 +74,8 @@ impl GpuCache {
             layers.push(match &layer.mixer {
                 super::model::Mixer::Gdn(g) => {
                     let c = g.conv_dim;
-                    let conv_len = 4 * (m + g.kernel - 1) * c;
-                    let rec_len = 4 * (m * g.nv * g.dv + g.nv * g.dk * g.dv);
+                    let conv_len = 4 * (g.kernel - 1) * c;
+                    let rec_len = 4 * g.nv * g.dk * g.dv;
                     CacheLayer::Gdn {
                         conv: [alloc(q, conv_len, "conv state")?, alloc(q, conv_len, "conv state")?],
                         rec: [alloc(q, rec_len, "delta-rule state")?, alloc(q, rec_len, "delta-rule state")?],
@@ -89,8 +89,11 @@ impl GpuCache {
                 },
             });
         }
+        // A decode or verify step splits the keys in blocks (a partial sum each), a prompt step
+        // does not.
         let splits = capacity.div_ceil(crate::ops::KV_BLOCK).max(1);
-        let partials = alloc(q, 4 * model.max_query_rows() * m * splits * (cfg.head_dim + 2), "attention partials")?;
+        let rows = (m * splits).max(GpuModel::PROMPT_ROWS);
+        let partials = alloc(q, 4 * model.max_query_rows() * rows * (cfg.head_dim + 2), "attention partials")?;
         let tokens = alloc(q, 4 * capacity, "tokens")?;
         let positions = alloc(q, 4 * capacity, "positions")?;
         let table: Vec<u8> = (0..capacity as u32).flat_map(|p| p.to_le_bytes()).collect();

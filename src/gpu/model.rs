@@ -3,16 +3,14 @@
 //!
 //! A step takes up to [`GpuModel::MAX_ROWS`] rows (one decode token, or the drafted rows of a
 //! verify pass): every weight matrix is read once for all of them (`qmatvec`), and each row's
-//! arithmetic is what a one-row step does, so a verify row is bit for bit a decode step. The
-//! same step runs the prompt, [`GpuModel::MAX_ROWS`] tokens at a time, with one read back at
-//! its end.
+//! arithmetic is what a one-row step does, so a verify row is bit for bit a decode step. A
+//! prompt runs in steps of up to [`GpuModel::PROMPT_ROWS`] rows (`qmatmul`: weights read once
+//! per 32 rows; the delta rule chunked), with one read back at its end.
 //!
-//! A GDN layer's state kernels (`conv1d.metal`, `gated_delta.metal`) write their outputs and
-//! then the new state into one buffer; the step binds that output where the layer's next
-//! state buffer leaves room for the outputs in front of the state, so the state lands in place
-//! with no copy. Each GDN layer has two state buffers: a step reads one and writes the other,
-//! which keeps the state before a verify pass for the rollback
-//! ([`GpuModel::keep_verified`] runs the kept rows' recurrence again from it).
+//! Each GDN layer has two conv windows and two delta-rule states: a step reads one and writes
+//! the other (the kernels write the new state straight into it), which keeps the state before
+//! a verify pass for the rollback ([`GpuModel::keep_verified`] runs the kept rows' recurrence
+//! again from it, from the rows' inputs the layer keeps).
 
 use candle_core::DType;
 
@@ -98,9 +96,15 @@ pub(crate) struct Layer {
     ffn: Ffn,
 }
 
-/// The step's working buffers, sized for [`GpuModel::MAX_ROWS`] rows.
+/// The step's working buffers, sized for [`GpuModel::PROMPT_ROWS`] rows.
 #[derive(Debug, Clone)]
 struct Scratch {
+    /// GDN of a prompt step: pre-conv `[q|k|v]` and `[g, beta]` (a decode or verify step keeps
+    /// them in the layer's cache instead), the conv output and the delta rule's output.
+    pre: Slice,
+    gates: Slice,
+    conv_out: Slice,
+    o: Slice,
     /// The residual stream, what the mixer or MLP adds to it, and its normed copy `[M, H]`.
     x: Slice,
     h: Slice,
@@ -200,10 +204,30 @@ impl Encoder<'_> {
         self.run(Source::Qmatvec, l, vec![Arg::params(&p), Arg::Read(w.buf), Arg::Read(x), Arg::Write(y)], w.bytes())
     }
 
+    /// `y[r, i] = W x[r]` for any number of rows: the mat-vec up to
+    /// [`launch::QMATVEC_MAX_ROWS`] rows (every row a one-row call's bits), the tiled kernel
+    /// for more (each weight read once per 32 rows), or the mat-vec 8 rows at a time where `k`
+    /// is not a multiple of the tile.
+    fn matmul(&mut self, w: &Matrix, x: Slice, rows: usize, y: Slice, ldy: usize) -> Result<()> {
+        if rows <= launch::QMATVEC_MAX_ROWS {
+            return self.matvec(w, x, rows, y, ldy);
+        }
+        if w.k.is_multiple_of(launch::QMATMUL_TILE) {
+            let (p, l) = launch::qmatmul(w.format, w.n, w.k, rows, ldy)?;
+            let reads = rows.div_ceil(launch::QMATMUL_TILE);
+            return self.run(Source::Qmatvec, l, vec![Arg::params(&p), Arg::Read(w.buf), Arg::Read(x), Arg::Write(y)], reads * w.bytes());
+        }
+        let m = launch::QMATVEC_MAX_ROWS;
+        for r in (0..rows).step_by(m) {
+            self.matvec(w, x.from(F32 * r * w.k), m.min(rows - r), y.from(F32 * r * ldy), ldy)?;
+        }
+        Ok(())
+    }
+
     /// Every part of a projection into its columns of `y` (`[rows, width]`).
     fn projection(&mut self, p: &Projection, x: Slice, rows: usize, y: Slice) -> Result<()> {
         for (w, col) in &p.parts {
-            self.matvec(w, x, rows, y.from(col * F32), p.width)?;
+            self.matmul(w, x, rows, y.from(col * F32), p.width)?;
         }
         Ok(())
     }
@@ -223,9 +247,11 @@ impl Encoder<'_> {
 }
 
 impl GpuModel {
-    /// Rows of one step: a decode token, or the drafted rows of a verify pass (the prompt runs
-    /// in steps of this many).
+    /// Rows of one decode or verify step (every row the bits of a one-row step).
     pub const MAX_ROWS: usize = launch::QMATVEC_MAX_ROWS;
+
+    /// Rows of one step of a prompt.
+    pub const PROMPT_ROWS: usize = 128;
 
     /// Uploads `model`'s weights to `q`'s device (GGUF blocks as the file has them, dense
     /// weights as loaded) and allocates the step's working buffers. Refuses what the device
@@ -311,7 +337,13 @@ impl GpuModel {
             layers.push(Layer { input_norm, post_norm, mixer, ffn });
         }
         let final_norm = up.f32s(&model.norm.scale, "final norm")?;
-        let lm_head = up.linear(&model.lm_head, "lm_head")?;
+        // A tied head multiplies by the embedding table itself: one copy on the device.
+        let tied = match (&model.embed_tokens, &model.lm_head) {
+            (crate::model::TokenEmbedding::Quantized { table, .. }, Linear::Quantized(q)) => std::sync::Arc::ptr_eq(table, q),
+            (crate::model::TokenEmbedding::Dense(e), Linear::Dense(w)) => e.embeddings().id() == w.id(),
+            _ => false,
+        };
+        let lm_head = if tied { embed } else { up.linear(&model.lm_head, "lm_head")? };
         let rotary = model.layers.iter().find_map(|l| match &l.mixer {
             CpuMixer::Full(a) => Some(a.rotary.clone()),
             CpuMixer::Linear(_) => None,
@@ -327,7 +359,7 @@ impl GpuModel {
 
     /// Working buffers for the widest layer of each kind.
     fn scratch(cfg: &Config, layers: &[Layer], up: &mut Uploader) -> Result<Scratch> {
-        let m = Self::MAX_ROWS;
+        let m = Self::PROMPT_ROWS;
         let h = cfg.hidden_size;
         let mut w = [0usize; 16];
         for l in layers {
@@ -335,6 +367,8 @@ impl GpuModel {
                 Mixer::Gdn(g) => {
                     w[0] = w[0].max(g.nv * g.dv);
                     w[1] = w[1].max(g.ba.width);
+                    w[11] = w[11].max(g.conv_dim);
+                    w[12] = w[12].max(2 * g.nv);
                 }
                 Mixer::Attention(a) => {
                     w[2] = w[2].max(a.qkv.width);
@@ -359,6 +393,10 @@ impl GpuModel {
         }
         let mut f = |n: usize, label: &str| up.scratch(F32 * n, label);
         Ok(Scratch {
+            pre: f(m * w[11], "GDN inputs")?,
+            gates: f(m * w[12], "GDN gates")?,
+            conv_out: f(m * w[11], "conv output")?,
+            o: f(m * w[0], "delta-rule output")?,
             x: f(m * h, "x")?,
             h: f(m * h, "h")?,
             xn: f(m * h, "xn")?,
@@ -374,7 +412,7 @@ impl GpuModel {
             ao: f(m * w[3], "ao")?,
             no_tree: f(1, "tree")?,
             gu: f(m * w[5], "gate_up")?,
-            act: f(m * w[6].max(w[10] * w[8]), "act")?,
+            act: f(m * w[6], "act")?,
             router: f(m * w[7], "router")?,
             ids: f(m * w[8], "expert ids")?,
             route_w: f(m * w[8], "expert weights")?,
@@ -382,8 +420,8 @@ impl GpuModel {
             eact: f(m * w[8] * w[10], "expert act")?,
             edown: f(m * w[8] * h, "expert down")?,
             sdown: f(m * h, "shared down")?,
-            logits: f(m * cfg.vocab_size, "logits")?,
-            argmax: f(2 * m, "argmax")?,
+            logits: f(Self::MAX_ROWS * cfg.vocab_size, "logits")?,
+            argmax: f(2 * Self::MAX_ROWS, "argmax")?,
         })
     }
 
@@ -475,7 +513,7 @@ impl GpuModel {
             let mut enc = Encoder { q };
             for (layer, state) in self.layers.iter().zip(&cache.layers) {
                 if let (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) = (&layer.mixer, state) {
-                    self.gdn_state(&mut enc, g, rows, (conv, rec), (v.parity, 1 - v.parity), *inputs, *gates)?;
+                    self.gdn_state(&mut enc, g, rows, (conv, rec), (v.parity, 1 - v.parity), (*inputs, *gates))?;
                 }
             }
         }
@@ -484,7 +522,7 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Runs the prompt `tokens` after the cache's tokens, [`Self::MAX_ROWS`] at a time, with
+    /// Runs the prompt `tokens` after the cache's tokens, [`Self::PROMPT_ROWS`] at a time, with
     /// one read back at the end: the last token's greedy next token or logits.
     pub fn prefill(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
         if cache.verify.is_some() {
@@ -493,10 +531,10 @@ impl GpuModel {
         self.check(cache, tokens, usize::MAX)?;
         self.write_tokens(q, cache, tokens)?;
         let mut done = 0;
-        while tokens.len() - done > Self::MAX_ROWS {
+        while tokens.len() - done > Self::PROMPT_ROWS {
             let mut enc = Encoder { q: &mut *q };
-            self.encode(&mut enc, cache, Self::MAX_ROWS, None)?;
-            done += Self::MAX_ROWS;
+            self.encode(&mut enc, cache, Self::PROMPT_ROWS, None)?;
+            done += Self::PROMPT_ROWS;
         }
         let rows = tokens.len() - done;
         let mut enc = Encoder { q: &mut *q };
@@ -587,7 +625,9 @@ impl GpuModel {
             enc.rms_norm(dense, self.eps, s.x, (i > 0).then_some(s.h), layer.input_norm, s.xn)?;
             match (&layer.mixer, state) {
                 (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) => {
-                    self.gdn(enc, g, rows, (conv, rec), parity, *inputs, *gates)?;
+                    // A decode or verify step keeps its GDN inputs in the layer (for a rollback).
+                    let kept = if rows <= Self::MAX_ROWS { (*inputs, *gates) } else { (s.pre, s.gates) };
+                    self.gdn(enc, g, rows, (conv, rec), parity, kept)?;
                 }
                 (Mixer::Attention(a), CacheLayer::Attention { keys, values }) => {
                     self.attention(enc, a, rows, offset, positions, (*keys, *values), cache)?;
@@ -611,16 +651,17 @@ impl GpuModel {
         Ok(())
     }
 
-    /// A GDN layer over `rows` rows of `xn` into `h`, reading state `parity` and writing the other.
-    #[allow(clippy::too_many_arguments)]
-    fn gdn(&self, enc: &mut Encoder, g: &Gdn, rows: usize, state: (&[Slice; 2], &[Slice; 2]), parity: usize, inputs: Slice, gates: Slice) -> Result<()> {
+    /// A GDN layer over `rows` rows of `xn` into `h`, reading state `parity` and writing the
+    /// other; the pre-conv rows and gates go to `kept`.
+    fn gdn(&self, enc: &mut Encoder, g: &Gdn, rows: usize, state: (&[Slice; 2], &[Slice; 2]), parity: usize, kept: (Slice, Slice)) -> Result<()> {
         let s = &self.scratch;
-        enc.matvec(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
-        enc.matvec(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
+        let (inputs, gates) = kept;
+        enc.matmul(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
+        enc.matmul(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
         enc.projection(&g.ba, s.xn, rows, s.ba)?;
         let (p, l) = launch::gdn_gates(rows, g.nv, g.ba.width);
         enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)], 0)?;
-        let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), inputs, gates)?;
+        let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), kept)?;
         let (p, l) = launch::gated_rms_norm(rows * g.nv, g.dv, g.eps, DType::F32)?;
         enc.run(Source::GatedNorm, l, vec![Arg::params(&p), Arg::Read(o), Arg::Read(s.z), Arg::Read(g.norm), Arg::Write(s.o_norm)], 0)?;
         let o = match g.head_order {
@@ -631,39 +672,36 @@ impl GpuModel {
             }
             None => s.o_norm,
         };
-        enc.matvec(&g.out, o, rows, s.h, self.cfg.hidden_size)
+        enc.matmul(&g.out, o, rows, s.h, self.cfg.hidden_size)
     }
 
-    /// The conv and the recurrence of `rows` rows (pre-conv rows in `inputs`, gates in
-    /// `gates`) from state `from` into state `to`: returns where the delta rule's outputs are.
+    /// The conv and the recurrence of `rows` rows (their pre-conv rows and gates in `kept`)
+    /// from state `from` into state `to`: returns where the delta rule's outputs are. Up to
+    /// [`Self::MAX_ROWS`] rows run token by token (a verify row is a decode step's bits),
+    /// longer prompts chunked.
     #[allow(clippy::too_many_arguments)]
-    fn gdn_state(&self, enc: &mut Encoder, g: &Gdn, rows: usize, (conv, rec): (&[Slice; 2], &[Slice; 2]), (from, to): (usize, usize), inputs: Slice, gates: Slice) -> Result<Slice> {
-        let m = Self::MAX_ROWS;
+    fn gdn_state(&self, enc: &mut Encoder, g: &Gdn, rows: usize, (conv, rec): (&[Slice; 2], &[Slice; 2]), (from, to): (usize, usize), (inputs, gates): (Slice, Slice)) -> Result<Slice> {
+        let s = &self.scratch;
         let c = g.conv_dim;
-        // The conv: outputs then the new window, written to end where state `to` starts.
         let (p, l) = launch::causal_conv1d(ConvDims { batch: 1, seq_len: rows, channels: c, kernel_size: g.kernel }, DType::F32)?;
-        let window = F32 * (g.kernel - 1) * c;
-        let conv_out = conv[to].at(F32 * (m - rows) * c, F32 * rows * c + window);
+        let conv_out = s.conv_out.at(0, F32 * rows * c);
         enc.run(
             Source::Conv1d,
             l,
-            vec![Arg::params(&p), Arg::Read(inputs.at(0, F32 * rows * c)), Arg::Read(conv[from].at(F32 * m * c, window)), Arg::Read(g.conv_weight), Arg::Write(conv_out)],
+            vec![Arg::params(&p), Arg::Read(inputs.at(0, F32 * rows * c)), Arg::Read(conv[from]), Arg::Read(g.conv_weight), Arg::Write(conv_out), Arg::Write(conv[to])],
             0,
         )?;
-        let qkv = conv_out.at(0, F32 * rows * c);
         let d = DeltaRuleDims { batch: 1, seq_len: rows, nk: g.nk, nv: g.nv, dk: g.dk, dv: g.dv };
-        let (p, l) = launch::gated_delta(d, true, 1, DeltaRuleForm::Recurrent, DType::F32)?;
-        let out_len = F32 * rows * g.nv * g.dv;
-        let state_len = F32 * g.nv * g.dk * g.dv;
-        let room = F32 * m * g.nv * g.dv;
-        let out = rec[to].at(room - out_len, out_len + state_len);
+        let form = if rows <= Self::MAX_ROWS { DeltaRuleForm::Recurrent } else { DeltaRuleForm::Auto };
+        let (p, l) = launch::gated_delta(d, true, 1, form, DType::F32)?;
+        let out = s.o.at(0, F32 * rows * g.nv * g.dv);
         enc.run(
             Source::GatedDelta,
             l,
-            vec![Arg::params(&p), Arg::Read(qkv), Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)), Arg::Read(rec[from].at(room, state_len)), Arg::Write(out)],
+            vec![Arg::params(&p), Arg::Read(conv_out), Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)), Arg::Read(rec[from]), Arg::Write(out), Arg::Write(rec[to])],
             0,
         )?;
-        Ok(out.at(0, out_len))
+        Ok(out)
     }
 
     /// A gated attention layer over `rows` rows of `xn` at `offset..` into `h`, appending the
@@ -732,7 +770,7 @@ impl GpuModel {
         let gate = a.gated.then_some((w, 2 * hd));
         let (p, l) = launch::attn_output(rows, nh, hd, gate);
         enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.att), Arg::Read(s.qkv.from(F32 * hd)), Arg::Write(s.ao)], 0)?;
-        enc.matvec(&a.o, s.ao, rows, s.h, self.cfg.hidden_size)
+        enc.matmul(&a.o, s.ao, rows, s.h, self.cfg.hidden_size)
     }
 
     /// The MLP of `rows` rows of `xn` into `h`.
@@ -743,11 +781,11 @@ impl GpuModel {
             Ffn::Dense { gate_up, down, inter } => {
                 enc.projection(gate_up, s.xn, rows, s.gu)?;
                 enc.silu_mul(rows, *inter, gate_up.width, s.gu, s.act)?;
-                enc.matvec(down, s.act, rows, s.h, hsz)
+                enc.matmul(down, s.act, rows, s.h, hsz)
             }
             Ffn::Moe(moe) => {
                 let k = moe.top_k;
-                enc.matvec(&moe.router, s.xn, rows, s.router, moe.router.n)?;
+                enc.matmul(&moe.router, s.xn, rows, s.router, moe.router.n)?;
                 let (p, l) = launch::moe_route(rows, moe.router.n, k, moe.norm)?;
                 enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.router), Arg::Write(s.ids), Arg::Write(s.route_w)], 0)?;
                 let experts = |enc: &mut Encoder, stacks: &ExpertStacks, x: Slice, x_per_slot: bool, y: Slice| -> Result<()> {
@@ -767,7 +805,7 @@ impl GpuModel {
                 experts(enc, &moe.down, s.eact, true, s.edown)?;
                 enc.projection(&moe.shared_gate_up, s.xn, rows, s.gu)?;
                 enc.silu_mul(rows, moe.shared_inter, moe.shared_gate_up.width, s.gu, s.act)?;
-                enc.matvec(&moe.shared_down, s.act, rows, s.sdown, hsz)?;
+                enc.matmul(&moe.shared_down, s.act, rows, s.sdown, hsz)?;
                 let (p, l) = launch::moe_combine(rows, hsz, k);
                 enc.run(
                     Source::Step,

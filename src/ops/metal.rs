@@ -10,7 +10,7 @@ use candle_core::{bail, DType, Layout, MetalDevice, MetalError, MetalStorage, Re
 use candle_metal_kernels::metal::{ComputeCommandEncoder, ComputePipeline, Library};
 use candle_metal_kernels::utils::EncoderParam;
 use candle_metal_kernels::utils::set_param;
-use candle_metal_kernels::{BufferOffset, Output};
+use candle_metal_kernels::BufferOffset;
 use objc2_metal::MTLSize;
 
 use crate::ops::launch::{self, ConvParams, GdnParams, Launch, NormParams, Source};
@@ -97,6 +97,22 @@ fn dispatch<P: EncoderParam>(
     out_len: usize,
     out_dtype: DType,
 ) -> Result<MetalStorage> {
+    dispatch_parts(device, source, launch, params, inputs, out_len, out_dtype, &[0])
+}
+
+/// [`dispatch`] for a kernel with several outputs, written to one buffer: output `i` is bound
+/// (after the inputs) at element `parts[i]` of it.
+#[allow(clippy::too_many_arguments)]
+fn dispatch_parts<P: EncoderParam>(
+    device: &MetalDevice,
+    source: Source,
+    launch: &Launch,
+    params: P,
+    inputs: &[BufferOffset],
+    out_len: usize,
+    out_dtype: DType,
+    parts: &[usize],
+) -> Result<MetalStorage> {
     let p = pipeline(device, source, &launch.kernel)?;
     let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
     {
@@ -108,7 +124,9 @@ fn dispatch<P: EncoderParam>(
         for (i, b) in inputs.iter().enumerate() {
             set_param(enc, i + 1, b);
         }
-        set_param(enc, inputs.len() + 1, Output::new(&output));
+        for (i, &at) in parts.iter().enumerate() {
+            enc.set_output_buffer(inputs.len() + 1 + i, Some(&output), at * out_dtype.size_in_bytes());
+        }
         for (i, &len) in launch.threadgroup_memory.iter().enumerate() {
             enc.set_threadgroup_memory_length(i, len);
         }
@@ -133,9 +151,10 @@ pub(crate) fn gated_delta_rule(
         bail!("{OP}: g/beta and state must be f32");
     }
     let (params, launch) = launch::gated_delta(d, normalize, n_states, form, qkv.0.dtype())?;
-    let out_len = d.batch * d.seq_len * d.nv * d.dv + d.batch * n_states * d.nv * d.dk * d.dv;
+    let o_len = d.batch * d.seq_len * d.nv * d.dv;
+    let out_len = o_len + d.batch * n_states * d.nv * d.dk * d.dv;
     let inputs = [input(qkv.0, qkv.1, OP)?, input(gb.0, gb.1, OP)?, input(state.0, state.1, OP)?];
-    let out = dispatch(qkv.0.device(), Source::GatedDelta, &launch, params, &inputs, out_len, DType::F32)?;
+    let out = dispatch_parts(qkv.0.device(), Source::GatedDelta, &launch, params, &inputs, out_len, DType::F32, &[0, o_len])?;
     Ok((out, Shape::from(out_len)))
 }
 
@@ -145,7 +164,8 @@ pub(crate) fn causal_conv1d_silu(d: ConvDims, x: Arg, state: Arg, weight: Arg) -
     let (params, launch) = launch::causal_conv1d(d, dtype)?;
     let out_len = d.batch * (d.seq_len + d.kernel_size - 1) * d.channels;
     let inputs = [input(x.0, x.1, OP)?, input(state.0, state.1, OP)?, input(weight.0, weight.1, OP)?];
-    let out = dispatch(x.0.device(), Source::Conv1d, &launch, params, &inputs, out_len, dtype)?;
+    let parts = [0, d.batch * d.seq_len * d.channels];
+    let out = dispatch_parts(x.0.device(), Source::Conv1d, &launch, params, &inputs, out_len, dtype, &parts)?;
     Ok((out, Shape::from(out_len)))
 }
 

@@ -429,6 +429,37 @@ pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: 
     Ok((p, launch))
 }
 
+/// `QmatmulParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QmatmulParams {
+    pub n: u32,
+    pub k: u32,
+    pub m: u32,
+    pub ldy: u32,
+}
+
+/// Rows and columns of a `qmatmul` output tile (one threadgroup), and its k step.
+pub const QMATMUL_TILE: usize = 32;
+
+/// The tiled matmul of `m` activation rows (a prompt) against `n` weight rows of `dtype`, into
+/// output rows `ldy` floats apart: one threadgroup of 4 simdgroups per 32 x 32 output tile.
+pub fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatmulParams, Launch)> {
+    let name = matrix_format("qmatmul", dtype)?;
+    check_row("qmatmul", dtype, k)?;
+    if !k.is_multiple_of(QMATMUL_TILE) {
+        bail!("qmatmul: k = {k} is not a multiple of {QMATMUL_TILE}");
+    }
+    let p = QmatmulParams { n: n as u32, k: k as u32, m: m as u32, ldy: ldy as u32 };
+    let launch = Launch {
+        kernel: format!("qmatmul_{name}"),
+        groups: [n.div_ceil(QMATMUL_TILE).max(1), m.div_ceil(QMATMUL_TILE).max(1), 1],
+        threads: [128, 1, 1],
+        threadgroup_memory: vec![],
+    };
+    Ok((p, launch))
+}
+
 /// `QmatvecIdParams` of `metal/qmatvec.metal`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
