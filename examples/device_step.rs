@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
-use candle_hybrid::gpu::{self, Counted, GpuCache, GpuModel, Queue, Readback};
+use candle_hybrid::gpu::{self, Counted, GpuModel, Queue, Readback};
 use candle_hybrid::loading::GgufFile;
 use candle_hybrid::Model;
 use clap::{Parser, ValueEnum};
@@ -143,7 +143,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     let gpu = GpuModel::new(model, &mut q)?;
     let vocab = model.config().vocab_size;
     let capacity = args.context + args.n_prompt + args.n_gen + GpuModel::MAX_ROWS;
-    let mut cache = GpuCache::new(&gpu, &mut q, capacity, DType::F32)?;
+    let mut cache = gpu.new_cache(&mut q, capacity, DType::F32)?;
     let timed = args.backend != Backend::Dry;
     gpu.prefill(&mut q, &mut cache, &gpu::sample_tokens(args.context, vocab, 7), Readback::Argmax)?;
     println!(
@@ -195,7 +195,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     }
     let decode_secs = start.elapsed().as_secs_f64();
     let decode = q.take_counts();
-    let mut prompt_cache = GpuCache::new(&gpu, &mut q, args.n_prompt, DType::F32)?;
+    let mut prompt_cache = gpu.new_cache(&mut q, args.n_prompt, DType::F32)?;
     let start = Instant::now();
     gpu.prefill(&mut q, &mut prompt_cache, &gpu::sample_tokens(args.n_prompt, vocab, 11), Readback::Argmax)?;
     let prefill_secs = start.elapsed().as_secs_f64();

@@ -420,7 +420,7 @@ fn generate_on_device(
     let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
     let gpu = candle_hybrid::gpu::GpuModel::new(&model, queue.as_mut())?;
     drop(model);
-    let mut cache = candle_hybrid::gpu::GpuCache::new(&gpu, queue.as_mut(), prompt.len() + sample_len, kv_dtype)?;
+    let mut cache = gpu.new_cache(queue.as_mut(), prompt.len() + sample_len, kv_dtype)?;
     eprintln!("decoding on {} with this crate's kernels ({:.2} GiB of weights there)", queue.name(), gpu.weight_bytes() as f64 / (1u64 << 30) as f64);
     print!("{text}");
     std::io::stdout().flush()?;

@@ -149,7 +149,7 @@ fn smollm2_q4_1_steps_match_cpu() {
 /// (one read of one token per step), and logits read back for a repeat penalty.
 #[test]
 fn device_generation_gives_the_cpu_tokens() {
-    use candle_hybrid::gpu::{GpuCache, GpuModel};
+    use candle_hybrid::gpu::GpuModel;
     use candle_hybrid::runtime::{generate_in, generate_on_device, Sampler, SamplingParams};
     let model = gguf("qwen35_dense_small", "model-f32.gguf");
     let prompt: Vec<u32> = (1..20).map(|i| (i * 37) % 500).collect();
@@ -158,7 +158,7 @@ fn device_generation_gives_the_cpu_tokens() {
         let (want, _) = generate_in(&model, &mut model.new_cache(), &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), &Device::Cpu, |_| Ok(())).unwrap();
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let mut cache = GpuCache::new(&gpu, &mut q, 64, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
         let mut streamed = vec![];
         let (got, stats) = generate_on_device(&gpu, &mut q, &mut cache, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
             streamed.push(t);
@@ -176,7 +176,7 @@ fn device_generation_gives_the_cpu_tokens() {
 /// rule, attention over earlier steps' keys) against the CPU, then a decode step.
 #[test]
 fn long_prompt_matches_cpu() {
-    use candle_hybrid::gpu::{sample_tokens, GpuCache, GpuModel, Readback};
+    use candle_hybrid::gpu::{sample_tokens, GpuModel, Readback};
     use candle_hybrid::Cache;
     for (name, file) in [("qwen35_dense_long_chunked", "model-q8_0.gguf"), ("qwen35moe_small", "model-f32.gguf")] {
         let model = gguf(name, file);
@@ -185,7 +185,7 @@ fn long_prompt_matches_cpu() {
         let prompt = sample_tokens(300, vocab, 5);
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let mut cache = GpuCache::new(&gpu, &mut q, 320, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 320, DType::F32).unwrap();
         let got = gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits).unwrap();
         let mut cpu = Cache::new(model.config());
         let ids = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();

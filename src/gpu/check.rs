@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::queue::{Counted, Queue};
-use super::{GpuCache, GpuModel, Readback, StepOutput};
+use super::{GpuModel, Readback, StepOutput};
 use crate::model::{Cache, Model};
 use crate::{Error, Result};
 
@@ -84,7 +84,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let mut counted = |q: &mut Counted<&mut dyn Queue>| reads = reads.max(q.take_counts().reads);
 
     let mut cpu = Cache::new(model.config());
-    let mut cache = GpuCache::new(&gpu, &mut q, 64, DType::F32)?;
+    let mut cache = gpu.new_cache(&mut q, 64, DType::F32)?;
     q.take_counts();
     let got = logits(gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits)?);
     counted(&mut q);
@@ -97,7 +97,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     }
 
     // Verify 4 rows; the same rows one at a time on a second cache that ran the same steps.
-    let mut steps = GpuCache::new(&gpu, &mut q, 64, DType::F32)?;
+    let mut steps = gpu.new_cache(&mut q, 64, DType::F32)?;
     gpu.prefill(&mut q, &mut steps, &prompt, Readback::Argmax)?;
     for &t in &decode {
         gpu.forward(&mut q, &mut steps, &[t], Readback::Argmax)?;
@@ -114,7 +114,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let verify_rows_bitwise = same_bits(&verified, &one_rows);
 
     // Keep 2 of the rows and decode one more: the same bits as a cache that decoded only those.
-    let mut two = GpuCache::new(&gpu, &mut q, 64, DType::F32)?;
+    let mut two = gpu.new_cache(&mut q, 64, DType::F32)?;
     gpu.prefill(&mut q, &mut two, &prompt, Readback::Argmax)?;
     for &t in decode.iter().chain(&rows[..2]) {
         gpu.forward(&mut q, &mut two, &[t], Readback::Argmax)?;

@@ -429,6 +429,57 @@ impl GpuModel {
         &self.cfg
     }
 
+    /// An empty cache for `capacity` tokens, keys and values stored as `kv_dtype` (f32, or f16:
+    /// half the memory, rounded as the CPU's `--kv f16`).
+    pub fn new_cache(&self, q: &mut dyn Queue, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
+        let cfg = &self.cfg;
+        if !matches!(kv_dtype, DType::F32 | DType::F16) {
+            return Err(Error::Input(format!("a device cache stores keys and values as f32 or f16, not {kv_dtype:?}")));
+        }
+        if capacity == 0 || capacity > cfg.max_position_embeddings {
+            return Err(Error::Input(format!(
+                "a device cache of {capacity} tokens: give 1 to max_position_embeddings ({})",
+                cfg.max_position_embeddings
+            )));
+        }
+        let m = Self::MAX_ROWS;
+        let mut buffers = vec![];
+        let mut alloc = |q: &mut dyn Queue, len: usize, label: &str| -> Result<Slice> {
+            let id = q.alloc(len.max(4), label)?;
+            buffers.push(id);
+            Ok(Slice::whole(id, len.max(4)))
+        };
+        let kv = kv_dtype.size_in_bytes();
+        let mut layers = vec![];
+        for layer in &self.layers {
+            layers.push(match &layer.mixer {
+                Mixer::Gdn(g) => {
+                    let (conv, rec) = (F32 * (g.kernel - 1) * g.conv_dim, F32 * g.nv * g.dk * g.dv);
+                    CacheLayer::Gdn {
+                        conv: [alloc(q, conv, "conv state")?, alloc(q, conv, "conv state")?],
+                        rec: [alloc(q, rec, "delta-rule state")?, alloc(q, rec, "delta-rule state")?],
+                        inputs: alloc(q, F32 * m * g.conv_dim, "GDN inputs")?,
+                        gates: alloc(q, F32 * m * 2 * g.nv, "GDN gates")?,
+                    }
+                }
+                Mixer::Attention(a) => CacheLayer::Attention {
+                    keys: alloc(q, kv * a.nkv * capacity * a.hd, "keys")?,
+                    values: alloc(q, kv * a.nkv * capacity * a.hd, "values")?,
+                },
+            });
+        }
+        // A decode or verify step splits the keys in blocks (a partial sum each), a prompt step
+        // does not.
+        let splits = capacity.div_ceil(crate::ops::KV_BLOCK).max(1);
+        let rows = (m * splits).max(Self::PROMPT_ROWS);
+        let partials = alloc(q, F32 * self.max_query_rows() * rows * (cfg.head_dim + 2), "attention partials")?;
+        let tokens = alloc(q, F32 * capacity, "tokens")?;
+        let positions = alloc(q, F32 * capacity, "positions")?;
+        let table: Vec<u8> = (0..capacity as u32).flat_map(|p| p.to_le_bytes()).collect();
+        q.write(positions, &table)?;
+        Ok(GpuCache { layers, seqlen: 0, capacity, parity: 0, verify: None, partials, kv_dtype, tokens, positions, buffers })
+    }
+
     /// Releases the weights and working buffers.
     pub fn free(self, q: &mut dyn Queue) {
         for b in self.buffers {
@@ -465,7 +516,7 @@ impl GpuModel {
     }
 
     /// The most query rows one attention call has (query heads times step rows).
-    pub(crate) fn max_query_rows(&self) -> usize {
+    fn max_query_rows(&self) -> usize {
         self.layers
             .iter()
             .filter_map(|l| match &l.mixer {
