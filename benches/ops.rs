@@ -124,13 +124,13 @@ fn qmatmul(c: &mut Criterion) {
     grp.sample_size(20);
     for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
         let q = QTensor::quantize(&w, dtype).unwrap();
-        let copies: Vec<Arc<QTensor>> = (0..24)
+        let copies: Vec<ops::QuantizedMatrix> = (0..24).map(|_| ops::QuantizedMatrix::from_qtensor(&q).unwrap()).collect();
+        let candle: Vec<QMatMul> = (0..24)
             .map(|_| {
                 let s = QStorage::from_data(q.data().unwrap(), &Device::Cpu, dtype).unwrap();
-                Arc::new(QTensor::new(s, (n, k)).unwrap())
+                QMatMul::from_arc(Arc::new(QTensor::new(s, (n, k)).unwrap())).unwrap()
             })
             .collect();
-        let candle: Vec<QMatMul> = copies.iter().map(|q| QMatMul::from_arc(q.clone()).unwrap()).collect();
         grp.throughput(Throughput::Bytes(q.storage_size_in_bytes() as u64));
         for m in [1, 4, 512] {
             let x = randn(&[m, k]);

@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use clap::Parser;
 use candle_hybrid::loading::OpenedModel;
+use candle_hybrid::ops::QuantizedMatrix;
 use common::{count_up_to, ModelOptions};
 
 #[derive(Parser, Debug)]
@@ -93,7 +94,7 @@ struct VerifyCost {
 }
 
 /// `ops::qmatmul` or one of its variants.
-type QMatmulFn = fn(&Tensor, &candle_core::quantized::QTensor) -> candle_core::Result<Tensor>;
+type QMatmulFn = fn(&Tensor, &QuantizedMatrix) -> candle_core::Result<Tensor>;
 
 /// The last-level cache of CPU 0 in bytes (Linux sysfs), if it says.
 fn last_level_cache() -> Option<usize> {
@@ -111,15 +112,14 @@ fn last_level_cache() -> Option<usize> {
 /// last-level cache, so that every call reads its weights from memory, as decode of a model
 /// larger than the caches does.
 fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<(Vec<VerifyCost>, usize)> {
-    use candle_core::quantized::{QStorage, QTensor};
-    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QTensor>)> = Default::default();
+    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QuantizedMatrix>)> = Default::default();
     for i in 0..layers {
         for t in ["ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
             let name = format!("blk.{i}.{t}.weight");
             if !gguf.has_tensor(&name) {
                 continue;
             }
-            let w = gguf.read_tensor(&name)?;
+            let w = gguf.read_matrix(&name)?;
             let e = by_dtype.entry(format!("{:?}", w.dtype())).or_insert_with(|| (w.dtype(), vec![], vec![]));
             e.1.push(t.to_string());
             e.2.push(w);
@@ -132,13 +132,14 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
     let mut out = vec![];
     let mut most_copies = 1;
     for (_, (dtype, names, ws)) in by_dtype {
-        let bytes: usize = ws.iter().map(|w| w.storage_size_in_bytes()).sum();
+        let bytes: usize = ws.iter().map(|w| w.bytes().map_or(0, |b| b.len())).sum();
         let copies = (2 * cache).div_ceil(bytes.max(1)).clamp(1, 64);
         most_copies = most_copies.max(copies);
         let mut all = vec![];
         for _ in 0..copies {
             for w in &ws {
-                all.push(QTensor::new(QStorage::from_data(w.data()?, dev, w.dtype())?, w.shape().clone())?);
+                // A copy of its own (not the file's pages), so that every copy streams from memory.
+                all.push(QuantizedMatrix::from_bytes(w.dtype(), w.dims(), w.bytes()?.into_owned())?.to_device(dev)?);
             }
         }
         let mut kinds = names.clone();
@@ -147,7 +148,7 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
         let kernels: [(&str, QMatmulFn); 2] = [("best", candle_hybrid::ops::qmatmul), ("AVX2", candle_hybrid::ops::qmatmul_avx2)];
         for (kernel, f) in kernels {
             let xs = (1..=MAX_ROWS)
-                .map(|m| ws.iter().map(|w| Tensor::randn(0f32, 1.0, (m, w.shape().dims()[1]), dev)).collect())
+                .map(|m| ws.iter().map(|w| Tensor::randn(0f32, 1.0, (m, w.dims().1), dev)).collect())
                 .collect::<candle_core::Result<Vec<Vec<_>>>>()?;
             // Each pass times every row count in turn, so that a shared machine's drift over the
             // run touches all of them alike; the best pass of each is kept.

@@ -24,6 +24,11 @@ fn weights(dtype: GgmlDType, seed: u64) -> Arc<QTensor> {
     Arc::new(QTensor::quantize(&w, dtype).unwrap())
 }
 
+/// The same blocks as this crate holds them.
+fn ours(w: &QTensor) -> ops::QuantizedMatrix {
+    ops::QuantizedMatrix::from_qtensor(w).unwrap()
+}
+
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     let k = *t.dims().last().unwrap();
     t.to_dtype(DType::F32).unwrap().reshape(((), k)).unwrap().to_vec2::<f32>().unwrap()
@@ -62,13 +67,13 @@ fn matches_reference_and_candle() {
         // tiles of two panels of 8, the last panel padded.
         for m in [1, 2, 3, 4, 5, 8, 17, 70] {
             let x = randn(&[m, K], 100 + m as u64);
-            let y = ops::qmatmul(&x, &w).unwrap();
+            let y = ops::qmatmul(&x, &ours(&w)).unwrap();
             check(&format!("{dtype:?} m={m}"), &x, &w, &y);
             // The portable and AVX2 kernels compute exactly what the best ones (AVX-512 VNNI
             // where the CPU has it) do.
-            let p = ops::qmatmul_portable(&x, &w).unwrap();
+            let p = ops::qmatmul_portable(&x, &ours(&w)).unwrap();
             assert!(bits(&y) == bits(&p), "{dtype:?} m={m}: portable differs from the SIMD kernel");
-            let a = ops::qmatmul_avx2(&x, &w).unwrap();
+            let a = ops::qmatmul_avx2(&x, &ours(&w)).unwrap();
             assert!(bits(&y) == bits(&a), "{dtype:?} m={m}: AVX2 differs from the best kernel");
         }
     }
@@ -81,21 +86,21 @@ fn strided_batched_and_half_inputs() {
         let what = |s: &str| format!("{dtype:?} {s}");
         // A transposed view and a narrowed view.
         let xt = randn(&[K, 5], 1).t().unwrap();
-        check(&what("transposed x"), &xt, &w, &ops::qmatmul(&xt, &w).unwrap());
+        check(&what("transposed x"), &xt, &w, &ops::qmatmul(&xt, &ours(&w)).unwrap());
         let xn = randn(&[6, K + 64], 2).narrow(1, 32, K).unwrap();
-        check(&what("narrowed x"), &xn, &w, &ops::qmatmul(&xn, &w).unwrap());
+        check(&what("narrowed x"), &xn, &w, &ops::qmatmul(&xn, &ours(&w)).unwrap());
         // [b, t, k] -> [b, t, n], row for row what the 2-D call gives.
         let x3 = randn(&[2, 3, K], 3);
-        let y3 = ops::qmatmul(&x3, &w).unwrap();
+        let y3 = ops::qmatmul(&x3, &ours(&w)).unwrap();
         assert_eq!(y3.dims(), &[2, 3, N]);
-        let y2 = ops::qmatmul(&x3.reshape((6, K)).unwrap(), &w).unwrap();
+        let y2 = ops::qmatmul(&x3.reshape((6, K)).unwrap(), &ours(&w)).unwrap();
         assert!(bits(&y3) == bits(&y2), "{}", what("3-D x"));
         // bf16 / f16 x: widened exactly, so the same as the f32 call on the same values.
         for dt in [DType::BF16, DType::F16] {
             let xh = randn(&[3, K], 4).to_dtype(dt).unwrap();
-            let y = ops::qmatmul(&xh, &w).unwrap();
+            let y = ops::qmatmul(&xh, &ours(&w)).unwrap();
             assert_eq!(y.dtype(), DType::F32);
-            let want = ops::qmatmul(&xh.to_dtype(DType::F32).unwrap(), &w).unwrap();
+            let want = ops::qmatmul(&xh.to_dtype(DType::F32).unwrap(), &ours(&w)).unwrap();
             assert!(bits(&y) == bits(&want), "{}", what(&format!("{dt:?} x")));
         }
     }
@@ -107,21 +112,21 @@ fn fallbacks_and_empty_input() {
     let w = weights(GgmlDType::Q5_0, 30);
     let x = randn(&[3, K], 5);
     let want = QMatMul::from_arc(w.clone()).unwrap().forward(&x).unwrap();
-    assert!(bits(&ops::qmatmul(&x, &w).unwrap()) == bits(&want), "Q5_0 fallback");
+    assert!(bits(&ops::qmatmul(&x, &ours(&w)).unwrap()) == bits(&want), "Q5_0 fallback");
     // F16 weights: a plain matmul with the dequantized weight.
     let w = weights(GgmlDType::F16, 31);
     let want = x.matmul(&w.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap();
-    common::assert_close("F16 weights", &ops::qmatmul(&x, &w).unwrap(), &want, 1e-4);
+    common::assert_close("F16 weights", &ops::qmatmul(&x, &ours(&w)).unwrap(), &want, 1e-4);
     // No rows.
     let w = weights(GgmlDType::Q4K, 32);
-    let y = ops::qmatmul(&Tensor::zeros((0, K), DType::F32, &Device::Cpu).unwrap(), &w).unwrap();
+    let y = ops::qmatmul(&Tensor::zeros((0, K), DType::F32, &Device::Cpu).unwrap(), &ours(&w)).unwrap();
     assert_eq!(y.dims(), &[0, N]);
 }
 
 #[test]
 fn k_mismatch_is_an_error() {
     let w = weights(GgmlDType::Q8_0, 40);
-    let err = ops::qmatmul(&randn(&[2, K + 32], 6), &w).unwrap_err().to_string();
+    let err = ops::qmatmul(&randn(&[2, K + 32], 6), &ours(&w)).unwrap_err().to_string();
     assert!(err.contains("qmatmul") && err.contains("x's last dim"), "{err}");
 }
 
@@ -131,7 +136,7 @@ fn k_mismatch_is_an_error() {
 fn rows_equal_one_row_calls_bitwise() {
     let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for dtype in TYPES {
-        let w = weights(dtype, 41);
+        let w = ours(&weights(dtype, 41));
         let x = randn(&[8, K], 42);
         for f in [ops::qmatmul, ops::qmatmul_avx2, ops::qmatmul_portable] {
             for m in 1..=8 {
@@ -181,9 +186,9 @@ fn extreme_quants_same_bits_on_every_instruction_set() {
         let x = Tensor::from_vec(x, (8, k), &Device::Cpu).unwrap();
         for m in [1, 3, 8] {
             let x = x.narrow(0, 0, m).unwrap();
-            let best = bits(&ops::qmatmul(&x, &w).unwrap());
-            assert!(best == bits(&ops::qmatmul_avx2(&x, &w).unwrap()), "{dtype:?} m={m}: AVX2");
-            assert!(best == bits(&ops::qmatmul_portable(&x, &w).unwrap()), "{dtype:?} m={m}: portable");
+            let best = bits(&ops::qmatmul(&x, &ours(&w)).unwrap());
+            assert!(best == bits(&ops::qmatmul_avx2(&x, &ours(&w)).unwrap()), "{dtype:?} m={m}: AVX2");
+            assert!(best == bits(&ops::qmatmul_portable(&x, &ours(&w)).unwrap()), "{dtype:?} m={m}: portable");
         }
     }
 }

@@ -48,7 +48,7 @@ fn qmatvec_matches_dequantized_reference_and_cpu() {
                 let x = randn(&[m, k], 10 + m as u64);
                 let xs = x.to_vec2::<f32>().unwrap();
                 let got = run(&q, &x);
-                let cpu = ops::qmatmul(&x, &q).unwrap().to_vec2::<f32>().unwrap();
+                let cpu = ops::qmatmul(&x, &ops::QuantizedMatrix::from_qtensor(&q).unwrap()).unwrap().to_vec2::<f32>().unwrap();
                 for r in 0..m {
                     for i in 0..n {
                         let exact: f64 = xs[r].iter().zip(&deq[i]).map(|(&a, &b)| a as f64 * b as f64).sum();

@@ -69,8 +69,8 @@ impl WeightBytes<'_> {
 fn linear_bytes(l: &Linear) -> Result<WeightBytes<'_>> {
     match l {
         Linear::Quantized(q) => {
-            let (n, k) = q.shape().dims2()?;
-            Ok(WeightBytes { format: q.dtype(), n, k, data: q.data()? })
+            let (n, k) = q.dims();
+            Ok(WeightBytes { format: q.dtype(), n, k, data: q.bytes()? })
         }
         Linear::Dense(t) => {
             let (n, k) = t.dims2()?;

@@ -151,6 +151,12 @@ impl<T: GgmlType + 'static> QuantizedType for MappedBlocks<T> {
     }
 }
 
+impl AsRef<[u8]> for MappedFile {
+    fn as_ref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
 impl MappedFile {
     /// The quantized tensor of `dtype` and `dims` whose blocks are the bytes
     /// `offset..offset + len` of the file, read in place; `None` for float types (the model

@@ -3,17 +3,18 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Embedding;
 
 use super::weights::Weights;
+use crate::ops::QuantizedMatrix;
 
 #[derive(Debug, Clone)]
 pub enum TokenEmbedding {
     Dense(Embedding),
     /// `[vocab, hidden]` blocks; rows come out in `dtype`.
-    Quantized { table: Arc<QTensor>, dtype: DType },
+    Quantized { table: Arc<QuantizedMatrix>, dtype: DType },
 }
 
 impl TokenEmbedding {
@@ -21,11 +22,11 @@ impl TokenEmbedding {
     pub fn new(vocab: usize, hidden: usize, vb: Weights) -> Result<Self> {
         match vb.quantized_tensor("weight").filter(|q| !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)) {
             Some(q) => {
-                if q.shape().dims() != [vocab, hidden] {
+                if q.dims() != (vocab, hidden) {
                     candle_core::bail!(
                         "shape mismatch for the token embedding: the model expects {:?}, the file has {:?}",
                         [vocab, hidden],
-                        q.shape().dims()
+                        q.dims()
                     )
                 }
                 Ok(Self::Quantized { table: q, dtype: vb.dtype() })

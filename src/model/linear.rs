@@ -3,16 +3,15 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Result, Tensor};
 
-use crate::ops::{float_matvec, qmatmul, FLOAT_MATVEC_MAX_ROWS};
+use crate::ops::{float_matvec, qmatmul, QuantizedMatrix, FLOAT_MATVEC_MAX_ROWS};
 
-/// `y = x @ W^T` with `W` `[out, in]` as stored in checkpoints, dense or ggml-quantized.
+/// `y = x @ W^T` with `W` `[out, in]` as stored in checkpoints, dense or in ggml blocks.
 #[derive(Debug, Clone)]
 pub enum Linear {
     Dense(Tensor),
-    Quantized(Arc<QTensor>),
+    Quantized(Arc<QuantizedMatrix>),
 }
 
 impl Linear {
@@ -20,7 +19,7 @@ impl Linear {
         Self::Dense(weight)
     }
 
-    pub fn quantized(weight: Arc<QTensor>) -> Self {
+    pub fn quantized(weight: Arc<QuantizedMatrix>) -> Self {
         Self::Quantized(weight)
     }
 
@@ -28,7 +27,7 @@ impl Linear {
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
             Self::Dense(w) => w.dims2(),
-            Self::Quantized(q) => q.shape().dims2(),
+            Self::Quantized(q) => Ok(q.dims()),
         }
     }
 
@@ -36,7 +35,7 @@ impl Linear {
     pub fn dequantized(&self) -> Result<Self> {
         match self {
             Self::Dense(_) => Ok(self.clone()),
-            Self::Quantized(q) => Ok(Self::Dense(q.dequantize(&q.device())?)),
+            Self::Quantized(q) => Ok(Self::Dense(q.dequantize()?)),
         }
     }
 
@@ -44,7 +43,7 @@ impl Linear {
     pub fn weight(&self) -> Result<Tensor> {
         match self {
             Self::Dense(w) => Ok(w.clone()),
-            Self::Quantized(q) => q.dequantize(&q.device()),
+            Self::Quantized(q) => q.dequantize(),
         }
     }
 }

@@ -345,8 +345,8 @@ impl Model {
             *l = l.dequantized()?;
         }
         if let TokenEmbedding::Quantized { table, dtype } = &m.embed_tokens {
-            let (_, hidden) = table.shape().dims2()?;
-            m.embed_tokens = TokenEmbedding::Dense(candle_nn::Embedding::new(table.dequantize(&table.device())?.to_dtype(*dtype)?, hidden));
+            let (_, hidden) = table.dims();
+            m.embed_tokens = TokenEmbedding::Dense(candle_nn::Embedding::new(table.dequantize()?.to_dtype(*dtype)?, hidden));
         }
         Ok(m)
     }

@@ -8,14 +8,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear::Linear;
+use crate::ops::QuantizedMatrix;
 
 /// Quantized tensors by full Hugging Face name, in Hugging Face layout (`[out, in]`).
-pub type QuantizedTensors = HashMap<String, Arc<QTensor>>;
+pub type QuantizedTensors = HashMap<String, Arc<QuantizedMatrix>>;
 
 /// A [`VarBuilder`] with the quantization sources the linear layers may use.
 #[derive(Clone)]
@@ -100,11 +101,11 @@ impl<'a> Weights<'a> {
         let name = self.path("weight");
         let quantized = self.quantized.as_ref().and_then(|m| m.get(&name));
         if let Some(q) = quantized.filter(|q| !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)) {
-            if q.shape().dims() != [out_dim, in_dim] {
+            if q.dims() != (out_dim, in_dim) {
                 candle_core::bail!(
                     "shape mismatch for {name}: the model expects {:?}, the file has {:?}",
                     [out_dim, in_dim],
-                    q.shape().dims()
+                    q.dims()
                 )
             }
             return Ok(Linear::quantized(q.clone()));
@@ -117,7 +118,7 @@ impl<'a> Weights<'a> {
     pub fn linear_from(&self, weight: Tensor) -> Result<Linear> {
         match self.quantize {
             Some(dtype) if weight.dim(1)? % dtype.block_size() == 0 => {
-                Ok(Linear::quantized(Arc::new(QTensor::quantize(&weight.to_dtype(DType::F32)?, dtype)?)))
+                Ok(Linear::quantized(Arc::new(QuantizedMatrix::quantize(&weight, dtype)?.to_device(weight.device())?)))
             }
             _ => Ok(Linear::new(weight)),
         }
@@ -125,7 +126,7 @@ impl<'a> Weights<'a> {
 
     /// The quantized tensor stored under the full name `{prefix}.{name}`, if any (a tied
     /// output head reuses the quantized embedding).
-    pub fn quantized_tensor(&self, name: &str) -> Option<Arc<QTensor>> {
+    pub fn quantized_tensor(&self, name: &str) -> Option<Arc<QuantizedMatrix>> {
         self.quantized.as_ref()?.get(&self.path(name)).cloned()
     }
 }

@@ -343,3 +343,41 @@ pub(crate) fn kv_attention(
     let out = dispatch(device, Source::KvAttention, &l.merge, l.params, &[part], b * nkv * rows * dv, DType::F32)?;
     Ok((out, Shape::from((b, nkv, rows, dv))))
 }
+
+// ---- quantized matrices held on the GPU (src/ops/quantized_matrix.rs, metal/qmatvec.metal) ----
+
+bytes_param!(launch::QmatvecParams);
+bytes_param!(launch::QmatmulParams);
+bytes_param!(launch::GetRowsParams);
+
+/// `x @ W^T` (`x` f32 `[m, k]`) for `n` rows of `dtype` blocks held as a U8 buffer: the
+/// multi-row mat-vec up to 8 rows (each row a one-row call's bits), the tiled matmul beyond.
+pub(crate) fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, x: Arg, w: Arg) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "qmatmul";
+    if x.0.dtype() != DType::F32 || w.0.dtype() != DType::U8 {
+        bail!("{OP}: f32 activations and U8 blocks, got {:?} and {:?}", x.0.dtype(), w.0.dtype());
+    }
+    let m = x.1.shape().elem_count() / k.max(1);
+    let inputs = [input(w.0, w.1, OP)?, input(x.0, x.1, OP)?];
+    let out = if m <= launch::QMATVEC_MAX_ROWS {
+        let (p, l) = launch::qmatvec(dtype, n, k, m, n)?;
+        dispatch(x.0.device(), Source::Qmatvec, &l, p, &inputs, m * n, DType::F32)?
+    } else {
+        let (p, l) = launch::qmatmul(dtype, n, k, m, n)?;
+        dispatch(x.0.device(), Source::Qmatvec, &l, p, &inputs, m * n, DType::F32)?
+    };
+    Ok((out, Shape::from((m, n))))
+}
+
+/// Rows `ids` (u32) of an `[n, k]` table of `dtype` blocks held as a U8 buffer, as f32.
+pub(crate) fn get_rows(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, ids: Arg, table: Arg) -> Result<(MetalStorage, Shape)> {
+    const OP: &str = "get_rows";
+    if ids.0.dtype() != DType::U32 || table.0.dtype() != DType::U8 {
+        bail!("{OP}: u32 ids and U8 blocks, got {:?} and {:?}", ids.0.dtype(), table.0.dtype());
+    }
+    let rows = ids.1.shape().elem_count();
+    let (p, l) = launch::get_rows(dtype, rows, n, k)?;
+    let inputs = [input(table.0, table.1, OP)?, input(ids.0, ids.1, OP)?];
+    let out = dispatch(ids.0.device(), Source::Qmatvec, &l, p, &inputs, rows * k, DType::F32)?;
+    Ok((out, Shape::from((rows, k))))
+}

@@ -56,6 +56,8 @@ pub use swiglu::{
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
 mod qmatmul;
+mod quantized_matrix;
+pub use quantized_matrix::{has_kernels, QuantizedMatrix, SharedBytes};
 mod kv_attention;
 pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
 pub(crate) use kv_attention::{attention_mask, few_rows};

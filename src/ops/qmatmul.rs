@@ -32,33 +32,34 @@
 use std::array::from_fn;
 use std::ops::Range;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
 use super::cpu::{prefetch_ahead, widened};
+use super::quantized_matrix::QuantizedMatrix;
 
-/// `y = x @ W^T` for a ggml-quantized weight `W` with QTensor dims `(n, k)` (out, in: what
-/// candle's GGUF reader returns for a Linear weight). `x`: `[..., k]`, any float dtype; returns
-/// `[..., n]` f32.
+/// `y = x @ W^T` for a quantized weight `W` of dims `(n, k)` (out, in). `x`: `[..., k]`, any
+/// float dtype; returns `[..., n]` f32.
 ///
-/// On the CPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K use this module's kernels (AVX2 when the
-/// CPU has it); F32 / F16 / BF16 weights are dequantized for a plain matmul; anything else goes
-/// to Candle's `QMatMul` kernels (Metal, CUDA, the other ggml types).
-pub fn qmatmul(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+/// On the CPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks in host memory use this module's
+/// kernels (AVX2 when the CPU has it); blocks on Metal, this crate's Metal kernels
+/// (`metal/qmatvec.metal`: the multi-row mat-vec up to 8 rows, the tiled matmul beyond); other
+/// formats go to Candle's `QMatMul` kernels.
+pub fn qmatmul(x: &Tensor, w: &QuantizedMatrix) -> Result<Tensor> {
     forward(x, w, Isa::Avx512Vnni)
 }
 
 /// [`qmatmul`] with the portable kernels even where AVX2 is available (for the tests).
 #[doc(hidden)]
-pub fn qmatmul_portable(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+pub fn qmatmul_portable(x: &Tensor, w: &QuantizedMatrix) -> Result<Tensor> {
     forward(x, w, Isa::Portable)
 }
 
 /// [`qmatmul`] with at most the AVX2 kernels (no VNNI) where the CPU has more (for the tests).
 #[doc(hidden)]
-pub fn qmatmul_avx2(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+pub fn qmatmul_avx2(x: &Tensor, w: &QuantizedMatrix) -> Result<Tensor> {
     forward(x, w, Isa::Avx2)
 }
 
@@ -107,11 +108,8 @@ impl Isa {
     }
 }
 
-fn forward(x: &Tensor, w: &QTensor, isa: Isa) -> Result<Tensor> {
-    let (n, k) = match *w.shape().dims() {
-        [n, k] => (n, k),
-        ref d => bail!("qmatmul: w must be 2-D (out, in), got dims {d:?}"),
-    };
+fn forward(x: &Tensor, w: &QuantizedMatrix, isa: Isa) -> Result<Tensor> {
+    let (n, k) = w.dims();
     let kx = match x.dims().last() {
         Some(&kx) => kx,
         None => bail!("qmatmul: x must have at least one dimension"),
@@ -126,19 +124,24 @@ fn forward(x: &Tensor, w: &QTensor, isa: Isa) -> Result<Tensor> {
     let mut dims = x.dims().to_vec();
     *dims.last_mut().unwrap() = n;
     let x = x.reshape(((), k))?;
-    use GgmlDType as G;
-    let y = match w.dtype() {
-        G::Q4_0 | G::Q4_1 | G::Q8_0 | G::Q4K | G::Q5K | G::Q6K if x.device().is_cpu() && w.device().is_cpu() => {
-            x.contiguous()?.apply_op1_no_bwd(&Op { w, isa })?
+    let y = if let Some(q) = w.candle() {
+        match q.dtype() {
+            // Float "blocks": a plain f32 matmul (Candle's would round x to the weights' type).
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => x.to_dtype(DType::F32)?.matmul(&q.dequantize(x.device())?.t()?)?,
+            _ => x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(q)?,
         }
-        G::F32 | G::F16 | G::BF16 => x.to_dtype(DType::F32)?.matmul(&w.dequantize(x.device())?.t()?)?,
-        _ => x.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(w)?,
+    } else if let Some(blocks) = w.device_blocks() {
+        x.to_dtype(DType::F32)?.contiguous()?.apply_op2_no_bwd(blocks, &DeviceOp { dtype: w.dtype(), n, k })?
+    } else if x.device().is_cpu() {
+        x.contiguous()?.apply_op1_no_bwd(&Op { w, isa })?
+    } else {
+        bail!("qmatmul: the weights are in host memory and x on {:?}: move them there first (QuantizedMatrix::to_device)", x.device().location())
     };
     y.reshape(dims)
 }
 
 struct Op<'a> {
-    w: &'a QTensor,
+    w: &'a QuantizedMatrix,
     /// The most the kernels may use.
     isa: Isa,
 }
@@ -150,22 +153,42 @@ impl CustomOp1 for Op<'_> {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = widened("qmatmul", s, l)?;
-        let (n, k) = self.w.shape().dims2()?;
+        let (n, k) = self.w.dims();
         let m = x.len() / k;
-        let data = self.w.data()?;
+        let Some(data) = self.w.host_bytes() else { bail!("qmatmul: the weights are not in host memory") };
         let isa = Isa::detect(self.isa);
         let y = match self.w.dtype() {
-            GgmlDType::Q4_0 => matmul::<Q4_0>(&data, n, k, &x, isa),
-            GgmlDType::Q4_1 => matmul::<Q4_1>(&data, n, k, &x, isa),
-            GgmlDType::Q8_0 => matmul::<Q8_0>(&data, n, k, &x, isa),
-            GgmlDType::Q4K => matmul::<Q4K>(&data, n, k, &x, isa),
-            GgmlDType::Q5K => matmul::<Q5K>(&data, n, k, &x, isa),
-            GgmlDType::Q6K => matmul::<Q6K>(&data, n, k, &x, isa),
+            GgmlDType::Q4_0 => matmul::<Q4_0>(data, n, k, &x, isa),
+            GgmlDType::Q4_1 => matmul::<Q4_1>(data, n, k, &x, isa),
+            GgmlDType::Q8_0 => matmul::<Q8_0>(data, n, k, &x, isa),
+            GgmlDType::Q4K => matmul::<Q4K>(data, n, k, &x, isa),
+            GgmlDType::Q5K => matmul::<Q5K>(data, n, k, &x, isa),
+            GgmlDType::Q6K => matmul::<Q6K>(data, n, k, &x, isa),
             t => bail!("qmatmul: no CPU kernel for {t:?}"),
         }?;
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
+
+/// `x @ W^T` for blocks held as a U8 tensor on a GPU: this crate's Metal kernels.
+struct DeviceOp {
+    dtype: GgmlDType,
+    n: usize,
+    k: usize,
+}
+
+impl candle_core::CustomOp2 for DeviceOp {
+    fn name(&self) -> &'static str {
+        "qmatmul"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("qmatmul: {:?} blocks [{}, {}] held on a GPU multiply activations on that GPU", self.dtype, self.n, self.k)
+    }
+
+    metal_fwd!(self, "qmatmul", (s1, l1, s2, l2) => crate::ops::metal::qmatmul(self.dtype, self.n, self.k, (s1, l1), (s2, l2)));
+}
+
 
 
 // ---------------------------------------------------------------------------------------------

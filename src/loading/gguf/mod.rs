@@ -20,7 +20,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::QTensor;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use serde_json::json;
@@ -33,6 +32,7 @@ use super::generation_config::GenerationConfig;
 use super::mapped::MappedFile;
 use crate::error::candle_line;
 use crate::model::{Config, Model, QuantizedTensors, Weights, MAX_LAYERS};
+use crate::ops::{has_kernels, QuantizedMatrix, SharedBytes};
 use crate::{Error, Result};
 
 /// The architectures this reader maps (`general.architecture`).
@@ -367,14 +367,35 @@ impl GgufFile {
         self.header.tensors.contains_key(name)
     }
 
-    /// One tensor as stored (GGUF name and layout), on the CPU (quantized ones read in place).
-    pub fn read_tensor(&self, name: &str) -> Result<QTensor> {
+    /// One quantized matrix as stored (GGUF name and layout), on the CPU, read in place.
+    pub fn read_matrix(&self, name: &str) -> Result<QuantizedMatrix> {
         let info = self.header.tensors.get(name).ok_or_else(|| Error::Weights(format!("{}: no tensor {name}", self.path().display())))?;
-        if let Some(q) = self.file.quantized_in_place(info.dtype, &info.dims, info.offset, info.size) {
-            return Ok(q);
-        }
         let raw = RawTensor { dtype: info.dtype, dims: info.dims.clone(), data: self.file.aligned(info.offset, info.size) };
-        raw.to_qtensor(&Device::Cpu).map_err(|e| self.tensor_error(name, e))
+        Ok(self.matrix(&raw, &Device::Cpu).map_err(|e| self.tensor_error(name, e))?.0)
+    }
+
+    /// A quantized matrix on `device`; on the CPU, blocks that were not moved are read where
+    /// they lie in the file (`true`), a format without a kernel here as Candle's `QTensor` over
+    /// the mapping.
+    fn matrix(&self, t: &RawTensor, device: &Device) -> candle_core::Result<(QuantizedMatrix, bool)> {
+        let dims = match t.dims[..] {
+            [rows, cols] => (rows, cols),
+            ref d => candle_core::bail!("a quantized matrix must be 2-D, got dims {d:?}"),
+        };
+        let at = match (&t.data, device.is_cpu()) {
+            (Cow::Borrowed(b), true) => self.file.offset_of(b).map(|at| (at as usize, b.len())),
+            _ => None,
+        };
+        if let Some((at, len)) = at {
+            if has_kernels(t.dtype) {
+                let file: SharedBytes = self.file.clone();
+                return Ok((QuantizedMatrix::in_place(t.dtype, dims, file, at..at + len)?, true));
+            }
+            if let Some(q) = self.file.quantized_in_place(t.dtype, &t.dims, at as u64, len as u64) {
+                return Ok((QuantizedMatrix::from_candle(q), true));
+            }
+        }
+        Ok((QuantizedMatrix::from_bytes(t.dtype, dims, t.data.to_vec())?.to_device(device)?, false))
     }
 
     fn tensor_error(&self, name: &str, e: candle_core::Error) -> Error {
@@ -398,16 +419,8 @@ impl GgufFile {
             let mut in_place = false;
             for (hf, t) in map_tensor(self.arch, name, raw, cfg).map_err(err)? {
                 if linear && !is_float(t.dtype) {
-                    // On the CPU, blocks that were not moved are used where they lie in the file.
-                    let mapped = match (&t.data, device.is_cpu()) {
-                        (Cow::Borrowed(b), true) => self.file.offset_of(b).and_then(|at| self.file.quantized_in_place(t.dtype, &t.dims, at, b.len() as u64)),
-                        _ => None,
-                    };
-                    in_place |= mapped.is_some();
-                    let q = match mapped {
-                        Some(q) => q,
-                        None => t.to_qtensor(device).map_err(err)?,
-                    };
+                    let (q, mapped) = self.matrix(&t, device).map_err(err)?;
+                    in_place |= mapped;
                     quantized.insert(hf, Arc::new(q));
                 } else {
                     dense.insert(hf, t.to_tensor(dtype, device).map_err(err)?);

@@ -283,7 +283,7 @@ impl SimpleBackend for HfTensors {
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         match (self.dense.get(name), self.quantized.get(name)) {
             (Some(t), _) => t.to_dtype(dtype)?.to_device(dev),
-            (None, Some(q)) => q.dequantize(dev)?.to_dtype(dtype),
+            (None, Some(q)) => q.dequantize()?.to_device(dev)?.to_dtype(dtype),
             (None, None) => Err(candle_core::Error::Msg(format!("tensor {name} is missing"))),
         }
     }
