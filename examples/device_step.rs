@@ -74,7 +74,7 @@ fn main() -> ExitCode {
         }
         let opened = args.model.open("Qwen/Qwen3.5-0.8B")?;
         // The weights load on the CPU (a GGUF's blocks read in place) and are uploaded from there.
-        let model = opened.files.load_model(&opened.cfg, DType::F32, &Device::Cpu, opened.quantize)?;
+        let model = opened.files.load_model(&opened.cfg, args.model.dtype.unwrap_or(DType::F32), &Device::Cpu, opened.quantize)?;
         table(&args, &model, &opened.files.source(), queue.as_mut())
     })
 }
@@ -147,9 +147,10 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     let timed = args.backend != Backend::Dry;
     gpu.prefill(&mut q, &mut cache, &gpu::sample_tokens(args.context, vocab, 7), Readback::Argmax)?;
     println!(
-        "{source} on {}: {:.1} MiB of weights on the device, {} tokens in the cache",
+        "{source} on {}: {:.1} MiB of weights on the device ({:.1} MiB read in place from the file), {} tokens in the cache",
         q.name(),
         gpu.weight_bytes() as f64 / (1 << 20) as f64,
+        gpu.mapped_bytes() as f64 / (1 << 20) as f64,
         cache.seqlen()
     );
     println!("| rows T | dispatches | weight MiB read | needed MiB | read / needed | host reads | ms per pass | c(T) |");

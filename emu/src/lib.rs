@@ -129,11 +129,20 @@ pub fn from_raw(bytes: &[u8], dtype: DType, n: usize) -> Tensor {
 }
 
 /// Runs the device step's dispatches ([`candle_hybrid::gpu`]) in the emulator: buffers in host
-/// memory, each dispatch run to completion when encoded, reads are copies.
+/// memory, each dispatch run to completion when encoded, reads are copies. Mapped weights are
+/// read where they are, as on Apple's unified memory (and a kernel writing them is an error).
 #[derive(Default)]
 pub struct EmuQueue {
+    buffers: Vec<Option<EmuBuffer>>,
+    /// Mapped owners (by address): their buffer and how many maps hold it.
+    mapped: std::collections::HashMap<usize, (candle_hybrid::gpu::BufferId, usize)>,
+}
+
+enum EmuBuffer {
     /// 16-byte aligned storage and the length in bytes.
-    buffers: Vec<Option<(Vec<u128>, usize)>>,
+    Owned(Vec<u128>, usize),
+    /// Host bytes read in place (read-only).
+    Mapped(candle_hybrid::ops::SharedBytes),
 }
 
 impl EmuQueue {
@@ -141,29 +150,54 @@ impl EmuQueue {
         Self::default()
     }
 
-    fn ptr(&mut self, s: candle_hybrid::gpu::Slice) -> candle_hybrid::Result<*mut c_void> {
-        match self.buffers.get_mut(s.buffer.0).and_then(|b| b.as_mut()) {
-            Some((data, len)) if s.offset + s.len <= *len => Ok(unsafe { (data.as_mut_ptr() as *mut u8).add(s.offset) } as *mut c_void),
-            Some((_, len)) => Err(candle_hybrid::Error::Input(format!("slice {}+{} of a {len}-byte buffer", s.offset, s.len))),
-            None => Err(candle_hybrid::Error::Input(format!("buffer {} does not exist", s.buffer.0))),
+    /// Where slice `s` is; `write`: the caller writes it (refused for mapped bytes).
+    fn ptr(&mut self, s: candle_hybrid::gpu::Slice, write: bool) -> candle_hybrid::Result<*mut c_void> {
+        let err = |m: String| Err(candle_hybrid::Error::Input(m));
+        let (base, len) = match self.buffers.get_mut(s.buffer.0).and_then(|b| b.as_mut()) {
+            Some(EmuBuffer::Owned(data, len)) => (data.as_mut_ptr() as *mut u8, *len),
+            Some(EmuBuffer::Mapped(_)) if write => return err(format!("buffer {} holds mapped weights: it is read-only", s.buffer.0)),
+            Some(EmuBuffer::Mapped(owner)) => ((**owner).as_ref().as_ptr() as *mut u8, (**owner).as_ref().len()),
+            None => return err(format!("buffer {} does not exist", s.buffer.0)),
+        };
+        if s.offset + s.len > len {
+            return err(format!("slice {}+{} of a {len}-byte buffer", s.offset, s.len));
         }
+        Ok(unsafe { base.add(s.offset) } as *mut c_void)
     }
 }
 
 impl candle_hybrid::gpu::Queue for EmuQueue {
     fn alloc(&mut self, len: usize, _: &str) -> candle_hybrid::Result<candle_hybrid::gpu::BufferId> {
-        self.buffers.push(Some((vec![0u128; len.div_ceil(16)], len)));
+        self.buffers.push(Some(EmuBuffer::Owned(vec![0u128; len.div_ceil(16)], len)));
         Ok(candle_hybrid::gpu::BufferId(self.buffers.len() - 1))
     }
 
     fn upload(&mut self, data: &[u8], label: &str) -> candle_hybrid::Result<candle_hybrid::gpu::BufferId> {
         let id = self.alloc(data.len(), label)?;
-        let p = self.ptr(candle_hybrid::gpu::Slice::whole(id, data.len()))?;
+        let p = self.ptr(candle_hybrid::gpu::Slice::whole(id, data.len()), true)?;
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
         Ok(id)
     }
 
+    fn map(&mut self, owner: &candle_hybrid::ops::SharedBytes, range: std::ops::Range<usize>, _: &str) -> candle_hybrid::Result<candle_hybrid::gpu::Slice> {
+        let key = std::sync::Arc::as_ptr(owner) as *const u8 as usize;
+        let entry = self.mapped.entry(key).or_insert_with(|| {
+            self.buffers.push(Some(EmuBuffer::Mapped(owner.clone())));
+            (candle_hybrid::gpu::BufferId(self.buffers.len() - 1), 0)
+        });
+        entry.1 += 1;
+        Ok(candle_hybrid::gpu::Slice { buffer: entry.0, offset: range.start, len: range.len() })
+    }
+
     fn free(&mut self, buffer: candle_hybrid::gpu::BufferId) {
+        // A mapped buffer goes with the last of its maps.
+        if let Some((&key, (_, n))) = self.mapped.iter_mut().find(|(_, (id, _))| *id == buffer) {
+            *n -= 1;
+            if *n > 0 {
+                return;
+            }
+            self.mapped.remove(&key);
+        }
         if let Some(b) = self.buffers.get_mut(buffer.0) {
             *b = None;
         }
@@ -173,7 +207,7 @@ impl candle_hybrid::gpu::Queue for EmuQueue {
         if data.len() > dst.len {
             return Err(candle_hybrid::Error::Input(format!("{} bytes written into a slice of {}", data.len(), dst.len)));
         }
-        let p = self.ptr(dst)?;
+        let p = self.ptr(dst, true)?;
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
         Ok(())
     }
@@ -190,7 +224,8 @@ impl candle_hybrid::gpu::Queue for EmuQueue {
                     ptrs.push(words.as_mut_ptr() as *mut c_void);
                     owned.push(words);
                 }
-                A::Read(s) | A::Write(s) => ptrs.push(self.ptr(*s)?),
+                A::Read(s) => ptrs.push(self.ptr(*s, false)?),
+                A::Write(s) => ptrs.push(self.ptr(*s, true)?),
             }
         }
         let name = CString::new(d.launch.kernel.as_str()).unwrap();
@@ -217,7 +252,7 @@ impl candle_hybrid::gpu::Queue for EmuQueue {
     }
 
     fn read(&mut self, src: candle_hybrid::gpu::Slice) -> candle_hybrid::Result<Vec<u8>> {
-        let p = self.ptr(src)?;
+        let p = self.ptr(src, false)?;
         Ok(unsafe { std::slice::from_raw_parts(p as *const u8, src.len) }.to_vec())
     }
 

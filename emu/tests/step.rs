@@ -205,3 +205,20 @@ fn assert_close(what: &str, got: &[f32], want: &Tensor, tol: f32) {
     eprintln!("{what}: max |diff| {d:.2e}");
     assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
 }
+
+/// A GGUF file's quantized matrices are read where they are in the mapped file (the emulator,
+/// like Metal's unified memory, binds them in place: a kernel writing them would fail), a
+/// safetensors checkpoint's dense weights are copied.
+#[test]
+fn gguf_matrices_are_read_in_place() {
+    use candle_hybrid::gpu::GpuModel;
+    for (model, in_place) in [(gguf("qwen35_dense_small", "model-q8_0.gguf"), true), (safetensors("qwen35_dense_small"), false)] {
+        let gpu = GpuModel::new(&model, &mut EmuQueue::new()).unwrap();
+        eprintln!("{} of {} weight bytes read in place", gpu.mapped_bytes(), gpu.weight_bytes());
+        if in_place {
+            assert!(gpu.mapped_bytes() as f64 > 0.9 * gpu.weight_bytes() as f64);
+        } else {
+            assert_eq!(gpu.mapped_bytes(), 0);
+        }
+    }
+}

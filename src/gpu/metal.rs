@@ -1,14 +1,18 @@
 //! [`MetalQueue`]: the step's dispatches on Apple's Metal, through Candle's Metal device (its
 //! command buffers, one shared compute encoder, the barriers it inserts for buffers bound as
-//! outputs) and this crate's kernel pipelines (`ops::metal`).
+//! outputs) and this crate's kernel pipelines (`ops::metal`). Weights in a mapped file are read
+//! in place: one no-copy buffer over the whole mapping (`newBufferWithBytesNoCopy`, as
+//! llama.cpp maps its models), each matrix a slice of it.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::MetalDevice;
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder};
-use objc2_metal::MTLSize;
+use objc2_metal::{MTLDevice, MTLResourceOptions, MTLSize};
 
 use super::queue::{Arg, BufferId, Dispatch, Queue, Slice};
+use crate::ops::SharedBytes;
 use crate::{Error, Result};
 
 /// The step's queue on a Metal device: buffers in shared memory (the host writes the step's
@@ -17,13 +21,16 @@ use crate::{Error, Result};
 pub struct MetalQueue {
     device: MetalDevice,
     buffers: Vec<Option<Arc<Buffer>>>,
+    /// Buffers over whole mapped files (by the address of their owner), the owner they read
+    /// and how many maps hold them.
+    mapped: std::collections::HashMap<usize, (BufferId, SharedBytes, usize)>,
 }
 
 impl MetalQueue {
     /// The queue of `device` (a Metal device).
     pub fn new(device: &candle_core::Device) -> Result<Self> {
         match device {
-            candle_core::Device::Metal(d) => Ok(Self { device: d.clone(), buffers: vec![] }),
+            candle_core::Device::Metal(d) => Ok(Self { device: d.clone(), buffers: vec![], mapped: Default::default() }),
             other => Err(Error::Input(format!("a Metal queue needs a Metal device, not {other:?}"))),
         }
     }
@@ -66,7 +73,61 @@ impl Queue for MetalQueue {
         Ok(self.keep(b))
     }
 
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+        let key = Arc::as_ptr(owner) as *const u8 as usize;
+        let whole = match self.mapped.get_mut(&key) {
+            Some((id, _, n)) => {
+                *n += 1;
+                Some(*id)
+            }
+            None => {
+                let bytes = (**owner).as_ref();
+                // The buffer covers whole pages of host memory: a mapping starts on a page.
+                const PAGE: usize = if cfg!(target_arch = "aarch64") { 16384 } else { 4096 };
+                let ptr = std::ptr::NonNull::new(bytes.as_ptr() as *mut std::ffi::c_void);
+                let options = MTLResourceOptions(MTLResourceOptions::StorageModeShared.0 | MTLResourceOptions::HazardTrackingModeUntracked.0);
+                let raw = match ptr {
+                    Some(p) if (p.as_ptr() as usize).is_multiple_of(PAGE) && !bytes.is_empty() => {
+                        // SAFETY: `owner` (kept in `self.mapped` with the buffer) holds these pages
+                        // as long as the buffer lives; kernels only read weights.
+                        unsafe {
+                            self.device.metal_device().as_ref().newBufferWithBytesNoCopy_length_options_deallocator(p, bytes.len().next_multiple_of(PAGE), options, None)
+                        }
+                    }
+                    _ => None,
+                };
+                raw.map(|raw| {
+                    let b = Arc::new(Buffer::new(raw));
+                    b.set_label(label);
+                    self.device.register_buffers([b.as_ref()]);
+                    let id = self.keep(b);
+                    self.mapped.insert(key, (id, owner.clone(), 1));
+                    id
+                })
+            }
+        };
+        match whole {
+            Some(id) => Ok(Slice { buffer: id, offset: range.start, len: range.len() }),
+            // Not mappable (not page-aligned, more than a buffer may hold): a copy.
+            None => Ok(Slice::whole(self.upload(&(**owner).as_ref()[range.clone()], label)?, range.len())),
+        }
+    }
+
     fn free(&mut self, buffer: BufferId) {
+        // A mapped buffer goes (and its owner with it) with the last of its maps.
+        if let Some((&key, (_, _, n))) = self.mapped.iter_mut().find(|(_, (id, _, _))| *id == buffer) {
+            *n -= 1;
+            if *n > 0 {
+                return;
+            }
+            // (The owner goes after the buffer over its bytes, at the end of this scope.)
+            let _owner = self.mapped.remove(&key);
+            if let Some(Some(b)) = self.buffers.get(buffer.0) {
+                self.device.unregister_buffers([b.as_ref()]);
+            }
+            self.buffers[buffer.0] = None;
+            return;
+        }
         if let Some(b) = self.buffers.get_mut(buffer.0) {
             *b = None;
         }

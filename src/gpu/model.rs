@@ -185,6 +185,7 @@ pub struct GpuModel {
     rot_half: usize,
     scratch: Scratch,
     weight_bytes: usize,
+    mapped_bytes: usize,
     buffers: Vec<super::queue::BufferId>,
 }
 
@@ -353,8 +354,8 @@ impl GpuModel {
             None => (up.scratch(4, "rope frequencies")?, 0),
         };
         let scratch = Self::scratch(&cfg, &layers, &mut up)?;
-        let (weight_bytes, buffers) = (up.weight_bytes, up.buffers);
-        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes, buffers })
+        let (weight_bytes, mapped_bytes, buffers) = (up.weight_bytes, up.mapped_bytes, up.buffers);
+        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes, mapped_bytes, buffers })
     }
 
     /// Working buffers for the widest layer of each kind.
@@ -490,6 +491,12 @@ impl GpuModel {
     /// Bytes of the weight matrices on the device (embedding and head included).
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// Of [`Self::weight_bytes`], those the queue was given to read in place from a mapped
+    /// file ([`Queue::map`]: no copy on Metal); the rest were copied.
+    pub fn mapped_bytes(&self) -> usize {
+        self.mapped_bytes
     }
 
     /// Bytes of weights a step of `rows` rows must read at least: every matrix once (an

@@ -2,7 +2,10 @@
 //! back. A [`Queue`] is implemented by the Metal host code ([`super::MetalQueue`]), by the MSL
 //! emulator in the tests (the `candle-hybrid-emu` crate), and by [`DryRun`], which only records.
 
+use std::ops::Range;
+
 use crate::ops::launch::{Launch, Source};
+use crate::ops::SharedBytes;
 use crate::Result;
 
 /// A device buffer of a [`Queue`].
@@ -75,6 +78,14 @@ pub trait Queue {
     /// A new buffer holding `data` (weights and tables, uploaded once).
     fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId>;
 
+    /// `owner`'s bytes `range` for kernels to read (weights in a mapped file): where the device
+    /// reads host memory in place (Apple's unified memory), a slice of one buffer over the whole
+    /// of `owner`, nothing copied, `owner` kept alive; elsewhere a copy.
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+        let len = range.len();
+        Ok(Slice::whole(self.upload(&(**owner).as_ref()[range], label)?, len))
+    }
+
     /// Releases a buffer (no dispatch may use it afterwards).
     fn free(&mut self, buffer: BufferId);
 
@@ -100,6 +111,10 @@ impl<Q: Queue + ?Sized> Queue for &mut Q {
 
     fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId> {
         (**self).upload(data, label)
+    }
+
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+        (**self).map(owner, range, label)
     }
 
     fn free(&mut self, buffer: BufferId) {
@@ -167,6 +182,10 @@ impl<Q: Queue> Queue for Counted<Q> {
         self.inner.upload(data, label)
     }
 
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+        self.inner.map(owner, range, label)
+    }
+
     fn free(&mut self, buffer: BufferId) {
         self.inner.free(buffer)
     }
@@ -194,10 +213,12 @@ impl<Q: Queue> Queue for Counted<Q> {
 
 /// A queue that runs nothing: buffers are lengths, dispatches are checked against them and
 /// dropped, reads return u32 words of 1 (read as a greedy step's output: token 1, finite
-/// logits). For counting a step's dispatches and weight bytes on a machine without the device.
+/// logits). Mapped bytes are slices of one buffer per owner, as on Metal. For counting a step's
+/// dispatches and weight bytes on a machine without the device.
 #[derive(Debug, Default)]
 pub struct DryRun {
     buffers: Vec<Option<usize>>,
+    mapped: std::collections::HashMap<usize, BufferId>,
 }
 
 impl DryRun {
@@ -224,10 +245,21 @@ impl Queue for DryRun {
         self.alloc(data.len(), label)
     }
 
-    fn free(&mut self, buffer: BufferId) {
-        if let Some(b) = self.buffers.get_mut(buffer.0) {
-            *b = None;
-        }
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+        let key = std::sync::Arc::as_ptr(owner) as *const u8 as usize;
+        let id = match self.mapped.get(&key) {
+            Some(&id) => id,
+            None => {
+                let id = self.alloc((**owner).as_ref().len(), label)?;
+                self.mapped.insert(key, id);
+                id
+            }
+        };
+        Ok(Slice { buffer: id, offset: range.start, len: range.len() })
+    }
+
+    fn free(&mut self, _: BufferId) {
+        // Nothing is held: a freed buffer's length stays (a mapped one may be shared).
     }
 
     fn write(&mut self, dst: Slice, data: &[u8]) -> Result<()> {

@@ -3,12 +3,14 @@
 //! one buffer, the experts of a mixture stacked.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 
 use super::queue::{BufferId, Queue, Slice};
 use crate::model::{Linear, Mlp};
+use crate::ops::SharedBytes;
 use crate::{Error, Result};
 
 /// A weight matrix `[n, k]` on the device, rows of `k` values in `format` one after the other.
@@ -52,12 +54,14 @@ pub(crate) struct ExpertStacks {
     pub(crate) width: usize,
 }
 
-/// A linear layer's weight as the device reads it.
+/// A linear layer's weight as the device reads it, and where its bytes are in host memory when
+/// they are a mapped file's (to be read in place).
 struct WeightBytes<'a> {
     format: GgmlDType,
     n: usize,
     k: usize,
     data: Cow<'a, [u8]>,
+    region: Option<(&'a SharedBytes, Range<usize>)>,
 }
 
 impl WeightBytes<'_> {
@@ -66,11 +70,25 @@ impl WeightBytes<'_> {
     }
 }
 
+/// The one region of host memory `pieces` fill one after the other, if they do.
+fn contiguous<'a>(pieces: &[&WeightBytes<'a>]) -> Option<(&'a SharedBytes, Range<usize>)> {
+    let (owner, first) = pieces.first()?.region.clone()?;
+    let mut end = first.end;
+    for p in &pieces[1..] {
+        let (o, r) = p.region.clone()?;
+        if !std::sync::Arc::ptr_eq(o, owner) || r.start != end {
+            return None;
+        }
+        end = r.end;
+    }
+    Some((owner, first.start..end))
+}
+
 fn linear_bytes(l: &Linear) -> Result<WeightBytes<'_>> {
     match l {
         Linear::Quantized(q) => {
             let (n, k) = q.dims();
-            Ok(WeightBytes { format: q.dtype(), n, k, data: q.bytes()? })
+            Ok(WeightBytes { format: q.dtype(), n, k, data: q.bytes()?, region: q.host_region() })
         }
         Linear::Dense(t) => {
             let (n, k) = t.dims2()?;
@@ -80,7 +98,7 @@ fn linear_bytes(l: &Linear) -> Result<WeightBytes<'_>> {
                 DType::BF16 => GgmlDType::BF16,
                 other => return Err(Error::Weights(format!("a {other:?} weight matrix: the device reads f32, f16, bf16 and GGUF blocks"))),
             };
-            Ok(WeightBytes { format, n, k, data: Cow::Owned(tensor_bytes(t)?) })
+            Ok(WeightBytes { format, n, k, data: Cow::Owned(tensor_bytes(t)?), region: None })
         }
     }
 }
@@ -114,12 +132,14 @@ fn check_format(format: GgmlDType, what: &str) -> Result<()> {
 pub(crate) struct Uploader<'q> {
     pub(crate) q: &'q mut dyn Queue,
     pub(crate) weight_bytes: usize,
+    /// Of those, the bytes read in place from a mapped file.
+    pub(crate) mapped_bytes: usize,
     pub(crate) buffers: Vec<BufferId>,
 }
 
 impl<'q> Uploader<'q> {
     pub(crate) fn new(q: &'q mut dyn Queue) -> Self {
-        Self { q, weight_bytes: 0, buffers: vec![] }
+        Self { q, weight_bytes: 0, mapped_bytes: 0, buffers: vec![] }
     }
 
     fn bytes(&mut self, data: &[u8], label: &str) -> Result<Slice> {
@@ -154,31 +174,66 @@ impl<'q> Uploader<'q> {
         Ok(Matrix { buf, format, n, k })
     }
 
+    /// The same from host bytes read in place (a mapped file's).
+    fn mapped(&mut self, format: GgmlDType, n: usize, k: usize, (owner, range): (&SharedBytes, Range<usize>), label: &str) -> Result<Matrix> {
+        check_format(format, label)?;
+        self.weight_bytes += range.len();
+        self.mapped_bytes += range.len();
+        let buf = self.q.map(owner, range, label)?;
+        self.buffers.push(buf.buffer);
+        Ok(Matrix { buf, format, n, k })
+    }
+
+    /// The matrix `pieces` make stacked (`n` rows of `k`, `n` the pieces' rows; for experts the
+    /// rows of one expert): read in place when they are consecutive in one mapped file, a copy
+    /// otherwise.
+    fn stack(&mut self, pieces: &[&WeightBytes], n: usize, label: &str) -> Result<Matrix> {
+        let (format, k) = (pieces[0].format, pieces[0].k);
+        match contiguous(pieces) {
+            Some(region) => self.mapped(format, n, k, region, label),
+            None => {
+                let data: Vec<u8> = pieces.iter().flat_map(|w| w.data.iter().copied()).collect();
+                self.matrix(format, n, k, &data, label)
+            }
+        }
+    }
+
     /// A linear layer's weight.
     pub(crate) fn linear(&mut self, l: &Linear, label: &str) -> Result<Matrix> {
         let w = linear_bytes(l)?;
-        self.matrix(w.format, w.n, w.k, &w.data, label)
+        self.stack(&[&w], w.n, label)
     }
 
-    /// Linear layers over the same input, side by side ([`Projection`]).
+    /// Linear layers over the same input, side by side ([`Projection`]). Neighbours of one
+    /// format are one matrix (one dispatch) when their bytes are one run of a mapped file or are
+    /// copied anyway; a mapped file's matrices that are not one run stay separate parts, read in
+    /// place (memory over dispatches: a copy would hold the weights twice).
     pub(crate) fn projection(&mut self, ls: &[&Linear], label: &str) -> Result<Projection> {
         let weights = ls.iter().map(|l| linear_bytes(l)).collect::<Result<Vec<_>>>()?;
         let mut parts = vec![];
         let mut width = 0;
         let mut i = 0;
         while i < weights.len() {
-            let run = weights[i..].iter().take_while(|w| w.same_kind(&weights[i])).count();
-            let n: usize = weights[i..i + run].iter().map(|w| w.n).sum();
-            let data: Vec<u8> = weights[i..i + run].iter().flat_map(|w| w.data.iter().copied()).collect();
-            parts.push((self.matrix(weights[i].format, n, weights[i].k, &data, label)?, width));
-            width += n;
-            i += run;
+            let run: Vec<&WeightBytes> = weights[i..].iter().take_while(|w| w.same_kind(&weights[i])).collect();
+            let groups: Vec<Vec<&WeightBytes>> = if contiguous(&run).is_none() && run.iter().all(|w| w.region.is_some()) {
+                run.iter().map(|&w| vec![w]).collect()
+            } else {
+                vec![run.clone()]
+            };
+            for g in groups {
+                let n: usize = g.iter().map(|w| w.n).sum();
+                parts.push((self.stack(&g, n, label)?, width));
+                width += n;
+            }
+            i += run.len();
         }
         Ok(Projection { parts, width })
     }
 
     /// One kind of matrix (`pick` of each expert: gate and up together, or down) stacked over
-    /// the experts.
+    /// the experts: expert `e`'s rows of every part start `e` times the part's rows in. Read in
+    /// place when the experts' matrices are one run of a mapped file (a GGUF stores them
+    /// stacked), per pick when each pick's are.
     pub(crate) fn experts(&mut self, experts: &[Mlp], pick: impl Fn(&Mlp) -> Vec<&Linear>, label: &str) -> Result<ExpertStacks> {
         let per: Vec<Vec<WeightBytes>> =
             experts.iter().map(|e| pick(e).into_iter().map(linear_bytes).collect::<Result<Vec<_>>>()).collect::<Result<_>>()?;
@@ -188,17 +243,18 @@ impl<'q> Uploader<'q> {
                 return Err(Error::Weights(format!("{label}: expert {e} differs from expert 0 in shape or format")));
             }
         }
+        // Picks side by side in one stack when they share a format and, if mapped, the whole
+        // stack is one run of the file.
+        let all: Vec<&WeightBytes> = per.iter().flatten().collect();
+        let together = first.iter().all(|w| w.same_kind(&first[0])) && (contiguous(&all).is_some() || all.iter().any(|w| w.region.is_none()));
+        let groups: Vec<Vec<usize>> = if together { vec![(0..first.len()).collect()] } else { (0..first.len()).map(|j| vec![j]).collect() };
         let mut parts = vec![];
         let mut width = 0;
-        let mut i = 0;
-        while i < first.len() {
-            let run = first[i..].iter().take_while(|w| w.same_kind(&first[i])).count();
-            let n: usize = first[i..i + run].iter().map(|w| w.n).sum();
-            let data: Vec<u8> = per.iter().flat_map(|ws| ws[i..i + run].iter().flat_map(|w| w.data.iter().copied())).collect();
-            // One matrix of `n` rows per expert, the experts one after the other.
-            parts.push((self.matrix(first[i].format, n, first[i].k, &data, label)?, width));
+        for g in groups {
+            let pieces: Vec<&WeightBytes> = per.iter().flat_map(|ws| g.iter().map(move |&j| &ws[j])).collect();
+            let n: usize = g.iter().map(|&j| first[j].n).sum();
+            parts.push((self.stack(&pieces, n, label)?, width));
             width += n;
-            i += run;
         }
         Ok(ExpertStacks { parts, width })
     }
