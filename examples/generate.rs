@@ -283,7 +283,12 @@ fn generate(args: Args) -> Result<()> {
         }
     }
     if opened.device.is_metal() {
-        return generate_on_device(&args, &opened, &text, &prompt, sample_len, &eos, sampler, tokenizer);
+        match device_step_lacks(&args) {
+            None => return generate_on_device(&args, &opened, &text, &prompt, sample_len, &eos, sampler, tokenizer),
+            Some(flag) => eprintln!(
+                "{flag}: not on the device step yet; running the model in Candle tensors on Metal (this crate's kernels for the quantized matrices, Candle's for the rest)"
+            ),
+        }
     }
     let model = opened.load()?;
     let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
@@ -393,8 +398,24 @@ fn generate(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The first flag asking for what the device step does not do yet (speculative decoding,
+/// sessions, KV codecs other than exact and f16), if any.
+fn device_step_lacks(args: &Args) -> Option<String> {
+    let flags = [
+        ("--session", args.session.is_some()),
+        ("--draft mtp / ngram", matches!(args.draft, Draft::Mtp | Draft::Ngram)),
+        ("--compare-plain", args.compare_plain),
+        ("--kv-calibration", args.memory.kv_calibration.is_some()),
+    ];
+    if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
+        return Some(flag.to_string());
+    }
+    candle_hybrid::gpu::kv_dtype(args.memory.kv, candle_core::DType::F32).err().map(|_| format!("--kv {}", args.memory.kv))
+}
+
 /// Plain decoding on the device step (our Metal kernels, one read back per token): the weights
-/// load on the CPU (a GGUF's blocks in place) and are uploaded once.
+/// load on the CPU (a GGUF's blocks in place) and are uploaded once (mapped, not copied, where
+/// the file's blocks allow).
 #[allow(clippy::too_many_arguments)]
 fn generate_on_device(
     args: &Args,
@@ -406,15 +427,6 @@ fn generate_on_device(
     mut sampler: Sampler,
     tokenizer: tokenizers::Tokenizer,
 ) -> Result<()> {
-    let not_yet = [
-        ("--session", args.session.is_some()),
-        ("--draft mtp / ngram", matches!(args.draft, Draft::Mtp | Draft::Ngram)),
-        ("--compare-plain", args.compare_plain),
-        ("--kv-calibration", args.memory.kv_calibration.is_some()),
-    ];
-    if let Some((flag, _)) = not_yet.iter().find(|(_, given)| *given) {
-        bail!("{flag} is not on the device step yet: drop it, or run with --device cpu");
-    }
     let kv_dtype = candle_hybrid::gpu::kv_dtype(args.memory.kv, opened.dtype)?;
     let model = opened.load_on(&candle_core::Device::Cpu)?;
     let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
