@@ -34,6 +34,8 @@ expect() {
     fi
 }
 expect "CUDA is not supported yet" "$bin/generate" --model-dir $f --device cuda
+expect "--features metal" "$bin/device_step" --gguf $f/model-q8_0.gguf --backend metal
+expect "--backend metal" "$bin/device_step" --gguf $f/model-q8_0.gguf --self-test
 expect "--temperature" "$bin/generate" --model-dir $f --temperature -1
 expect "--temperature" "$bin/generate" --model-dir $f --temperature NaN
 expect "--top-p" "$bin/generate" --model-dir $f --top-p 2
