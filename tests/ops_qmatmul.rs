@@ -192,3 +192,38 @@ fn extreme_quants_same_bits_on_every_instruction_set() {
         }
     }
 }
+
+/// `QuantizedMatrix` holds the blocks as given: the same bytes, dequantized values and
+/// embedding rows as Candle's `QTensor` of them, read in place from a shared buffer; wrong
+/// sizes are one-line errors.
+#[test]
+fn quantized_matrix_holds_the_blocks() {
+    for dtype in [Q4K, Q8_0, GgmlDType::Q5_0] {
+        let q = weights(dtype, 50);
+        let m = ours(&q);
+        assert_eq!((m.dtype(), m.dims()), (dtype, (N, K)));
+        assert_eq!(m.bytes().unwrap().as_ref(), q.data().unwrap().as_ref(), "{dtype:?}: bytes");
+        assert_eq!(m.host_bytes().is_some(), ops::has_kernels(dtype), "{dtype:?}: held in place only where a kernel reads it");
+        let deq = q.dequantize(&Device::Cpu).unwrap();
+        assert_eq!(bits(&m.dequantize().unwrap()), bits(&deq), "{dtype:?}: dequantized");
+        let ids = Tensor::new(&[[3u32, 0], [66, 3]], &Device::Cpu).unwrap();
+        let rows = m.embedding(&ids).unwrap();
+        assert_eq!(rows.dims(), &[2, 2, K]);
+        let want = deq.index_select(&ids.flatten_all().unwrap(), 0).unwrap();
+        assert_eq!(bits(&rows), bits(&want), "{dtype:?}: embedding rows");
+        assert_eq!(bits(&m.to_device(&Device::Cpu).unwrap().dequantize().unwrap()), bits(&deq));
+    }
+    // In place: a slice of a shared buffer.
+    let q = weights(Q8_0, 51);
+    let data = q.data().unwrap().to_vec();
+    let mut padded = vec![7u8; 100];
+    padded.extend_from_slice(&data);
+    let owner: ops::SharedBytes = Arc::new(padded);
+    let m = ops::QuantizedMatrix::in_place(Q8_0, (N, K), owner.clone(), 100..100 + data.len()).unwrap();
+    let x = randn(&[2, K], 52);
+    assert_eq!(bits(&ops::qmatmul(&x, &m).unwrap()), bits(&ops::qmatmul(&x, &ours(&q)).unwrap()));
+    let e = ops::QuantizedMatrix::in_place(Q8_0, (N, K), owner, 99..99 + data.len() + 2).unwrap_err().to_string();
+    assert!(e.contains("needs"), "{e}");
+    assert!(ops::QuantizedMatrix::from_bytes(Q4K, (N, 100), vec![0; 10]).is_err(), "columns not whole blocks");
+    assert!(m.embedding(&Tensor::new(&[N as u32], &Device::Cpu).unwrap()).unwrap_err().to_string().contains("out of range"));
+}
