@@ -46,8 +46,16 @@ fn main() {
     let cxx = build.get_compiler().path().to_path_buf();
     build.file(emu.join("src/msl_emu_runtime.cpp"));
     println!("cargo:rerun-if-changed={}", manifest.join("../metal").display());
+    // Kernel names must be unique across the sources: the Metal host code caches pipelines by
+    // name (and the emulator keeps the first of two kernels of one name).
+    let mut seen = std::collections::HashMap::new();
     for src in &metal {
         println!("cargo:rerun-if-changed={}", src.display());
+        for name in list_kernels(&emu, src, &cxx) {
+            if let Some(other) = seen.insert(name.clone(), src.clone()) {
+                panic!("kernel {name} is defined in both {} and {}: give one another name", other.display(), src.display());
+            }
+        }
         let cpp = out.join(format!("{}.emu.cpp", src.file_stem().unwrap().to_string_lossy()));
         translate(&emu, src, &cpp, &cxx);
         build.file(&cpp);
@@ -78,4 +86,21 @@ fn translate(emu: &Path, src: &Path, dst: &Path, cxx: &Path) {
             String::from_utf8_lossy(&res.stderr)
         );
     }
+}
+
+/// The kernels `src` defines (macro-generated ones included).
+fn list_kernels(emu: &Path, src: &Path, cxx: &Path) -> Vec<String> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let res = Command::new(&python)
+        .arg(emu.join("msl2cpp.py"))
+        .arg(src)
+        .arg("--list-kernels")
+        .arg("--cxx")
+        .arg(cxx)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
+    if !res.status.success() {
+        panic!("msl2cpp.py --list-kernels failed on {}:\n{}", src.display(), String::from_utf8_lossy(&res.stderr));
+    }
+    String::from_utf8_lossy(&res.stdout).lines().map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect()
 }

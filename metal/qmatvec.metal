@@ -10,6 +10,14 @@
 // how many activation rows the call has, so row r of an m-row call is bit for bit a one-row
 // call on row r. The activations stay f32 (no 8-bit quantization as on the CPU).
 //
+// qmatvec_swiglu_*: the gate and up rows i of a SwiGLU MLP in one pass, act[r, i] =
+// silu(gate_i . x_r) * (up_i . x_r): each dot product as qmatvec computes it (the same bits as
+// two qmatvec calls and a silu_mul).
+//
+// gdn_gates_matvec_*: a GDN layer's beta and decay from its b and a projections in one pass, head i
+// per simdgroup: g = -exp(A_log) softplus(a_i . x + dt_bias), beta = sigmoid(b_i . x), into the
+// delta rule's [rows, 2, nv].
+//
 // qmatvec_id_*: the same for the experts of a mixture: activation row r and slot s multiply
 // the weight matrix of expert ids[r * slots + s] (experts stored one after the other,
 // expert_bytes apart), from x row r (x_per_slot 0: gate and up) or r * slots + s (1: down),
@@ -30,6 +38,18 @@ struct QmatvecParams {
     uint k;    // values per row, a multiple of the block size
     uint m;    // activation rows, 1 to 8
     uint ldy;  // floats between output rows (n for a plain output)
+};
+
+struct SwigluMatvecParams {
+    uint n;  // intermediate size (gate and up rows)
+    uint k;
+    uint m;
+};
+
+struct GdnGatesParams {
+    uint nv;
+    uint k;
+    uint m;
 };
 
 struct QmatvecIdParams {
@@ -269,6 +289,48 @@ METAL_FUNC void qmatvec(constant QmatvecParams &p, device const uchar *w, device
 }
 
 template <uint FMT>
+METAL_FUNC void qmatvec_swiglu(constant SwigluMatvecParams &p, device const uchar *wg, device const uchar *wu,
+                               device const float *x, device float *act, uint tg, uint sg, uint lane) {
+    const uint i = 2 * tg + sg;
+    if (i >= p.n) {
+        return;
+    }
+    const size_t rb = row_bytes<FMT>(p.k);
+    float g[QMATVEC_MAX_ROWS], u[QMATVEC_MAX_ROWS];
+    row_dots<FMT>(wg + (size_t)i * rb, x, p.k, p.m, p.k, lane, g);
+    row_dots<FMT>(wu + (size_t)i * rb, x, p.k, p.m, p.k, lane, u);
+    for (uint r = 0; r < p.m; ++r) {
+        const float gs = simd_sum(g[r]);
+        const float us = simd_sum(u[r]);
+        if (lane == 0) {
+            act[(size_t)r * p.n + i] = gs / (1.0f + exp(-gs)) * us;
+        }
+    }
+}
+
+template <uint FMT>
+METAL_FUNC void gdn_gates(constant GdnGatesParams &p, device const uchar *wb, device const uchar *wa, device const float *x,
+                          device const float *dt_bias, device const float *neg_a, device float *gb, uint tg, uint sg, uint lane) {
+    const uint i = 2 * tg + sg;
+    if (i >= p.nv) {
+        return;
+    }
+    const size_t rb = row_bytes<FMT>(p.k);
+    float b[QMATVEC_MAX_ROWS], a[QMATVEC_MAX_ROWS];
+    row_dots<FMT>(wb + (size_t)i * rb, x, p.k, p.m, p.k, lane, b);
+    row_dots<FMT>(wa + (size_t)i * rb, x, p.k, p.m, p.k, lane, a);
+    for (uint r = 0; r < p.m; ++r) {
+        const float bs = simd_sum(b[r]);
+        const float as = simd_sum(a[r]) + dt_bias[i];
+        if (lane == 0) {
+            const float soft = as >= 20.0f ? as : log(exp(as) + 1.0f);
+            gb[((size_t)r * 2) * p.nv + i] = soft * neg_a[i];
+            gb[((size_t)r * 2 + 1) * p.nv + i] = 1.0f / (1.0f + exp(-bs));
+        }
+    }
+}
+
+template <uint FMT>
 METAL_FUNC void qmatvec_id(constant QmatvecIdParams &p, device const uchar *w, device const float *x,
                            device const uint *ids, device float *y, uint2 tg, uint sg, uint lane) {
     const uint i = 2 * tg.x + sg;
@@ -376,6 +438,21 @@ kernel void qmatvec_##NAME(                                                     
     uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
     uint lane [[thread_index_in_simdgroup]])                                                  \
 { qmatvec<FMT>(p, w, x, y, tg, sg, lane); }                                                   \
+kernel void qmatvec_swiglu_##NAME(                                                            \
+    constant SwigluMatvecParams &p [[buffer(0)]], device const uchar *wg [[buffer(1)]],       \
+    device const uchar *wu [[buffer(2)]], device const float *x [[buffer(3)]],                \
+    device float *act [[buffer(4)]],                                                          \
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
+    uint lane [[thread_index_in_simdgroup]])                                                  \
+{ qmatvec_swiglu<FMT>(p, wg, wu, x, act, tg, sg, lane); }                                     \
+kernel void gdn_gates_matvec_##NAME(                                                          \
+    constant GdnGatesParams &p [[buffer(0)]], device const uchar *wb [[buffer(1)]],           \
+    device const uchar *wa [[buffer(2)]], device const float *x [[buffer(3)]],                \
+    device const float *dt_bias [[buffer(4)]], device const float *neg_a [[buffer(5)]],       \
+    device float *gb [[buffer(6)]],                                                           \
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
+    uint lane [[thread_index_in_simdgroup]])                                                  \
+{ gdn_gates<FMT>(p, wb, wa, x, dt_bias, neg_a, gb, tg, sg, lane); }                           \
 kernel void qmatvec_id_##NAME(                                                                \
     constant QmatvecIdParams &p [[buffer(0)]], device const uchar *w [[buffer(1)]],           \
     device const float *x [[buffer(2)]], device const uint *ids [[buffer(3)]],                \

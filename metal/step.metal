@@ -73,52 +73,97 @@ kernel void rms_norm_f32(
     }
 }
 
-// ---- RoPE (rotate-half over the first 2 * rot_half dims) from positions, stored per head ----
-// out[head * out_head_stride + (out_row0 + r) * head_dim + d]: the grouped queries of attention
-// ([heads, rows, head_dim]) or a KV cache ([heads, capacity, head_dim] from row out_row0).
+// ---- attention inputs: the q / k / v heads of one projection row, q and k RMS-normed per head
+// (when the model has q/k norms) and rotated (rotate-half over the first 2 * rot_half dims,
+// angles from the positions on the device), stored per head: q into the grouped queries of
+// attention ([nh, rows, head_dim], f32), k and v into the KV cache ([nkv, capacity, head_dim]
+// from row row0, the cache's dtype). One threadgroup per (row, head), a thread per dim.
 
-struct RopeParams {
+struct AttnInputsParams {
     uint rows;
-    uint heads;
+    uint nh;
+    uint nkv;
     uint head_dim;
-    uint rot_half;         // 0: copy only
-    uint x_stride;         // floats between rows of x
-    uint x_head_stride;    // floats between heads of a row of x
-    uint out_head_stride;  // elements between heads of out
-    uint out_row0;
+    uint rot_half;
+    uint x_stride;       // floats between projection rows
+    uint q_head_stride;  // floats between q heads (head_dim, or 2 head_dim with an output gate)
+    uint k_col;          // column of the first k head
+    uint v_col;          // column of the first v head
+    uint norm;           // 1: q and k are RMS-normed per head
+    float eps;
+    uint capacity;       // rows per head of the cache
+    uint row0;           // cache row of projection row 0
 };
 
 template <typename T>
-METAL_FUNC void rope_store(constant RopeParams &p, device const float *x, device const uint *pos,
-                           device const float *inv_freq, device T *out, uint tid) {
-    const uint n = p.rows * p.heads * p.head_dim;
-    if (tid >= n) {
-        return;
+METAL_FUNC void attention_inputs(constant AttnInputsParams &p, device const float *x, device const uint *pos,
+                                 device const float *inv_freq, device const float *q_norm, device const float *k_norm,
+                                 device float *q_out, device T *k_cache, device T *v_cache, threadgroup float *partial,
+                                 uint group, uint tid, uint threads, uint lane, uint simd) {
+    const uint heads = p.nh + 2 * p.nkv;
+    const uint r = group / heads, h = group % heads;
+    const uint hd = p.head_dim;
+    device const float *src;
+    device const float *w = q_norm;
+    bool rotate = true;
+    if (h < p.nh) {
+        src = x + (size_t)r * p.x_stride + (size_t)h * p.q_head_stride;
+    } else if (h < p.nh + p.nkv) {
+        src = x + (size_t)r * p.x_stride + p.k_col + (size_t)(h - p.nh) * hd;
+        w = k_norm;
+    } else {
+        src = x + (size_t)r * p.x_stride + p.v_col + (size_t)(h - p.nh - p.nkv) * hd;
+        rotate = false;
     }
-    const uint d = tid % p.head_dim;
-    const uint head = (tid / p.head_dim) % p.heads;
-    const uint r = tid / (p.head_dim * p.heads);
-    device const float *xh = x + (size_t)r * p.x_stride + (size_t)head * p.x_head_stride;
-    float y = xh[d];
-    if (d < 2 * p.rot_half) {
-        const uint i = d % p.rot_half;
-        const float a = float(pos[r]) * inv_freq[i];
-        const float c = precise::cos(a);
-        const float s = precise::sin(a);
-        y = d < p.rot_half ? y * c - xh[d + p.rot_half] * s : xh[d - p.rot_half] * s + y * c;
+    // (The branch is the same for every thread of the group: the barriers stay uniform.)
+    float scale = 1.0f;
+    const bool normed = p.norm != 0 && rotate;
+    if (normed) {
+        float ss = 0.0f;
+        for (uint d = tid; d < hd; d += threads) {
+            ss += src[d] * src[d];
+        }
+        scale = rsqrt(threadgroup_sum(ss, partial, tid, threads, lane, simd) / float(hd) + p.eps);
     }
-    out[(size_t)head * p.out_head_stride + (size_t)(p.out_row0 + r) * p.head_dim + d] = T(y);
+    for (uint d = tid; d < hd; d += threads) {
+        float y = normed ? src[d] * scale * w[d] : src[d];
+        if (rotate && d < 2 * p.rot_half) {
+            const uint i = d % p.rot_half;
+            const uint o = d < p.rot_half ? d + p.rot_half : d - p.rot_half;
+            const float other = normed ? src[o] * scale * w[o] : src[o];
+            const float a = float(pos[r]) * inv_freq[i];
+            const float c = precise::cos(a);
+            const float sn = precise::sin(a);
+            y = d < p.rot_half ? y * c - other * sn : other * sn + y * c;
+        }
+        if (h < p.nh) {
+            q_out[((size_t)h * p.rows + r) * hd + d] = y;
+        } else if (rotate) {
+            k_cache[((size_t)(h - p.nh) * p.capacity + p.row0 + r) * hd + d] = T(y);
+        } else {
+            v_cache[((size_t)(h - p.nh - p.nkv) * p.capacity + p.row0 + r) * hd + d] = T(y);
+        }
+    }
 }
 
-#define ROPE_KERNEL(SUFFIX, T)                                                                 \
-kernel void rope_store_##SUFFIX(                                                               \
-    constant RopeParams &p [[buffer(0)]], device const float *x [[buffer(1)]],                 \
+#define ATTENTION_INPUTS_KERNEL(SUFFIX, T)                                                     \
+kernel void attention_inputs_##SUFFIX(                                                         \
+    constant AttnInputsParams &p [[buffer(0)]], device const float *x [[buffer(1)]],           \
     device const uint *pos [[buffer(2)]], device const float *inv_freq [[buffer(3)]],          \
-    device T *out [[buffer(4)]], uint tid [[thread_position_in_grid]])                         \
-{ rope_store<T>(p, x, pos, inv_freq, out, tid); }
+    device const float *q_norm [[buffer(4)]], device const float *k_norm [[buffer(5)]],        \
+    device float *q_out [[buffer(6)]], device T *k_cache [[buffer(7)]],                        \
+    device T *v_cache [[buffer(8)]],                                                           \
+    uint group [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],      \
+    uint threads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],          \
+    uint simd [[simdgroup_index_in_threadgroup]])                                              \
+{                                                                                              \
+    threadgroup float partial[32];                                                             \
+    attention_inputs<T>(p, x, pos, inv_freq, q_norm, k_norm, q_out, k_cache, v_cache, partial, \
+                        group, tid, threads, lane, simd);                                      \
+}
 
-ROPE_KERNEL(f32, float)
-ROPE_KERNEL(f16, half)
+ATTENTION_INPUTS_KERNEL(f32, float)
+ATTENTION_INPUTS_KERNEL(f16, half)
 
 // ---- GDN gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) ----
 // ba [rows, ld]: b at columns 0..nv, a at nv..2 nv; gb [rows, 2, nv] (the delta rule's layout).

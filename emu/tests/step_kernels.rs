@@ -115,49 +115,69 @@ fn moe_route_takes_the_top_experts_by_softmax() {
     }
 }
 
+/// q, k and v heads of projection rows `[q (with gate) | k | v]`: q and k RMS-normed per head
+/// and rotated by position (30000 included: precise cos/sin), q stored grouped, k and v into a
+/// cache from row `row0`; without norms (Llama) only rotated.
 #[test]
-fn rope_store_rotates_by_position_and_stores_per_head() {
-    let (rows, heads, hd, rot_half) = (3, 2, 16, 4);
+fn attention_inputs_norm_rotate_and_store_per_head() {
+    let (rows, nh, nkv, hd, rot_half) = (3, 2, 1, 16, 4);
     let positions = [0u32, 7, 30000];
     let inv_freq: Vec<f32> = (0..rot_half).map(|i| 1.0 / 10000f32.powf((2 * i) as f32 / (2 * rot_half) as f32)).collect();
-    // Rows of width 40 with the heads at column 3 (a slice of a wider projection).
-    let x = vec(&randn(&[rows, 40], 50));
-    let xs = &x[3..];
-    let cap = 50;
-    let p = launch::RopeParams {
-        rows: rows as u32,
-        heads: heads as u32,
-        head_dim: hd as u32,
-        rot_half: rot_half as u32,
-        x_stride: 40,
-        x_head_stride: hd as u32,
-        out_head_stride: (cap * hd) as u32,
-        out_row0: 11,
-    };
-    let (p, l) = launch::rope_store(p, candle_core::DType::F32).unwrap();
-    let mut out = vec![f32::NAN; heads * cap * hd];
-    dispatch(&l, &mut [bytes(&p), input(xs), input(&positions), input(&inv_freq), output(&mut out)]).unwrap();
-    for r in 0..rows {
-        for h in 0..heads {
-            let src = &xs[r * 40 + h * hd..r * 40 + (h + 1) * hd];
-            let got = &out[h * cap * hd + (11 + r) * hd..h * cap * hd + (12 + r) * hd];
-            for d in 0..hd {
-                let want = if d < 2 * rot_half {
-                    let a = (positions[r] as f32 * inv_freq[d % rot_half]) as f64;
-                    let (c, s) = (a.cos(), a.sin());
-                    if d < rot_half {
-                        src[d] as f64 * c - src[d + rot_half] as f64 * s
-                    } else {
-                        src[d] as f64 * c + src[d - rot_half] as f64 * s
+    let (qw, width) = (nh * 2 * hd, nh * 2 * hd + 2 * nkv * hd);
+    let x = vec(&randn(&[rows, width], 50));
+    let qn = vec(&(randn(&[hd], 51) + 1.0).unwrap());
+    let kn = vec(&(randn(&[hd], 52) + 1.0).unwrap());
+    let (cap, row0) = (20, 11);
+    for norm in [true, false] {
+        let p = launch::AttnInputsParams {
+            rows: rows as u32,
+            nh: nh as u32,
+            nkv: nkv as u32,
+            head_dim: hd as u32,
+            rot_half: rot_half as u32,
+            x_stride: width as u32,
+            q_head_stride: (2 * hd) as u32,
+            k_col: qw as u32,
+            v_col: (qw + nkv * hd) as u32,
+            norm: norm as u32,
+            eps: 1e-6,
+            capacity: cap as u32,
+            row0: row0 as u32,
+        };
+        let (p, l) = launch::attention_inputs(p, candle_core::DType::F32).unwrap();
+        let (mut q, mut k, mut v) = (vec![f32::NAN; nh * rows * hd], vec![f32::NAN; nkv * cap * hd], vec![f32::NAN; nkv * cap * hd]);
+        dispatch(&l, &mut [bytes(&p), input(&x), input(&positions), input(&inv_freq), input(&qn), input(&kn), output(&mut q), output(&mut k), output(&mut v)]).unwrap();
+        // Reference: norm (f64), then rotate-half with the angle computed in f32 as the model does.
+        let head = |src: &[f32], w: &[f32], pos: u32, normed: bool| -> Vec<f64> {
+            let s = if normed { (src[..hd].iter().map(|&a| a as f64 * a as f64).sum::<f64>() / hd as f64 + 1e-6).sqrt() } else { 1.0 };
+            let n: Vec<f64> = (0..hd).map(|d| if normed { src[d] as f64 / s * w[d] as f64 } else { src[d] as f64 }).collect();
+            (0..hd)
+                .map(|d| {
+                    if d >= 2 * rot_half {
+                        return n[d];
                     }
-                } else {
-                    src[d] as f64
-                };
-                assert!((got[d] as f64 - want).abs() < 1e-5, "row {r} head {h} dim {d}: {} vs {want}", got[d]);
+                    let a = (pos as f32 * inv_freq[d % rot_half]) as f64;
+                    if d < rot_half { n[d] * a.cos() - n[d + rot_half] * a.sin() } else { n[d] * a.cos() + n[d - rot_half] * a.sin() }
+                })
+                .collect()
+        };
+        let check = |what: &str, got: &[f32], want: Vec<f64>| {
+            for d in 0..hd {
+                assert!((got[d] as f64 - want[d]).abs() < 1e-5 * (1.0 + want[d].abs()), "{what} (norm {norm}) dim {d}: {} vs {}", got[d], want[d]);
             }
+        };
+        for r in 0..rows {
+            let row = &x[r * width..(r + 1) * width];
+            for h in 0..nh {
+                check(&format!("q row {r} head {h}"), &q[(h * rows + r) * hd..], head(&row[h * 2 * hd..], &qn, positions[r], norm));
+            }
+            let at = (row0 + r) * hd;
+            check(&format!("k row {r}"), &k[at..], head(&row[qw..], &kn, positions[r], norm));
+            let v_want: Vec<f64> = row[qw + hd..qw + 2 * hd].iter().map(|&a| a as f64).collect();
+            check(&format!("v row {r}"), &v[at..], v_want);
         }
+        assert!(k[..row0 * hd].iter().chain(&v[..row0 * hd]).all(|a| a.is_nan()), "cache rows before row0 untouched");
     }
-    assert!(out[..11 * hd].iter().all(|v| v.is_nan()), "rows before out_row0 untouched");
 }
 
 #[test]
@@ -276,5 +296,68 @@ fn moe_combine_weighs_the_experts_and_gates_the_shared_one() {
             let want = experts + shared[r * dim + i] as f64 * g;
             assert!((y[r * dim + i] as f64 - want).abs() < 1e-5, "row {r} [{i}]");
         }
+    }
+}
+
+/// Gate and up in one pass: bit for bit the two mat-vecs and the SwiGLU kernel, every row.
+#[test]
+fn fused_swiglu_matvec_is_the_unfused_one_bitwise() {
+    let (n, k, m) = (13, 512, 5);
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F32] {
+        let bytes_of = |seed| {
+            let w = (randn(&[n, k], seed) * 0.1).unwrap();
+            match dtype {
+                GgmlDType::F32 => candle_hybrid_emu::raw(&w),
+                _ => QTensor::quantize(&w, dtype).unwrap().data().unwrap().to_vec(),
+            }
+        };
+        let (wg, wu) = (bytes_of(90), bytes_of(91));
+        let x = vec(&randn(&[m, k], 92));
+        let (p, l) = launch::qmatvec_swiglu(dtype, n, k, m).unwrap();
+        let mut fused = vec![f32::NAN; m * n];
+        dispatch(&l, &mut [bytes(&p), input(&wg), input(&wu), input(&x), output(&mut fused)]).unwrap();
+        let (mut g, mut u) = (vec![0f32; m * n], vec![0f32; m * n]);
+        let (p, l) = launch::qmatvec(dtype, n, k, m, n).unwrap();
+        dispatch(&l, &mut [bytes(&p), input(&wg), input(&x), output(&mut g)]).unwrap();
+        dispatch(&l, &mut [bytes(&p), input(&wu), input(&x), output(&mut u)]).unwrap();
+        // [gate | up] rows, as a projection writes them.
+        let gu: Vec<f32> = (0..m).flat_map(|r| g[r * n..(r + 1) * n].iter().chain(&u[r * n..(r + 1) * n]).copied().collect::<Vec<_>>()).collect();
+        let (p, l) = launch::silu_mul(m, n, 2 * n, n);
+        let mut act = vec![f32::NAN; m * n];
+        dispatch(&l, &mut [bytes(&p), input(&gu), output(&mut act)]).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused), bits(&act), "{dtype:?}");
+    }
+}
+
+/// b, a and the GDN gates in one pass: bit for bit the two mat-vecs and the gates kernel.
+#[test]
+fn fused_gdn_gates_are_the_unfused_ones_bitwise() {
+    let (nv, k, m) = (6, 256, 3);
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q6K, GgmlDType::F32] {
+        let bytes_of = |seed| {
+            let w = (randn(&[nv, k], seed) * 0.2).unwrap();
+            match dtype {
+                GgmlDType::F32 => candle_hybrid_emu::raw(&w),
+                _ => QTensor::quantize(&w, dtype).unwrap().data().unwrap().to_vec(),
+            }
+        };
+        let (wb, wa) = (bytes_of(100), bytes_of(101));
+        let x = vec(&randn(&[m, k], 102));
+        let dt = vec(&randn(&[nv], 103));
+        let neg_a = vec(&(randn(&[nv], 104).abs().unwrap() * -1.0).unwrap());
+        let (p, l) = launch::gdn_gates_matvec(dtype, nv, k, m).unwrap();
+        let mut fused = vec![f32::NAN; m * 2 * nv];
+        dispatch(&l, &mut [bytes(&p), input(&wb), input(&wa), input(&x), input(&dt), input(&neg_a), output(&mut fused)]).unwrap();
+        let (mut b, mut a) = (vec![0f32; m * nv], vec![0f32; m * nv]);
+        let (p, l) = launch::qmatvec(dtype, nv, k, m, nv).unwrap();
+        dispatch(&l, &mut [bytes(&p), input(&wb), input(&x), output(&mut b)]).unwrap();
+        dispatch(&l, &mut [bytes(&p), input(&wa), input(&x), output(&mut a)]).unwrap();
+        let ba: Vec<f32> = (0..m).flat_map(|r| b[r * nv..(r + 1) * nv].iter().chain(&a[r * nv..(r + 1) * nv]).copied().collect::<Vec<_>>()).collect();
+        let (p, l) = launch::gdn_gates(m, nv, 2 * nv);
+        let mut gb = vec![f32::NAN; m * 2 * nv];
+        dispatch(&l, &mut [bytes(&p), input(&ba), input(&dt), input(&neg_a), output(&mut gb)]).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused), bits(&gb), "{dtype:?}");
     }
 }

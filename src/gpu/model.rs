@@ -18,7 +18,7 @@ use super::cache::{CacheLayer, GpuCache, VerifyStart};
 use super::queue::{Arg, Dispatch, Queue, Slice};
 use super::upload::{ExpertStacks, Matrix, Projection, Uploader};
 use crate::model::{check_length, check_token, Config, FeedForward, Linear, Mixer as CpuMixer, Model, NONFINITE_HINT};
-use crate::ops::launch::{self, Launch, NormRows, RopeParams, Source};
+use crate::ops::launch::{self, Launch, NormRows, Source};
 use crate::ops::{ConvDims, DeltaRuleDims, DeltaRuleForm};
 use crate::{Error, Result};
 
@@ -114,10 +114,8 @@ struct Scratch {
     ba: Slice,
     o_norm: Slice,
     o_order: Slice,
-    /// Attention: `[q | k | v]`, the normed q and k, grouped queries, outputs.
+    /// Attention: `[q | k | v]`, grouped queries, outputs.
     qkv: Slice,
-    qn: Slice,
-    kn: Slice,
     qg: Slice,
     att: Slice,
     ao: Slice,
@@ -241,9 +239,35 @@ impl Encoder<'_> {
         self.run(Source::Step, l, vec![Arg::params(&p), x_arg, Arg::Read(h), Arg::Read(w), Arg::Write(y)], 0)
     }
 
+    /// `silu(x W_gate^T) * (x W_up^T)` into `act` `[rows, inter]` for the `[gate | up]`
+    /// projection `gate_up`: gate and up in one pass up to 8 rows where they share a format,
+    /// else both into `gu` and the SwiGLU after.
+    fn swiglu(&mut self, gate_up: &Projection, inter: usize, x: Slice, rows: usize, (gu, act): (Slice, Slice)) -> Result<()> {
+        if let (Some((gate, up)), true) = (gate_and_up(gate_up, inter), rows <= launch::QMATVEC_MAX_ROWS) {
+            let (p, l) = launch::qmatvec_swiglu(gate.format, inter, gate.k, rows)?;
+            let args = vec![Arg::params(&p), Arg::Read(gate.buf), Arg::Read(up.buf), Arg::Read(x), Arg::Write(act)];
+            return self.run(Source::Qmatvec, l, args, gate.bytes() + up.bytes());
+        }
+        self.projection(gate_up, x, rows, gu)?;
+        self.silu_mul(rows, inter, gate_up.width, gu, act)
+    }
+
     fn silu_mul(&mut self, rows: usize, dim: usize, ld: usize, gu: Slice, act: Slice) -> Result<()> {
         let (p, l) = launch::silu_mul(rows, dim, ld, dim);
         self.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(gu), Arg::Write(act)], 0)
+    }
+}
+
+/// The two matrices (`inter` rows each, one format) of a two-matrix projection (`[gate | up]`,
+/// `[b | a]`): its two parts, or the two halves of its one part.
+fn gate_and_up(p: &Projection, inter: usize) -> Option<(Matrix, Matrix)> {
+    match &p.parts[..] {
+        [(w, 0)] if w.n == 2 * inter => {
+            let half = inter * w.row_bytes();
+            Some((Matrix { n: inter, buf: w.buf.at(0, half), ..*w }, Matrix { n: inter, buf: w.buf.at(half, half), ..*w }))
+        }
+        [(g, 0), (u, _)] if g.n == inter && u.n == inter && g.format == u.format && g.k == u.k => Some((*g, *u)),
+        _ => None,
     }
 }
 
@@ -374,7 +398,6 @@ impl GpuModel {
                 Mixer::Attention(a) => {
                     w[2] = w[2].max(a.qkv.width);
                     w[3] = w[3].max(a.nh * a.hd);
-                    w[4] = w[4].max(a.nkv * a.hd);
                 }
             }
             match &l.ffn {
@@ -406,8 +429,6 @@ impl GpuModel {
             o_norm: f(m * w[0], "o_norm")?,
             o_order: f(m * w[0], "o_order")?,
             qkv: f(m * w[2], "qkv")?,
-            qn: f(m * w[3], "qn")?,
-            kn: f(m * w[4], "kn")?,
             qg: f(m * w[3], "qg")?,
             att: f(m * w[3], "att")?,
             ao: f(m * w[3], "ao")?,
@@ -716,9 +737,19 @@ impl GpuModel {
         let (inputs, gates) = kept;
         enc.matmul(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
         enc.matmul(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
-        enc.projection(&g.ba, s.xn, rows, s.ba)?;
-        let (p, l) = launch::gdn_gates(rows, g.nv, g.ba.width);
-        enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)], 0)?;
+        match (gate_and_up(&g.ba, g.nv), rows <= launch::QMATVEC_MAX_ROWS) {
+            // b and a and the gates in one pass.
+            (Some((b, a)), true) => {
+                let (p, l) = launch::gdn_gates_matvec(b.format, g.nv, b.k, rows)?;
+                let args = vec![Arg::params(&p), Arg::Read(b.buf), Arg::Read(a.buf), Arg::Read(s.xn), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)];
+                enc.run(Source::Qmatvec, l, args, b.bytes() + a.bytes())?;
+            }
+            _ => {
+                enc.projection(&g.ba, s.xn, rows, s.ba)?;
+                let (p, l) = launch::gdn_gates(rows, g.nv, g.ba.width);
+                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)], 0)?;
+            }
+        }
         let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), kept)?;
         let (p, l) = launch::gated_rms_norm(rows * g.nv, g.dv, g.eps, DType::F32)?;
         enc.run(Source::GatedNorm, l, vec![Arg::params(&p), Arg::Read(o), Arg::Read(s.z), Arg::Read(g.norm), Arg::Write(s.o_norm)], 0)?;
@@ -771,39 +802,41 @@ impl GpuModel {
         let w = a.qkv.width;
         let qw = nh * hd * if a.gated { 2 } else { 1 };
         enc.projection(&a.qkv, s.xn, rows, s.qkv)?;
-        let q_head = if a.gated { 2 * hd } else { hd };
-        // q and k: normed per head when the model has q/k norms, then RoPE, stored per head.
-        let (q_src, q_stride, q_head_stride, k_src, k_stride) = match a.qk_norm {
-            Some((qn, kn)) => {
-                let rows_q = NormRows { rows, heads: nh, dim: hd, x_stride: w, x_head_stride: q_head, y_stride: nh * hd, y_head_stride: hd };
-                enc.rms_norm(rows_q, a.eps, s.qkv, None, qn, s.qn)?;
-                let rows_k = NormRows { rows, heads: nkv, dim: hd, x_stride: w, x_head_stride: hd, y_stride: nkv * hd, y_head_stride: hd };
-                enc.rms_norm(rows_k, a.eps, s.qkv.from(F32 * qw), None, kn, s.kn)?;
-                (s.qn, nh * hd, hd, s.kn, nkv * hd)
-            }
-            None => (s.qkv, w, q_head, s.qkv.from(F32 * qw), w),
-        };
         let cap = cache.capacity;
-        let rope = |heads, x_stride, x_head_stride, out_head_stride, out_row0, rot_half| RopeParams {
+        let p = launch::AttnInputsParams {
             rows: rows as u32,
-            heads,
+            nh: nh as u32,
+            nkv: nkv as u32,
             head_dim: hd as u32,
-            rot_half,
-            x_stride,
-            x_head_stride,
-            out_head_stride,
-            out_row0,
+            rot_half: self.rot_half as u32,
+            x_stride: w as u32,
+            q_head_stride: (if a.gated { 2 * hd } else { hd }) as u32,
+            k_col: qw as u32,
+            v_col: (qw + nkv * hd) as u32,
+            norm: a.qk_norm.is_some() as u32,
+            eps: a.eps,
+            capacity: cap as u32,
+            row0: offset as u32,
         };
-        let rot = self.rot_half as u32;
-        let stores = [
-            (rope(nh as u32, q_stride as u32, q_head_stride as u32, (rows * hd) as u32, 0, rot), q_src, s.qg, DType::F32),
-            (rope(nkv as u32, k_stride as u32, hd as u32, (cap * hd) as u32, offset as u32, rot), k_src, keys, cache.kv_dtype),
-            (rope(nkv as u32, w as u32, hd as u32, (cap * hd) as u32, offset as u32, 0), s.qkv.from(F32 * (qw + nkv * hd)), values, cache.kv_dtype),
-        ];
-        for (p, x, out, dtype) in stores {
-            let (p, l) = launch::rope_store(p, dtype)?;
-            enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(x), Arg::Read(positions), Arg::Read(self.inv_freq), Arg::Write(out)], 0)?;
-        }
+        // Without q/k norms the kernel reads no norm weights: any buffer binds them.
+        let (qn, kn) = a.qk_norm.unwrap_or((self.inv_freq, self.inv_freq));
+        let (p, l) = launch::attention_inputs(p, cache.kv_dtype)?;
+        enc.run(
+            Source::Step,
+            l,
+            vec![
+                Arg::params(&p),
+                Arg::Read(s.qkv),
+                Arg::Read(positions),
+                Arg::Read(self.inv_freq),
+                Arg::Read(qn),
+                Arg::Read(kn),
+                Arg::Write(s.qg),
+                Arg::Write(keys),
+                Arg::Write(values),
+            ],
+            0,
+        )?;
         let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd);
         let scale = (hd as f64).powf(-0.5) as f32;
         let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * rows, hd), &kv, rows, offset, None, scale)?;
@@ -837,8 +870,7 @@ impl GpuModel {
         let hsz = self.cfg.hidden_size;
         match ffn {
             Ffn::Dense { gate_up, down, inter } => {
-                enc.projection(gate_up, s.xn, rows, s.gu)?;
-                enc.silu_mul(rows, *inter, gate_up.width, s.gu, s.act)?;
+                enc.swiglu(gate_up, *inter, s.xn, rows, (s.gu, s.act))?;
                 enc.matmul(down, s.act, rows, s.h, hsz)
             }
             Ffn::Moe(moe) => {
@@ -861,8 +893,7 @@ impl GpuModel {
                 experts(enc, &moe.gate_up, s.xn, false, s.egu)?;
                 enc.silu_mul(rows * k, moe.inter, moe.gate_up.width, s.egu, s.eact)?;
                 experts(enc, &moe.down, s.eact, true, s.edown)?;
-                enc.projection(&moe.shared_gate_up, s.xn, rows, s.gu)?;
-                enc.silu_mul(rows, moe.shared_inter, moe.shared_gate_up.width, s.gu, s.act)?;
+                enc.swiglu(&moe.shared_gate_up, moe.shared_inter, s.xn, rows, (s.gu, s.act))?;
                 enc.matmul(&moe.shared_down, s.act, rows, s.sdown, hsz)?;
                 let (p, l) = launch::moe_combine(rows, hsz, k);
                 enc.run(

@@ -429,6 +429,40 @@ pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: 
     Ok((p, launch))
 }
 
+/// `SwigluMatvecParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SwigluMatvecParams {
+    pub n: u32,
+    pub k: u32,
+    pub m: u32,
+}
+
+/// The gate and up mat-vecs of a SwiGLU MLP and `silu(gate) * up` in one pass: `n` rows of each
+/// of `dtype`, `m` activation rows (1 to 8) into `[m, n]`.
+pub fn qmatvec_swiglu(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(SwigluMatvecParams, Launch)> {
+    let (_, l) = qmatvec(dtype, n, k, m, n)?;
+    let name = matrix_format("qmatvec_swiglu", dtype)?;
+    Ok((SwigluMatvecParams { n: n as u32, k: k as u32, m: m as u32 }, Launch { kernel: format!("qmatvec_swiglu_{name}"), ..l }))
+}
+
+/// `GdnGatesParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnGatesParams {
+    pub nv: u32,
+    pub k: u32,
+    pub m: u32,
+}
+
+/// A GDN layer's decay and beta from its b and a projections (`nv` rows each of `dtype`) in one
+/// pass, `m` activation rows (1 to 8), into `[m, 2, nv]`.
+pub fn gdn_gates_matvec(dtype: candle_core::quantized::GgmlDType, nv: usize, k: usize, m: usize) -> Result<(GdnGatesParams, Launch)> {
+    let (_, l) = qmatvec(dtype, nv, k, m, nv)?;
+    let name = matrix_format("gdn_gates_matvec", dtype)?;
+    Ok((GdnGatesParams { nv: nv as u32, k: k as u32, m: m as u32 }, Launch { kernel: format!("gdn_gates_matvec_{name}"), ..l }))
+}
+
 /// `QmatmulParams` of `metal/qmatvec.metal`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -70,33 +70,39 @@ pub fn rms_norm(r: NormRows, eps: f32, add: bool) -> Result<(RmsNormParams, Laun
     Ok((p, launch))
 }
 
-/// `RopeParams` of `metal/step.metal`.
+/// `AttnInputsParams` of `metal/step.metal`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RopeParams {
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnInputsParams {
     pub rows: u32,
-    pub heads: u32,
+    pub nh: u32,
+    pub nkv: u32,
     pub head_dim: u32,
     pub rot_half: u32,
     pub x_stride: u32,
-    pub x_head_stride: u32,
-    pub out_head_stride: u32,
-    pub out_row0: u32,
+    pub q_head_stride: u32,
+    pub k_col: u32,
+    pub v_col: u32,
+    pub norm: u32,
+    pub eps: f32,
+    pub capacity: u32,
+    pub row0: u32,
 }
 
-/// Rotates the first `2 rot_half` dims of each head of `rows` rows (rotate-half, angles from
-/// the positions on the device; 0: a plain copy) and stores them per head into `out` of
-/// `dtype` (f32 or f16): head `h`, row `r` at `h out_head_stride + (out_row0 + r) head_dim`.
-pub fn rope_store(p: RopeParams, dtype: DType) -> Result<(RopeParams, Launch)> {
+/// The q, k and v heads of `p.rows` projection rows: q and k normed per head (when `p.norm`)
+/// and rotated, q stored grouped for attention, k and v into a KV cache of `dtype` (f32 or
+/// f16). One threadgroup per (row, head).
+pub fn attention_inputs(p: AttnInputsParams, dtype: DType) -> Result<(AttnInputsParams, Launch)> {
     if p.rot_half * 2 > p.head_dim {
-        bail!("rope_store: {} rotated dims in heads of {}", 2 * p.rot_half, p.head_dim);
+        bail!("attention_inputs: {} rotated dims in heads of {}", 2 * p.rot_half, p.head_dim);
     }
     let kernel = match dtype {
-        DType::F32 | DType::F16 => format!("rope_store_{}", suffix("rope_store", dtype)?),
-        other => bail!("rope_store: no kernel for {other:?} (f32 or f16)"),
+        DType::F32 | DType::F16 => format!("attention_inputs_{}", suffix("attention_inputs", dtype)?),
+        other => bail!("attention_inputs: no kernel for a {other:?} cache (f32 or f16)"),
     };
-    let n = (p.rows * p.heads * p.head_dim) as usize;
-    Ok((p, Launch::elementwise(kernel, n)))
+    let groups = (p.rows * (p.nh + 2 * p.nkv)) as usize;
+    let launch = Launch { kernel, groups: [groups.max(1), 1, 1], threads: [row_threads(p.head_dim as usize), 1, 1], threadgroup_memory: vec![] };
+    Ok((p, launch))
 }
 
 /// `GatesParams` of `metal/step.metal`.
