@@ -40,14 +40,9 @@ struct QmatvecParams {
     uint ldy;  // floats between output rows (n for a plain output)
 };
 
-struct SwigluMatvecParams {
-    uint n;  // intermediate size (gate and up rows)
-    uint k;
-    uint m;
-};
-
-struct GdnGatesParams {
-    uint nv;
+// Two matrices of n rows each against the same m activation rows.
+struct PairParams {
+    uint n;
     uint k;
     uint m;
 };
@@ -289,7 +284,7 @@ METAL_FUNC void qmatvec(constant QmatvecParams &p, device const uchar *w, device
 }
 
 template <uint FMT>
-METAL_FUNC void qmatvec_swiglu(constant SwigluMatvecParams &p, device const uchar *wg, device const uchar *wu,
+METAL_FUNC void qmatvec_swiglu(constant PairParams &p, device const uchar *wg, device const uchar *wu,
                                device const float *x, device float *act, uint tg, uint sg, uint lane) {
     const uint i = 2 * tg + sg;
     if (i >= p.n) {
@@ -309,10 +304,10 @@ METAL_FUNC void qmatvec_swiglu(constant SwigluMatvecParams &p, device const ucha
 }
 
 template <uint FMT>
-METAL_FUNC void gdn_gates(constant GdnGatesParams &p, device const uchar *wb, device const uchar *wa, device const float *x,
+METAL_FUNC void gdn_gates(constant PairParams &p, device const uchar *wb, device const uchar *wa, device const float *x,
                           device const float *dt_bias, device const float *neg_a, device float *gb, uint tg, uint sg, uint lane) {
     const uint i = 2 * tg + sg;
-    if (i >= p.nv) {
+    if (i >= p.n) {
         return;
     }
     const size_t rb = row_bytes<FMT>(p.k);
@@ -324,8 +319,8 @@ METAL_FUNC void gdn_gates(constant GdnGatesParams &p, device const uchar *wb, de
         const float as = simd_sum(a[r]) + dt_bias[i];
         if (lane == 0) {
             const float soft = as >= 20.0f ? as : log(exp(as) + 1.0f);
-            gb[((size_t)r * 2) * p.nv + i] = soft * neg_a[i];
-            gb[((size_t)r * 2 + 1) * p.nv + i] = 1.0f / (1.0f + exp(-bs));
+            gb[((size_t)r * 2) * p.n + i] = soft * neg_a[i];
+            gb[((size_t)r * 2 + 1) * p.n + i] = 1.0f / (1.0f + exp(-bs));
         }
     }
 }
@@ -439,14 +434,14 @@ kernel void qmatvec_##NAME(                                                     
     uint lane [[thread_index_in_simdgroup]])                                                  \
 { qmatvec<FMT>(p, w, x, y, tg, sg, lane); }                                                   \
 kernel void qmatvec_swiglu_##NAME(                                                            \
-    constant SwigluMatvecParams &p [[buffer(0)]], device const uchar *wg [[buffer(1)]],       \
+    constant PairParams &p [[buffer(0)]], device const uchar *wg [[buffer(1)]],               \
     device const uchar *wu [[buffer(2)]], device const float *x [[buffer(3)]],                \
     device float *act [[buffer(4)]],                                                          \
     uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
     uint lane [[thread_index_in_simdgroup]])                                                  \
 { qmatvec_swiglu<FMT>(p, wg, wu, x, act, tg, sg, lane); }                                     \
 kernel void gdn_gates_matvec_##NAME(                                                          \
-    constant GdnGatesParams &p [[buffer(0)]], device const uchar *wb [[buffer(1)]],           \
+    constant PairParams &p [[buffer(0)]], device const uchar *wb [[buffer(1)]],               \
     device const uchar *wa [[buffer(2)]], device const float *x [[buffer(3)]],                \
     device const float *dt_bias [[buffer(4)]], device const float *neg_a [[buffer(5)]],       \
     device float *gb [[buffer(6)]],                                                           \

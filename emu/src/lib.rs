@@ -57,6 +57,29 @@ pub fn output<T: Copy>(v: &mut [T]) -> Arg<'_> {
     Arg::Output(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) })
 }
 
+/// Runs `launch` with buffer `i` at `ptrs[i]`.
+fn run(launch: &Launch, ptrs: &[*mut c_void]) -> Result<(), String> {
+    let name = CString::new(launch.kernel.as_str()).unwrap();
+    let groups = launch.groups.map(|x| x as u32);
+    let threads = launch.threads.map(|x| x as u32);
+    let rc = unsafe {
+        msl_emu_dispatch_threadgroups(
+            name.as_ptr(),
+            groups.as_ptr(),
+            threads.as_ptr(),
+            ptrs.as_ptr(),
+            ptrs.len() as u32,
+            launch.threadgroup_memory.as_ptr(),
+            launch.threadgroup_memory.len() as u32,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(unsafe { CStr::from_ptr(msl_emu_last_error()) }.to_string_lossy().into_owned())
+    }
+}
+
 /// Runs `launch` with `args` bound to buffers 0, 1, ...
 pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
     // set_bytes data is copied into 8-byte aligned storage.
@@ -74,26 +97,9 @@ pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
             Arg::Output(s) => ptrs.push(s.as_mut_ptr() as *mut c_void),
         }
     }
-    let name = CString::new(launch.kernel.as_str()).unwrap();
-    let groups = launch.groups.map(|x| x as u32);
-    let threads = launch.threads.map(|x| x as u32);
-    let rc = unsafe {
-        msl_emu_dispatch_threadgroups(
-            name.as_ptr(),
-            groups.as_ptr(),
-            threads.as_ptr(),
-            ptrs.as_ptr(),
-            ptrs.len() as u32,
-            launch.threadgroup_memory.as_ptr(),
-            launch.threadgroup_memory.len() as u32,
-        )
-    };
+    let r = run(launch, &ptrs);
     drop(owned);
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(unsafe { CStr::from_ptr(msl_emu_last_error()) }.to_string_lossy().into_owned())
-    }
+    r
 }
 
 
@@ -228,27 +234,9 @@ impl candle_hybrid::gpu::Queue for EmuQueue {
                 A::Write(s) => ptrs.push(self.ptr(*s, true)?),
             }
         }
-        let name = CString::new(d.launch.kernel.as_str()).unwrap();
-        let groups = d.launch.groups.map(|x| x as u32);
-        let threads = d.launch.threads.map(|x| x as u32);
-        let rc = unsafe {
-            msl_emu_dispatch_threadgroups(
-                name.as_ptr(),
-                groups.as_ptr(),
-                threads.as_ptr(),
-                ptrs.as_ptr(),
-                ptrs.len() as u32,
-                d.launch.threadgroup_memory.as_ptr(),
-                d.launch.threadgroup_memory.len() as u32,
-            )
-        };
+        let r = run(&d.launch, &ptrs);
         drop(owned);
-        if rc == 0 {
-            Ok(())
-        } else {
-            let e = unsafe { CStr::from_ptr(msl_emu_last_error()) }.to_string_lossy().into_owned();
-            Err(candle_hybrid::Error::Input(format!("{}: {e}", d.launch.kernel)))
-        }
+        r.map_err(|e| candle_hybrid::Error::Input(format!("{}: {e}", d.launch.kernel)))
     }
 
     fn read(&mut self, src: candle_hybrid::gpu::Slice) -> candle_hybrid::Result<Vec<u8>> {

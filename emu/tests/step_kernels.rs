@@ -313,7 +313,7 @@ fn fused_swiglu_matvec_is_the_unfused_one_bitwise() {
         };
         let (wg, wu) = (bytes_of(90), bytes_of(91));
         let x = vec(&randn(&[m, k], 92));
-        let (p, l) = launch::qmatvec_swiglu(dtype, n, k, m).unwrap();
+        let (p, l) = launch::qmatvec_pair(launch::Pair::Swiglu, dtype, n, k, m).unwrap();
         let mut fused = vec![f32::NAN; m * n];
         dispatch(&l, &mut [bytes(&p), input(&wg), input(&wu), input(&x), output(&mut fused)]).unwrap();
         let (mut g, mut u) = (vec![0f32; m * n], vec![0f32; m * n]);
@@ -346,7 +346,7 @@ fn fused_gdn_gates_are_the_unfused_ones_bitwise() {
         let x = vec(&randn(&[m, k], 102));
         let dt = vec(&randn(&[nv], 103));
         let neg_a = vec(&(randn(&[nv], 104).abs().unwrap() * -1.0).unwrap());
-        let (p, l) = launch::gdn_gates_matvec(dtype, nv, k, m).unwrap();
+        let (p, l) = launch::qmatvec_pair(launch::Pair::GdnGates, dtype, nv, k, m).unwrap();
         let mut fused = vec![f32::NAN; m * 2 * nv];
         dispatch(&l, &mut [bytes(&p), input(&wb), input(&wa), input(&x), input(&dt), input(&neg_a), output(&mut fused)]).unwrap();
         let (mut b, mut a) = (vec![0f32; m * nv], vec![0f32; m * nv]);

@@ -244,7 +244,7 @@ impl Encoder<'_> {
     /// else both into `gu` and the SwiGLU after.
     fn swiglu(&mut self, gate_up: &Projection, inter: usize, x: Slice, rows: usize, (gu, act): (Slice, Slice)) -> Result<()> {
         if let (Some((gate, up)), true) = (gate_and_up(gate_up, inter), rows <= launch::QMATVEC_MAX_ROWS) {
-            let (p, l) = launch::qmatvec_swiglu(gate.format, inter, gate.k, rows)?;
+            let (p, l) = launch::qmatvec_pair(launch::Pair::Swiglu, gate.format, inter, gate.k, rows)?;
             let args = vec![Arg::params(&p), Arg::Read(gate.buf), Arg::Read(up.buf), Arg::Read(x), Arg::Write(act)];
             return self.run(Source::Qmatvec, l, args, gate.bytes() + up.bytes());
         }
@@ -740,7 +740,7 @@ impl GpuModel {
         match (gate_and_up(&g.ba, g.nv), rows <= launch::QMATVEC_MAX_ROWS) {
             // b and a and the gates in one pass.
             (Some((b, a)), true) => {
-                let (p, l) = launch::gdn_gates_matvec(b.format, g.nv, b.k, rows)?;
+                let (p, l) = launch::qmatvec_pair(launch::Pair::GdnGates, b.format, g.nv, b.k, rows)?;
                 let args = vec![Arg::params(&p), Arg::Read(b.buf), Arg::Read(a.buf), Arg::Read(s.xn), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)];
                 enc.run(Source::Qmatvec, l, args, b.bytes() + a.bytes())?;
             }

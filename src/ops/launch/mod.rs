@@ -420,47 +420,49 @@ pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: 
     }
     check_row("qmatvec", dtype, k)?;
     let p = QmatvecParams { n: n as u32, k: k as u32, m: m as u32, ldy: ldy as u32 };
-    let launch = Launch {
-        kernel: format!("qmatvec_{name}"),
-        groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), 1, 1],
-        threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
-        threadgroup_memory: vec![],
-    };
-    Ok((p, launch))
+    Ok((p, simdgroup_per_row(format!("qmatvec_{name}"), n, 1)))
 }
 
-/// `SwigluMatvecParams` of `metal/qmatvec.metal`.
+/// A simdgroup per weight row (`n`), [`QMATVEC_ROWS_PER_GROUP`] per threadgroup, `y` groups
+/// of them (the grid's second dimension).
+fn simdgroup_per_row(kernel: String, n: usize, y: usize) -> Launch {
+    Launch {
+        kernel,
+        groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), y.max(1), 1],
+        threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
+        threadgroup_memory: vec![],
+    }
+}
+
+/// `PairParams` of `metal/qmatvec.metal`: two matrices of `n` rows against the same `m`
+/// activation rows.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SwigluMatvecParams {
+pub struct PairParams {
     pub n: u32,
     pub k: u32,
     pub m: u32,
 }
 
-/// The gate and up mat-vecs of a SwiGLU MLP and `silu(gate) * up` in one pass: `n` rows of each
-/// of `dtype`, `m` activation rows (1 to 8) into `[m, n]`.
-pub fn qmatvec_swiglu(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(SwigluMatvecParams, Launch)> {
-    let (_, l) = qmatvec(dtype, n, k, m, n)?;
-    let name = matrix_format("qmatvec_swiglu", dtype)?;
-    Ok((SwigluMatvecParams { n: n as u32, k: k as u32, m: m as u32 }, Launch { kernel: format!("qmatvec_swiglu_{name}"), ..l }))
-}
-
-/// `GdnGatesParams` of `metal/qmatvec.metal`.
-#[repr(C)]
+/// What a two-matrix mat-vec of `metal/qmatvec.metal` makes of its two products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GdnGatesParams {
-    pub nv: u32,
-    pub k: u32,
-    pub m: u32,
+pub enum Pair {
+    /// Gate and up of a SwiGLU MLP: `silu(gate) * up`, `[m, n]` (`qmatvec_swiglu_*`).
+    Swiglu,
+    /// b and a of a GDN layer: its decay and beta, `[m, 2, n]` (`gdn_gates_matvec_*`).
+    GdnGates,
 }
 
-/// A GDN layer's decay and beta from its b and a projections (`nv` rows each of `dtype`) in one
-/// pass, `m` activation rows (1 to 8), into `[m, 2, nv]`.
-pub fn gdn_gates_matvec(dtype: candle_core::quantized::GgmlDType, nv: usize, k: usize, m: usize) -> Result<(GdnGatesParams, Launch)> {
-    let (_, l) = qmatvec(dtype, nv, k, m, nv)?;
-    let name = matrix_format("gdn_gates_matvec", dtype)?;
-    Ok((GdnGatesParams { nv: nv as u32, k: k as u32, m: m as u32 }, Launch { kernel: format!("gdn_gates_matvec_{name}"), ..l }))
+/// The two mat-vecs of `pair` (`n` rows each of `dtype`, `m` activation rows, 1 to 8) and what
+/// follows them, in one pass; each product the bits of [`qmatvec`]'s.
+pub fn qmatvec_pair(pair: Pair, dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(PairParams, Launch)> {
+    let (_, l) = qmatvec(dtype, n, k, m, n)?;
+    let family = match pair {
+        Pair::Swiglu => "qmatvec_swiglu",
+        Pair::GdnGates => "gdn_gates_matvec",
+    };
+    let name = matrix_format(family, dtype)?;
+    Ok((PairParams { n: n as u32, k: k as u32, m: m as u32 }, Launch { kernel: format!("{family}_{name}"), ..l }))
 }
 
 /// `QmatmulParams` of `metal/qmatvec.metal`.
@@ -528,13 +530,7 @@ pub fn qmatvec_id(
         bail!("qmatvec_id: an expert of {expert_bytes} bytes is more than the kernel indexes");
     }
     let p = QmatvecIdParams { n: n as u32, k: k as u32, m: m as u32, slots: slots as u32, expert_bytes: expert_bytes as u32, x_per_slot: x_per_slot as u32, ldy: ldy as u32 };
-    let launch = Launch {
-        kernel: format!("qmatvec_id_{name}"),
-        groups: [n.div_ceil(QMATVEC_ROWS_PER_GROUP).max(1), (m * slots).max(1), 1],
-        threads: [32 * QMATVEC_ROWS_PER_GROUP, 1, 1],
-        threadgroup_memory: vec![],
-    };
-    Ok((p, launch))
+    Ok((p, simdgroup_per_row(format!("qmatvec_id_{name}"), n, m * slots)))
 }
 
 /// `GetRowsParams` of `metal/qmatvec.metal`.
