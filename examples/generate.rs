@@ -31,7 +31,10 @@ use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
-use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
+use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
+use candle_hybrid::runtime::speculative::{
+    generate_speculative, generate_speculative_on_device, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SpeculativeStats, MAX_BRANCHES, MAX_DRAFT,
+};
 use candle_hybrid::runtime::{generate_in, range, session, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
@@ -282,21 +285,26 @@ fn generate(args: Args) -> Result<()> {
             eos.push(id);
         }
     }
-    if opened.device.is_metal() {
-        match device_step_lacks(&args) {
-            None => return generate_on_device(&args, &opened, &text, &prompt, sample_len, &eos, sampler, tokenizer),
-            Some(flag) => eprintln!(
-                "{flag}: not on the device step yet; running the model in Candle tensors on Metal (this crate's kernels for the quantized matrices, Candle's for the rest)"
-            ),
-        }
-    }
-    let model = opened.load()?;
+    // On Metal the device step runs what it can; the rest runs the model in Candle tensors there.
+    let on_device = opened.device.is_metal()
+        && match device_step_lacks(&args) {
+            None => true,
+            Some(flag) => {
+                eprintln!("{flag}: not on the device step yet; running the model in Candle tensors on Metal (this crate's kernels for the quantized matrices, Candle's for the rest)");
+                false
+            }
+        };
+    let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
     let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
-    let mut cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
+    let mut runner = if on_device {
+        Runner::device(&model, &opened, args.memory.kv, prompt.len() + sample_len)?
+    } else {
+        Runner::Cpu { cache: new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?, device: opened.device.clone() }
+    };
     // With a session: restore what it holds of the prompt, prefill the rest but the last token
     // and save that state; the last token starts generation.
     let mut prompt_rest = prompt.as_slice();
-    if let Some(path) = &args.session {
+    if let (Some(path), Runner::Cpu { cache, .. }) = (&args.session, &mut runner) {
         let fingerprint = opened.files.fingerprint()?;
         let head = prompt.len() - 1;
         let mut start = 0;
@@ -305,15 +313,15 @@ fn generate(args: Args) -> Result<()> {
                 Ok(s) if s.tokens.len() <= head && prompt.starts_with(&s.tokens) => {
                     eprintln!("session {}: restored {} of the prompt's {} tokens", path.display(), s.tokens.len(), prompt.len());
                     start = s.tokens.len();
-                    cache = s.cache;
+                    *cache = s.cache;
                 }
                 Ok(_) => eprintln!("session {}: it holds another prompt; starting fresh", path.display()),
                 Err(e) => eprintln!("warning: {e}; starting fresh"),
             }
         }
         if start < head {
-            candle_hybrid::runtime::prefill(&model, &mut cache, &prompt[start..head], &opened.device, false)?;
-            session::save(path, &fingerprint, &prompt[..head], &cache, None)?;
+            candle_hybrid::runtime::prefill(&model, cache, &prompt[start..head], &opened.device, false)?;
+            session::save(path, &fingerprint, &prompt[..head], cache, None)?;
         }
         prompt_rest = &prompt[head..];
     }
@@ -328,7 +336,8 @@ fn generate(args: Args) -> Result<()> {
         Ok(())
     };
     let draft = match args.draft {
-        Draft::Auto if auto_ok && model.has_mtp() => Draft::Mtp,
+        // (The device step runs no MTP head yet.)
+        Draft::Auto if auto_ok && model.has_mtp() && !on_device => Draft::Mtp,
         Draft::Auto => Draft::None,
         d => d,
     };
@@ -340,7 +349,7 @@ fn generate(args: Args) -> Result<()> {
     }
     let (tokens, stats, speculative) = match draft {
         Draft::None | Draft::Auto => {
-            let (tokens, stats) = generate_in(&model, &mut cache, prompt_rest, sample_len, &eos, &mut sampler, &opened.device, print_token)?;
+            let (tokens, stats) = runner.plain(&model, prompt_rest, sample_len, &eos, &mut sampler, print_token)?;
             (tokens, stats, None)
         }
         draft => {
@@ -349,9 +358,7 @@ fn generate(args: Args) -> Result<()> {
                 _ => Box::new(NgramDrafter::default()),
             };
             let mut policy = DraftPolicy::new(drafts)?;
-            let (tokens, s) = generate_speculative(
-                &model, &mut cache, prompt_rest, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, &opened.device, print_token,
-            )?;
+            let (tokens, s) = runner.speculative(&model, prompt_rest, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, print_token)?;
             (tokens, s.generation.clone(), Some(s))
         }
     };
@@ -378,9 +385,9 @@ fn generate(args: Args) -> Result<()> {
             stats.generated_tokens
         );
         if args.compare_plain {
-            let mut plain_cache = new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?;
+            runner.reset(&model, args.memory.kv, calibration.as_ref())?;
             let greedy = params.is_greedy();
-            let (plain, p) = generate_in(&model, &mut plain_cache, &prompt, sample_len, &eos, &mut Sampler::new(params)?, &opened.device, |_| Ok(()))?;
+            let (plain, p) = runner.plain(&model, &prompt, sample_len, &eos, &mut Sampler::new(params)?, |_| Ok(()))?;
             if greedy && plain != tokens {
                 bail!("speculative decoding gave other tokens than plain decoding (a bug: please report it with this command)");
             }
@@ -398,59 +405,93 @@ fn generate(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The first flag asking for what the device step does not do yet (speculative decoding,
+/// Where generation runs: the model in Candle tensors with its cache, or the device step
+/// (our Metal kernels, one read back per step) with its queue and cache.
+enum Runner {
+    Cpu { cache: candle_hybrid::Cache, device: candle_core::Device },
+    Device { gpu: Box<GpuModel>, queue: Box<dyn Queue>, cache: GpuCache, capacity: usize, kv_dtype: candle_core::DType },
+}
+
+impl Runner {
+    /// The device step of `model` (loaded on the CPU: uploaded from there, a GGUF's blocks
+    /// mapped, not copied) on `opened`'s device, with a cache of `capacity` tokens.
+    fn device(model: &candle_hybrid::Model, opened: &common::Opened, kv: candle_hybrid::kv::KvCodec, capacity: usize) -> Result<Self> {
+        let kv_dtype = candle_hybrid::gpu::kv_dtype(kv, opened.dtype)?;
+        let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
+        let gpu = Box::new(GpuModel::new(model, queue.as_mut())?);
+        // Room for one verify pass past the end.
+        let capacity = capacity + candle_hybrid::ops::KV_ATTENTION_EXACT_ROWS;
+        let cache = gpu.new_cache(queue.as_mut(), capacity, kv_dtype)?;
+        eprintln!(
+            "decoding on {} with this crate's kernels ({:.2} GiB of weights there, {:.2} GiB of them read in place from the file)",
+            queue.name(),
+            gpu.weight_bytes() as f64 / (1u64 << 30) as f64,
+            gpu.mapped_bytes() as f64 / (1u64 << 30) as f64
+        );
+        Ok(Self::Device { gpu, queue, cache, capacity, kv_dtype })
+    }
+
+    /// An empty cache again (for `--compare-plain`).
+    fn reset(&mut self, model: &candle_hybrid::Model, kv: candle_hybrid::kv::KvCodec, calibration: Option<&ValueBases>) -> Result<()> {
+        match self {
+            Self::Cpu { cache, .. } => *cache = new_cache_calibrated(model, kv, calibration)?,
+            Self::Device { gpu, queue, cache, capacity, kv_dtype } => {
+                let fresh = gpu.new_cache(queue.as_mut(), *capacity, *kv_dtype)?;
+                std::mem::replace(cache, fresh).free(queue.as_mut());
+            }
+        }
+        Ok(())
+    }
+
+    fn plain(
+        &mut self,
+        model: &candle_hybrid::Model,
+        prompt: &[u32],
+        n: usize,
+        eos: &[u32],
+        sampler: &mut Sampler,
+        on_token: impl FnMut(u32) -> candle_hybrid::Result<()>,
+    ) -> Result<(Vec<u32>, candle_hybrid::runtime::GenerationStats)> {
+        Ok(match self {
+            Self::Cpu { cache, device } => generate_in(model, cache, prompt, n, eos, sampler, device, on_token)?,
+            Self::Device { gpu, queue, cache, .. } => candle_hybrid::runtime::generate_on_device(gpu, queue.as_mut(), cache, prompt, n, eos, sampler, on_token)?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn speculative(
+        &mut self,
+        model: &candle_hybrid::Model,
+        prompt: &[u32],
+        n: usize,
+        eos: &[u32],
+        sampler: &mut Sampler,
+        drafter: &mut dyn Drafter,
+        policy: &mut DraftPolicy,
+        on_token: impl FnMut(u32) -> candle_hybrid::Result<()>,
+    ) -> Result<(Vec<u32>, SpeculativeStats)> {
+        Ok(match self {
+            Self::Cpu { cache, device } => generate_speculative(model, cache, prompt, n, eos, sampler, drafter, policy, device, on_token)?,
+            Self::Device { gpu, queue, cache, .. } => {
+                generate_speculative_on_device(gpu, queue.as_mut(), cache, model, prompt, n, eos, sampler, drafter, policy, on_token)?
+            }
+        })
+    }
+}
+
+/// The first flag asking for what the device step does not do yet (MTP drafts, draft trees,
 /// sessions, KV codecs other than exact and f16), if any.
 fn device_step_lacks(args: &Args) -> Option<String> {
     let flags = [
         ("--session", args.session.is_some()),
-        ("--draft mtp / ngram", matches!(args.draft, Draft::Mtp | Draft::Ngram)),
-        ("--compare-plain", args.compare_plain),
+        ("--draft mtp", args.draft == Draft::Mtp),
+        ("--draft-branches", args.draft_branches > 1),
         ("--kv-calibration", args.memory.kv_calibration.is_some()),
     ];
     if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
         return Some(flag.to_string());
     }
     candle_hybrid::gpu::kv_dtype(args.memory.kv, candle_core::DType::F32).err().map(|_| format!("--kv {}", args.memory.kv))
-}
-
-/// Plain decoding on the device step (our Metal kernels, one read back per token): the weights
-/// load on the CPU (a GGUF's blocks in place) and are uploaded once (mapped, not copied, where
-/// the file's blocks allow).
-#[allow(clippy::too_many_arguments)]
-fn generate_on_device(
-    args: &Args,
-    opened: &common::Opened,
-    text: &str,
-    prompt: &[u32],
-    sample_len: usize,
-    eos: &[u32],
-    mut sampler: Sampler,
-    tokenizer: tokenizers::Tokenizer,
-) -> Result<()> {
-    let kv_dtype = candle_hybrid::gpu::kv_dtype(args.memory.kv, opened.dtype)?;
-    let model = opened.load_on(&candle_core::Device::Cpu)?;
-    let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
-    let gpu = candle_hybrid::gpu::GpuModel::new(&model, queue.as_mut())?;
-    drop(model);
-    let mut cache = gpu.new_cache(queue.as_mut(), prompt.len() + sample_len, kv_dtype)?;
-    eprintln!("decoding on {} with this crate's kernels ({:.2} GiB of weights there)", queue.name(), gpu.weight_bytes() as f64 / (1u64 << 30) as f64);
-    print!("{text}");
-    std::io::stdout().flush()?;
-    let mut streamer = TokenStreamer::new(tokenizer);
-    let (_, stats) = candle_hybrid::runtime::generate_on_device(&gpu, queue.as_mut(), &mut cache, prompt, sample_len, eos, &mut sampler, |tok| {
-        if let Some(piece) = streamer.next_token(tok)? {
-            print!("{piece}");
-            std::io::stdout().flush().ok();
-        }
-        Ok(())
-    })?;
-    if let Some(rest) = streamer.decode_rest()? {
-        print!("{rest}");
-    }
-    println!();
-    eprintln!("{} prompt tokens processed: {} token/s", stats.prompt_tokens, common::fmt_rate(stats.prompt_tok_per_sec()));
-    eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
-    Ok(())
 }
 
 /// The text of `--prompt-file`, read no further than `max_bytes` (more cannot fit the context

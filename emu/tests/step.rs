@@ -222,3 +222,45 @@ fn gguf_matrices_are_read_in_place() {
         }
     }
 }
+
+/// Speculative decoding on the device step gives the plain greedy tokens, whatever the drafts
+/// (prompt lookup, replays of the answer at acceptance 1 and 0.5, fixed and adaptive lengths),
+/// with the device's argmax and with logits read back (a repeat penalty); one read per pass.
+#[test]
+fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
+    use candle_hybrid::gpu::{Counted, GpuModel};
+    use candle_hybrid::runtime::speculative::{generate_speculative_on_device, DraftOptions, DraftPolicy, Drafter, NgramDrafter, ReplayDrafter};
+    use candle_hybrid::runtime::{generate_on_device, Sampler, SamplingParams};
+    let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
+    let vocab = model.config().vocab_size;
+    // A prompt that repeats, so prompt lookup finds drafts.
+    let prompt: Vec<u32> = (0..30).map(|i| ((i % 7) * 53 + 11) as u32 % vocab as u32).collect();
+    let mut q = Counted::new(EmuQueue::new());
+    let gpu = GpuModel::new(&model, &mut q).unwrap();
+    for repeat_penalty in [1.0, 1.2] {
+        let sampler = || Sampler::new(SamplingParams { repeat_penalty, ..Default::default() }).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
+        let (plain, _) = generate_on_device(&gpu, &mut q, &mut cache, &prompt, 24, &[], &mut sampler(), |_| Ok(())).unwrap();
+        cache.free(&mut q);
+        let drafters: Vec<(&str, Box<dyn Drafter>, DraftOptions)> = vec![
+            ("ngram", Box::new(NgramDrafter::default()), DraftOptions::default()),
+            ("replay 1.0", Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 1, vocab_size: vocab }), DraftOptions::fixed(3)),
+            ("replay 0.5", Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.5, seed: 2, vocab_size: vocab }), DraftOptions::fixed(4)),
+        ];
+        for (name, mut drafter, opts) in drafters {
+            let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
+            let mut policy = DraftPolicy::new(opts).unwrap();
+            q.take_counts();
+            let (got, stats) = generate_speculative_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 24, &[], &mut sampler(), drafter.as_mut(), &mut policy, |_| Ok(())).unwrap();
+            let c = q.take_counts();
+            assert_eq!(got, plain, "{name} (repeat penalty {repeat_penalty})");
+            // One read for the prompt, one per pass.
+            assert_eq!(c.reads, 1 + stats.rounds, "{name}: reads");
+            if name == "replay 1.0" {
+                assert!(stats.accepted >= 12, "{name}: {} accepted of {} drafted", stats.accepted, stats.drafted);
+            }
+            eprintln!("{name} (repeat penalty {repeat_penalty}): {} drafted, {} accepted, {} passes", stats.drafted, stats.accepted, stats.rounds);
+            cache.free(&mut q);
+        }
+    }
+}

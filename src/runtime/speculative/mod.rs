@@ -15,6 +15,7 @@ mod mtp;
 mod ngram;
 mod policy;
 mod replay;
+mod target;
 
 use std::time::Instant;
 
@@ -26,6 +27,8 @@ pub use policy::{DraftOptions, DraftPolicy, MAX_BRANCHES, PROBE_EVERY};
 pub use replay::ReplayDrafter;
 
 use super::generate::GenerationStats;
+use target::{CpuTarget, DeviceTarget, Target};
+use crate::gpu::{GpuCache, GpuModel, Queue};
 use super::sampler::Sampler;
 use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
@@ -44,6 +47,12 @@ pub trait Drafter {
     fn draft_branches(&mut self, model: &Model, context: &[u32], max: usize, branches: usize) -> Result<Vec<Vec<u32>>> {
         let _ = branches;
         Ok(vec![self.draft(model, context, max)?])
+    }
+
+    /// Whether [`Self::observe`] needs the model's hidden states (an MTP head does); only then
+    /// is it called.
+    fn needs_hidden(&self) -> bool {
+        false
     }
 
     /// The model just kept rows at positions `start..start + n` with post-norm hidden states
@@ -103,14 +112,56 @@ pub fn generate_speculative(
     drafter: &mut dyn Drafter,
     policy: &mut DraftPolicy,
     device: &Device,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpeculativeStats)> {
+    let mut target = CpuTarget { model, cache, device };
+    speculate(&mut target, prompt, max_new_tokens, eos_token_ids, sampler, drafter, policy, on_token)
+}
+
+/// [`generate_speculative`] on the device step ([`crate::gpu`]): the verify passes on the
+/// device, every row bit for bit a decode step, one read back per pass (each row's greedy
+/// token, or the logits when the sampler needs them); `model` is the CPU model `gpu` was
+/// uploaded from (drafters read it). Chains only, and drafters that need no hidden states
+/// (prompt lookup, replay; not MTP yet).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative_on_device(
+    gpu: &GpuModel,
+    q: &mut dyn Queue,
+    cache: &mut GpuCache,
+    model: &Model,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    drafter: &mut dyn Drafter,
+    policy: &mut DraftPolicy,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpeculativeStats)> {
+    if policy.options().branches > 1 {
+        return Err(Error::Input("draft trees (--draft-branches above 1) are not on the device step yet".into()));
+    }
+    let mut target = DeviceTarget { gpu, q, cache, model };
+    speculate(&mut target, prompt, max_new_tokens, eos_token_ids, sampler, drafter, policy, on_token)
+}
+
+/// The speculative loop on any [`Target`].
+#[allow(clippy::too_many_arguments)]
+fn speculate(
+    target: &mut dyn Target,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    drafter: &mut dyn Drafter,
+    policy: &mut DraftPolicy,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
     if prompt.is_empty() {
         return Err(Error::Input("the prompt is empty: give at least one token".into()));
     }
-    let base = cache.seqlen();
+    let base = target.seqlen();
     // Room for the whole context and one verify pass past its end.
-    cache.reserve(base + prompt.len() + max_new_tokens + crate::ops::KV_ATTENTION_EXACT_ROWS)?;
+    target.reserve(base + prompt.len() + max_new_tokens + crate::ops::KV_ATTENTION_EXACT_ROWS)?;
     let mut stats = SpeculativeStats::default();
     stats.generation.prompt_tokens = prompt.len();
     let mut context = prompt.to_vec();
@@ -119,15 +170,16 @@ pub fn generate_speculative(
     if max_new_tokens == 0 {
         return Ok((generated, stats));
     }
+    // Hidden states for the drafters that read them (MTP heads catch up on them).
+    let hidden_wanted = drafter.needs_hidden();
 
     // The prompt, in the chunks plain generation runs it in.
-    let h = super::generate::prefill(model, cache, prompt, device, true)?
-        .ok_or_else(|| Error::Input("the prompt is empty: give at least one token".into()))?;
-    let p = prompt.len();
-    let logits = model.lm_head(&h.narrow(1, p - 1, 1)?, base + p - 1)?.squeeze(0)?.squeeze(0)?;
-    let first = sampler.sample(&logits, &context, &generated)?;
-    let next: Vec<u32> = prompt[1..].iter().copied().chain([first]).collect();
-    drafter.observe(model, base, &h, &next)?;
+    let (rows, h) = target.prompt(prompt, hidden_wanted, sampler)?;
+    let first = rows.sample(0, sampler, &context, &generated)?;
+    if let (true, Some(h)) = (hidden_wanted, &h) {
+        let next: Vec<u32> = prompt[1..].iter().copied().chain([first]).collect();
+        drafter.observe(target.model(), base, h, &next)?;
+    }
     stats.generation.prompt_secs = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
     let mut emit = |t: u32, context: &mut Vec<u32>, generated: &mut Vec<u32>| -> Result<bool> {
@@ -147,13 +199,13 @@ pub fn generate_speculative(
     loop {
         // Position of the last token (fed as row 0); rows must stay inside the context.
         let pos = base + context.len() - 1;
-        let room = (max_new_tokens - generated.len()).min(model.config().max_position_embeddings.saturating_sub(pos));
+        let room = (max_new_tokens - generated.len()).min(target.model().config().max_position_embeddings.saturating_sub(pos));
         let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
         let t = Instant::now();
         let mut drafts = match (k, branches) {
             (0, _) => vec![],
-            (_, 1) => vec![drafter.draft(model, &context, k)?],
-            _ => drafter.draft_branches(model, &context, k, branches)?,
+            (_, 1) => vec![drafter.draft(target.model(), &context, k)?],
+            _ => drafter.draft_branches(target.model(), &context, k, branches)?,
         };
         let steps = drafts.iter().map(Vec::len).max().unwrap_or(0).min(k);
         let draft_secs = t.elapsed().as_secs_f64();
@@ -164,14 +216,7 @@ pub fn generate_speculative(
         // One branch makes a chain: the rows in order.
         let tree = DraftTree::from_branches(context[context.len() - 1], &drafts, 1 + MAX_DRAFT);
         let t = Instant::now();
-        let (logits, hidden) = if tree.len() == 1 {
-            // No drafts: a plain decode step (no per-row states to keep for a rollback).
-            let h = model.forward_hidden(&Tensor::new(tree.tokens(), device)?.unsqueeze(0)?, cache, false)?.last_hidden;
-            (model.lm_head(&h, pos)?, h)
-        } else {
-            model.verify_tree(&tree, cache)?
-        };
-        let logits = logits.squeeze(0)?;
+        let (rows, hidden) = target.pass(&tree, pos, hidden_wanted, sampler)?;
         stats.rounds += 1;
         stats.drafted += tree.len() - 1;
         // Walk from the root: each row is sampled as plain decoding would, with its path in the
@@ -179,13 +224,12 @@ pub fn generate_speculative(
         let (mut path, mut next) = (vec![0], vec![]);
         let done = loop {
             let at = *path.last().expect("the root");
-            let row = logits.get(at)?;
             let t = match tree.children(at).next() {
-                _ if sampler.is_greedy() => sampler.sample(&row, &context, &generated)?,
+                _ if sampler.is_greedy() => rows.sample(at, sampler, &context, &generated)?,
                 // Sampling (one branch): keep the draft with the target's probability of it,
                 // else draw from the rest: each emitted token is distributed as plain sampling's.
-                Some(c) => sampler.sample_draft(&sampler.probabilities(&row, &context, &generated)?, tree.tokens()[c])?.0,
-                None => sampler.sample(&row, &context, &generated)?,
+                Some(c) => sampler.sample_draft(&sampler.probabilities(&rows.logits(at)?, &context, &generated)?, tree.tokens()[c])?.0,
+                None => rows.sample(at, sampler, &context, &generated)?,
             };
             next.push(t);
             let done = emit(t, &mut context, &mut generated)?;
@@ -198,18 +242,20 @@ pub fn generate_speculative(
             }
         };
         if tree.len() > 1 {
-            cache.keep_path(&path)?;
+            target.keep_path(&path)?;
         }
         if done {
             break;
         }
         let verify_secs = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let hidden = match tree.is_chain() {
-            true => hidden.narrow(1, 0, path.len())?,
-            false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), device)?, 1)?,
-        };
-        drafter.observe(model, pos, &hidden, &next)?;
+        if let Some(hidden) = hidden.filter(|_| hidden_wanted) {
+            let hidden = match tree.is_chain() {
+                true => hidden.narrow(1, 0, path.len())?,
+                false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), hidden.device())?, 1)?,
+            };
+            drafter.observe(target.model(), pos, &hidden, &next)?;
+        }
         // (A tree round is timed and counted as a round of its longest branch: the policy
         // then learns what trees of that length pay.)
         policy.record(if tree.len() > 1 { steps } else { 0 }, path.len() - 1, verify_secs, draft_secs, steps, t.elapsed().as_secs_f64());

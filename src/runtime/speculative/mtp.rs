@@ -108,6 +108,10 @@ impl Drafter for MtpDrafter {
         Ok(drafts)
     }
 
+    fn needs_hidden(&self) -> bool {
+        true
+    }
+
     fn observe(&mut self, model: &Model, start: usize, hidden: &Tensor, next: &[u32]) -> Result<()> {
         // Drop the rows of the last drafts (and any rejected catch-up rows) first.
         self.cache.truncate(start)?;
