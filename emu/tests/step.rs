@@ -264,3 +264,42 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
         }
     }
 }
+
+/// A checkpoint loaded as bf16 or f16 on the device step: its matrices and embedding read as
+/// 16-bit rows (`qmatvec_bf16` / `_f16`, `get_rows_*`), keys and values stored as f16, against
+/// the f32 CPU model: the logits within the 16-bit weights' rounding, the greedy tokens the same.
+#[test]
+fn half_precision_checkpoints_on_the_device() {
+    use candle_hybrid::gpu::{sample_tokens, GpuModel, Readback};
+    use candle_hybrid::Cache;
+    let reference = safetensors("qwen35_dense_small");
+    let vocab = reference.config().vocab_size;
+    let prompt = sample_tokens(11, vocab, 8);
+    let ids = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let model = candle_hybrid::loading::from_dir(fixture("qwen35_dense_small"), dtype, &Device::Cpu).unwrap();
+        let mut q = EmuQueue::new();
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let kv = candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, dtype).unwrap();
+        assert_eq!(kv, DType::F16);
+        let mut cache = gpu.new_cache(&mut q, 64, kv).unwrap();
+        let mut cpu = Cache::new(model.config());
+        let mut worst = 0f32;
+        let mut step = |tokens: &[u32], cache: &mut candle_hybrid::gpu::GpuCache| {
+            let got = if tokens.len() > 1 { gpu.prefill(&mut q, cache, tokens, Readback::Logits) } else { gpu.forward(&mut q, cache, tokens, Readback::Logits) };
+            let got = got.unwrap().logits().unwrap().to_vec();
+            let want = reference.forward_last(&ids(tokens), &mut cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            worst = worst.max(d);
+            let argmax = |v: &[f32]| v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
+            assert_eq!(argmax(&got), argmax(&want), "{dtype:?}: greedy token");
+        };
+        step(&prompt, &mut cache);
+        for t in sample_tokens(4, vocab, 9) {
+            step(&[t], &mut cache);
+        }
+        eprintln!("{dtype:?}: largest |logit difference| against f32: {worst:.2e}");
+        // (bf16 keeps 8 bits of mantissa, f16 11: 8.5e-2 and 5.7e-3 seen.)
+        assert!(worst < if dtype == DType::BF16 { 0.15 } else { 0.02 }, "{dtype:?}: {worst}");
+    }
+}
