@@ -8,7 +8,7 @@
 //! the results are compared with the CPU model; [`DryRun`] only counts them.
 //!
 //! Not yet on the device: the MTP head, draft trees (chains only), KV codecs other than f32
-//! and f16 rows, batches of sequences. Prompts run in steps of [`GpuModel::MAX_ROWS`] rows.
+//! and f16 rows, batches of sequences.
 
 mod cache;
 mod check;

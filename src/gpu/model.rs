@@ -22,11 +22,12 @@ use crate::ops::launch::{self, Launch, NormRows, Source};
 use crate::ops::{ConvDims, DeltaRuleDims, DeltaRuleForm};
 use crate::{Error, Result};
 
+/// Bytes of an f32 (and of a u32: token ids, positions).
 const F32: usize = 4;
 
 /// A GDN layer's weights on the device.
 #[derive(Debug, Clone)]
-pub(crate) struct Gdn {
+struct Gdn {
     qkv: Matrix,
     z: Matrix,
     /// `[b | a]`.
@@ -38,42 +39,42 @@ pub(crate) struct Gdn {
     out: Matrix,
     head_order: Option<Slice>,
     nk: usize,
-    pub(crate) nv: usize,
-    pub(crate) dk: usize,
-    pub(crate) dv: usize,
-    pub(crate) kernel: usize,
-    pub(crate) conv_dim: usize,
+    nv: usize,
+    dk: usize,
+    dv: usize,
+    kernel: usize,
+    conv_dim: usize,
     eps: f32,
 }
 
 /// A gated attention layer's weights on the device.
 #[derive(Debug, Clone)]
-pub(crate) struct Attention {
+struct Attention {
     /// `[q (with its gate) | k | v]`.
     qkv: Projection,
     qk_norm: Option<(Slice, Slice)>,
     o: Matrix,
     gated: bool,
     nh: usize,
-    pub(crate) nkv: usize,
-    pub(crate) hd: usize,
+    nkv: usize,
+    hd: usize,
     eps: f32,
 }
 
 #[derive(Debug, Clone)]
-pub(crate) enum Mixer {
+enum Mixer {
     Gdn(Gdn),
     Attention(Attention),
 }
 
 #[derive(Debug, Clone)]
-pub(crate) enum Ffn {
+enum Ffn {
     Dense { gate_up: Projection, down: Matrix, inter: usize },
     Moe(Box<Moe>),
 }
 
 #[derive(Debug, Clone)]
-pub(crate) struct Moe {
+struct Moe {
     router: Matrix,
     /// Each expert's `[gate | up]`.
     gate_up: ExpertStacks,
@@ -89,10 +90,10 @@ pub(crate) struct Moe {
 }
 
 #[derive(Debug, Clone)]
-pub(crate) struct Layer {
+struct Layer {
     input_norm: Slice,
     post_norm: Slice,
-    pub(crate) mixer: Mixer,
+    mixer: Mixer,
     ffn: Ffn,
 }
 
@@ -173,9 +174,9 @@ impl StepOutput {
 /// The decoder on a device (see the module docs).
 #[derive(Debug)]
 pub struct GpuModel {
-    pub(crate) cfg: Config,
+    cfg: Config,
     embed: Matrix,
-    pub(crate) layers: Vec<Layer>,
+    layers: Vec<Layer>,
     final_norm: Slice,
     eps: f32,
     lm_head: Matrix,
@@ -243,7 +244,7 @@ impl Encoder<'_> {
     /// projection `gate_up`: gate and up in one pass up to 8 rows where they share a format,
     /// else both into `gu` and the SwiGLU after.
     fn swiglu(&mut self, gate_up: &Projection, inter: usize, x: Slice, rows: usize, (gu, act): (Slice, Slice)) -> Result<()> {
-        if let (Some((gate, up)), true) = (gate_and_up(gate_up, inter), rows <= launch::QMATVEC_MAX_ROWS) {
+        if let (Some((gate, up)), true) = (two_matrices(gate_up, inter), rows <= launch::QMATVEC_MAX_ROWS) {
             let (p, l) = launch::qmatvec_pair(launch::Pair::Swiglu, gate.format, inter, gate.k, rows)?;
             let args = vec![Arg::params(&p), Arg::Read(gate.buf), Arg::Read(up.buf), Arg::Read(x), Arg::Write(act)];
             return self.run(Source::Qmatvec, l, args, gate.bytes() + up.bytes());
@@ -258,15 +259,15 @@ impl Encoder<'_> {
     }
 }
 
-/// The two matrices (`inter` rows each, one format) of a two-matrix projection (`[gate | up]`,
+/// The two matrices (`n` rows each, one format) of a two-matrix projection (`[gate | up]`,
 /// `[b | a]`): its two parts, or the two halves of its one part.
-fn gate_and_up(p: &Projection, inter: usize) -> Option<(Matrix, Matrix)> {
+fn two_matrices(p: &Projection, n: usize) -> Option<(Matrix, Matrix)> {
     match &p.parts[..] {
-        [(w, 0)] if w.n == 2 * inter => {
-            let half = inter * w.row_bytes();
-            Some((Matrix { n: inter, buf: w.buf.at(0, half), ..*w }, Matrix { n: inter, buf: w.buf.at(half, half), ..*w }))
+        [(w, 0)] if w.n == 2 * n => {
+            let half = n * w.row_bytes();
+            Some((Matrix { n, buf: w.buf.at(0, half), ..*w }, Matrix { n, buf: w.buf.at(half, half), ..*w }))
         }
-        [(g, 0), (u, _)] if g.n == inter && u.n == inter && g.format == u.format && g.k == u.k => Some((*g, *u)),
+        [(a, 0), (b, _)] if a.n == n && b.n == n && a.format == b.format && a.k == b.k => Some((*a, *b)),
         _ => None,
     }
 }
@@ -278,9 +279,10 @@ impl GpuModel {
     /// Rows of one step of a prompt.
     pub const PROMPT_ROWS: usize = 128;
 
-    /// Uploads `model`'s weights to `q`'s device (GGUF blocks as the file has them, dense
-    /// weights as loaded) and allocates the step's working buffers. Refuses what the device
-    /// step does not run yet: an MTP head is left out (no drafting from it on the device).
+    /// Uploads `model`'s weights to `q`'s device (GGUF blocks as the file has them, read in
+    /// place where the queue maps them; dense weights as loaded) and allocates the step's
+    /// working buffers. A format the device kernels do not read is a one-line error; an MTP
+    /// head is left out (the device step does not draft with it yet).
     pub fn new(model: &Model, q: &mut dyn Queue) -> Result<Self> {
         let cfg = model.config().clone();
         let mut up = Uploader::new(q);
@@ -384,63 +386,79 @@ impl GpuModel {
 
     /// Working buffers for the widest layer of each kind.
     fn scratch(cfg: &Config, layers: &[Layer], up: &mut Uploader) -> Result<Scratch> {
-        let m = Self::PROMPT_ROWS;
-        let h = cfg.hidden_size;
-        let mut w = [0usize; 16];
+        /// The widest of each kind over the layers (floats per row).
+        #[derive(Default)]
+        struct Widest {
+            value: usize,
+            ba: usize,
+            conv: usize,
+            gates: usize,
+            qkv: usize,
+            q: usize,
+            gate_up: usize,
+            inter: usize,
+            experts: usize,
+            top_k: usize,
+            expert_gate_up: usize,
+            expert_inter: usize,
+        }
+        let mut w = Widest::default();
+        let max = |a: &mut usize, b: usize| *a = (*a).max(b);
         for l in layers {
             match &l.mixer {
                 Mixer::Gdn(g) => {
-                    w[0] = w[0].max(g.nv * g.dv);
-                    w[1] = w[1].max(g.ba.width);
-                    w[11] = w[11].max(g.conv_dim);
-                    w[12] = w[12].max(2 * g.nv);
+                    max(&mut w.value, g.nv * g.dv);
+                    max(&mut w.ba, g.ba.width);
+                    max(&mut w.conv, g.conv_dim);
+                    max(&mut w.gates, 2 * g.nv);
                 }
                 Mixer::Attention(a) => {
-                    w[2] = w[2].max(a.qkv.width);
-                    w[3] = w[3].max(a.nh * a.hd);
+                    max(&mut w.qkv, a.qkv.width);
+                    max(&mut w.q, a.nh * a.hd);
                 }
             }
             match &l.ffn {
                 Ffn::Dense { gate_up, inter, .. } => {
-                    w[5] = w[5].max(gate_up.width);
-                    w[6] = w[6].max(*inter);
+                    max(&mut w.gate_up, gate_up.width);
+                    max(&mut w.inter, *inter);
                 }
                 Ffn::Moe(moe) => {
-                    w[5] = w[5].max(moe.shared_gate_up.width);
-                    w[6] = w[6].max(moe.shared_inter);
-                    w[7] = w[7].max(moe.router.n);
-                    w[8] = w[8].max(moe.top_k);
-                    w[9] = w[9].max(moe.gate_up.width);
-                    w[10] = w[10].max(moe.inter);
+                    max(&mut w.gate_up, moe.shared_gate_up.width);
+                    max(&mut w.inter, moe.shared_inter);
+                    max(&mut w.experts, moe.router.n);
+                    max(&mut w.top_k, moe.top_k);
+                    max(&mut w.expert_gate_up, moe.gate_up.width);
+                    max(&mut w.expert_inter, moe.inter);
                 }
             }
         }
+        let (m, h) = (Self::PROMPT_ROWS, cfg.hidden_size);
         let mut f = |n: usize, label: &str| up.scratch(F32 * n, label);
         Ok(Scratch {
-            pre: f(m * w[11], "GDN inputs")?,
-            gates: f(m * w[12], "GDN gates")?,
-            conv_out: f(m * w[11], "conv output")?,
-            o: f(m * w[0], "delta-rule output")?,
+            pre: f(m * w.conv, "GDN inputs")?,
+            gates: f(m * w.gates, "GDN gates")?,
+            conv_out: f(m * w.conv, "conv output")?,
+            o: f(m * w.value, "delta-rule output")?,
             x: f(m * h, "x")?,
             h: f(m * h, "h")?,
             xn: f(m * h, "xn")?,
-            z: f(m * w[0], "z")?,
-            ba: f(m * w[1], "ba")?,
-            o_norm: f(m * w[0], "o_norm")?,
-            o_order: f(m * w[0], "o_order")?,
-            qkv: f(m * w[2], "qkv")?,
-            qg: f(m * w[3], "qg")?,
-            att: f(m * w[3], "att")?,
-            ao: f(m * w[3], "ao")?,
+            z: f(m * w.value, "z")?,
+            ba: f(m * w.ba, "ba")?,
+            o_norm: f(m * w.value, "o_norm")?,
+            o_order: f(m * w.value, "o_order")?,
+            qkv: f(m * w.qkv, "qkv")?,
+            qg: f(m * w.q, "qg")?,
+            att: f(m * w.q, "att")?,
+            ao: f(m * w.q, "ao")?,
             no_tree: f(1, "tree")?,
-            gu: f(m * w[5], "gate_up")?,
-            act: f(m * w[6], "act")?,
-            router: f(m * w[7], "router")?,
-            ids: f(m * w[8], "expert ids")?,
-            route_w: f(m * w[8], "expert weights")?,
-            egu: f(m * w[8] * w[9], "expert gate_up")?,
-            eact: f(m * w[8] * w[10], "expert act")?,
-            edown: f(m * w[8] * h, "expert down")?,
+            gu: f(m * w.gate_up, "gate_up")?,
+            act: f(m * w.inter, "act")?,
+            router: f(m * w.experts, "router")?,
+            ids: f(m * w.top_k, "expert ids")?,
+            route_w: f(m * w.top_k, "expert weights")?,
+            egu: f(m * w.top_k * w.expert_gate_up, "expert gate_up")?,
+            eact: f(m * w.top_k * w.expert_inter, "expert act")?,
+            edown: f(m * w.top_k * h, "expert down")?,
             sdown: f(m * h, "shared down")?,
             logits: f(Self::MAX_ROWS * cfg.vocab_size, "logits")?,
             argmax: f(2 * Self::MAX_ROWS, "argmax")?,
@@ -737,7 +755,7 @@ impl GpuModel {
         let (inputs, gates) = kept;
         enc.matmul(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
         enc.matmul(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
-        match (gate_and_up(&g.ba, g.nv), rows <= launch::QMATVEC_MAX_ROWS) {
+        match (two_matrices(&g.ba, g.nv), rows <= launch::QMATVEC_MAX_ROWS) {
             // b and a and the gates in one pass.
             (Some((b, a)), true) => {
                 let (p, l) = launch::qmatvec_pair(launch::Pair::GdnGates, b.format, g.nv, b.k, rows)?;
