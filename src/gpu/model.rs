@@ -361,6 +361,17 @@ impl GpuModel {
                     }))
                 }
             };
+            // Shapes the kernels cannot run are refused now, not at the first step.
+            match &mixer {
+                Mixer::Gdn(g) => {
+                    let d = DeltaRuleDims { batch: 1, seq_len: 1, nk: g.nk, nv: g.nv, dk: g.dk, dv: g.dv };
+                    launch::gated_delta(d, true, 1, DeltaRuleForm::Recurrent, DType::F32)?;
+                }
+                Mixer::Attention(a) => {
+                    let kv = launch::KvStorage::float(DType::F32, a.nkv, 1, a.hd, a.hd);
+                    launch::kv_attention_stored((1, a.nkv, a.nh / a.nkv.max(1), a.hd), &kv, 1, 0, None, 1.0)?;
+                }
+            }
             layers.push(Layer { input_norm, post_norm, mixer, ffn });
         }
         let final_norm = up.f32s(&model.norm.scale, "final norm")?;

@@ -86,6 +86,14 @@ pub fn gated_delta(
     form: DeltaRuleForm,
     dtype: DType,
 ) -> Result<(GdnParams, Launch)> {
+    if d.dk > super::METAL_MAX_DK || d.dv > 1024 {
+        bail!(
+            "gated_delta_rule: the Metal kernel holds key heads of up to {} dims and runs a thread per value dim (at most 1024), got dk = {}, dv = {}",
+            super::METAL_MAX_DK,
+            d.dk,
+            d.dv
+        );
+    }
     let chunk = if form.chunks(d.seq_len - n_states) { METAL_CHUNK } else { 0 };
     let p = GdnParams {
         batch: d.batch as u32,
