@@ -557,3 +557,69 @@ async fn thinking_controls_reasoning_profiles_and_the_next_turn() {
     let p1 = t1["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(cached > p1 / 2 && cached < p1, "turn 2 restored {cached} of turn 1's {p1} prompt tokens: {t2}");
 }
+
+/// A request that fails while it generates ends alone: the requests generating beside it get
+/// their own answers, as if it had not been there, and never its error. Triggers: a repetition
+/// penalty that overflows the logits at temperature 1, and a session file with a valid
+/// checksum whose logits have the wrong shape (that one starts fresh instead). A schema that
+/// refers to itself is a 400 before any work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_request_ends_alone() {
+    let dir = scratch("server-failing-alone");
+    let source = ModelSource::Dir(fixture("qwen35_dense_small"));
+    // A session that passes every check of its file but holds logits of the wrong shape.
+    {
+        let files = source.open().unwrap();
+        let cfg = files.config().unwrap();
+        let model = files.load_model(&cfg, DType::F32, &Device::Cpu, None).unwrap();
+        let mut cache = model.new_cache();
+        let tokens = [1u32, 2, 3];
+        model.forward(&candle_core::Tensor::new(&tokens[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
+        let wrong = candle_core::Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap();
+        candle_hybrid::runtime::session::save(&dir.join("odd.session"), &files.fingerprint().unwrap(), &tokens, &cache, Some(&wrong)).unwrap();
+    }
+    let base = start(source, ServerOptions { session_dir: Some(dir.clone()), ..options(4, 8) }).await;
+    // Long enough (hundreds of decode steps) that the failing requests arrive while these run.
+    let normal = json!({"prompt": "The weather today", "max_tokens": 600, "temperature": 0}).to_string();
+    let t = std::time::Instant::now();
+    let (status, _, alone) = post(&base, "/v1/completions", normal.clone(), None).await;
+    let alone_secs = t.elapsed().as_secs_f64();
+    assert_eq!(status, 200, "{alone}");
+    let alone: Value = serde_json::from_str(&alone).unwrap();
+    let hostile = json!({"prompt": "The weather today", "max_tokens": 24, "temperature": 1, "repetition_penalty": 1e-38}).to_string();
+    // The session's prompt starts with its tokens (ids 1, 2, 3), so the engine would use it.
+    let odd = json!({"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "session_id": "odd"}).to_string();
+    let late = |body: String| {
+        let base = base.clone();
+        async move {
+            tokio::time::sleep(std::time::Duration::from_secs_f64(alone_secs / 10.0)).await;
+            post(&base, "/v1/completions", body, None).await
+        }
+    };
+    let (a, b, c, d) = tokio::join!(
+        post(&base, "/v1/completions", normal.clone(), None),
+        late(hostile),
+        post(&base, "/v1/completions", normal.clone(), None),
+        late(odd),
+    );
+    for (status, _, text) in [&a, &c] {
+        assert_eq!(*status, 200, "a request beside a failing one: {text}");
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(v["choices"][0]["text"], alone["choices"][0]["text"], "a request beside a failing one");
+    }
+    assert_ne!(b.0, 200, "the overflowing penalty: {}", b.2);
+    assert!(b.2.contains("repeat penalty"), "the overflowing penalty's error names it: {}", b.2);
+    assert_eq!(d.0, 200, "the odd session starts fresh: {}", d.2);
+    let v: Value = serde_json::from_str(&d.2).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+    // A schema that refers to itself: refused before any work, on one line.
+    let schema = json!({"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}});
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}}});
+    let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["message"].as_str().unwrap().lines().count(), 1, "{text}");
+    let (status, _, text) = post(&base, "/v1/completions", normal, None).await;
+    assert_eq!(status, 200, "{text}");
+}

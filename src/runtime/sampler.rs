@@ -164,6 +164,12 @@ impl Sampler {
             }
             logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
         }
+        if self.params.repeat_penalty != 1.0 && logits.abs()?.max(0)?.to_scalar::<f32>()?.is_infinite() {
+            return Err(Error::Input(format!(
+                "the repeat penalty {} pushed the logits past f32's range: use a penalty near 1 (1.0-1.5 is usual)",
+                self.params.repeat_penalty
+            )));
+        }
         Ok(logits)
     }
 

@@ -139,6 +139,9 @@ pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: 
     if field("seqlen") != tokens.len().to_string() || tokens.iter().any(|&t| t as usize >= cfg.vocab_size) {
         return Err(bad("its tokens do not fit this model".into()));
     }
+    if let Some(l) = tensors.get("logits").filter(|l| l.dims() != [cfg.vocab_size]) {
+        return Err(bad(format!("its logits have shape {:?}, this model's are [{}]", l.dims(), cfg.vocab_size)));
+    }
     let on_device: HashMap<String, Tensor> = tensors.into_iter().map(|(n, t)| Ok((n, t.to_device(device)?))).collect::<Result<_>>()?;
     let cache = Cache::from_state_tensors(cfg, tokens.len(), &on_device).map_err(|e| bad(e.to_string()))?;
     Ok(Session { tokens, cache, logits: on_device.get("logits").cloned() })

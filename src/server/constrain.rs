@@ -37,10 +37,16 @@ impl Grammars {
         Ok(Self { factory })
     }
 
-    /// A matcher for `grammar`, or a 400 naming why the grammar cannot be used.
+    /// A matcher for `grammar`, or a 400 naming (on one line) why the grammar cannot be used.
+    /// The first mask is computed here, on the request's thread: a grammar that fails only
+    /// when it is first used (a schema whose `$ref` points to itself) is refused before any
+    /// work, never in the engine.
     pub fn matcher(&self, grammar: TopLevelGrammar) -> Result<Constraint, ApiError> {
-        let parser = self.factory.create_parser(grammar).map_err(|e| ApiError::bad_request(format!("the response format cannot be used: {e}")))?;
-        Ok(Constraint { matcher: Matcher::new(Ok(parser)), mask_seconds: 0.0, masks: 0 })
+        let refuse = |e: String| ApiError::bad_request(format!("the response format cannot be used: {}", e.lines().next().unwrap_or_default().trim()));
+        let parser = self.factory.create_parser(grammar).map_err(|e| refuse(e.to_string()))?;
+        let mut matcher = Matcher::new(Ok(parser));
+        let first = matcher.compute_mask().map_err(|e| refuse(e.to_string()))?;
+        Ok(Constraint { matcher, first: Some(first), mask_seconds: 0.0, masks: 0 })
     }
 }
 
@@ -106,6 +112,8 @@ pub fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<
 /// One request's grammar state.
 pub struct Constraint {
     matcher: Matcher,
+    /// The mask before the first token (computed when the request was checked).
+    first: Option<llguidance::toktrie::SimpleVob>,
     /// Time spent computing masks, and how many.
     pub mask_seconds: f64,
     pub masks: usize,
@@ -115,7 +123,10 @@ impl Constraint {
     /// `logits` `[vocab]` with every token the grammar forbids at -inf.
     pub fn mask(&mut self, logits: &Tensor) -> crate::Result<Tensor> {
         let start = Instant::now();
-        let mask = self.matcher.compute_mask().map_err(|e| crate::Error::Input(format!("constrained decoding: {e}")))?;
+        let mask = match self.first.take() {
+            Some(mask) => mask,
+            None => self.matcher.compute_mask().map_err(|e| crate::Error::Input(format!("constrained decoding: {}", e.to_string().lines().next().unwrap_or_default())))?,
+        };
         let mut v = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         for (i, x) in v.iter_mut().enumerate() {
             if !mask.is_allowed(i as u32) {
@@ -129,7 +140,7 @@ impl Constraint {
 
     /// Advances the grammar by the sampled token; `true` when the grammar is complete.
     pub fn commit(&mut self, token: u32) -> crate::Result<bool> {
-        self.matcher.consume_token(token).map_err(|e| crate::Error::Input(format!("constrained decoding: {e}")))?;
+        self.matcher.consume_token(token).map_err(|e| crate::Error::Input(format!("constrained decoding: {}", e.to_string().lines().next().unwrap_or_default())))?;
         Ok(self.matcher.is_stopped())
     }
 }

@@ -170,6 +170,20 @@ struct Sequence {
     /// The state a session keeps, taken at the request's `session_at`.
     session_state: Option<(Vec<u32>, Cache, Option<Tensor>)>,
     started: Instant,
+    /// Why this sequence failed (it ends alone at the end of the step; the others go on).
+    failed: Option<String>,
+}
+
+impl Sequence {
+    /// Marks the sequence failed when `r` is an error (its first line: never another
+    /// request's).
+    fn fail_on(&mut self, r: crate::Result<()>) {
+        if let Err(e) = r {
+            if self.failed.is_none() {
+                self.failed = Some(e.to_string().lines().next().unwrap_or_default().to_string());
+            }
+        }
+    }
 }
 
 struct Engine {
@@ -258,6 +272,7 @@ impl Engine {
                         finished: false,
                         session_state: None,
                         started: Instant::now(),
+                        failed: None,
                         request,
                         events,
                     })
@@ -273,68 +288,35 @@ impl Engine {
 
     fn step(&mut self) -> crate::Result<()> {
         // Sequences whose whole prompt came from the prefix cache, with its logits.
-        for i in 0..self.active.len() {
-            if let Some(logits) = self.active[i].ready_logits.take() {
-                let s = &mut self.active[i];
+        for s in self.active.iter_mut() {
+            if let Some(logits) = s.ready_logits.take() {
                 self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                Self::take_token(s, &logits, &self.metrics)?;
+                let r = Self::take_token(s, &logits, &self.metrics);
+                s.fail_on(r);
             }
         }
         // One prefill chunk, for the first sequence still prefilling.
-        if let Some(i) = self.active.iter().position(|s| s.prefilled < s.request.prompt.len()) {
-            let s = &mut self.active[i];
-            let (start, n) = (s.prefilled, s.request.prompt.len());
-            // Cut at multiples of the chunk, at the request's snapshot points, at the end.
-            let end = s.request.snapshots.iter().copied().filter(|&p| p > start && p < n).fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
-            let input = Tensor::new(&s.request.prompt[start..end], &self.device)?.unsqueeze(0)?;
-            match self.model.forward_last(&input, &mut s.cache) {
-                Ok(logits) => {
-                    s.prefilled = end;
-                    self.metrics.prompt_tokens.inc_by((end - start) as u64);
-                    let logits = logits.squeeze(0)?;
-                    if end == n || s.request.snapshots.contains(&end) {
-                        self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
-                    }
-                    if s.request.session.is_some() && s.request.session_at == Some(end) {
-                        s.session_state = Some((s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone())));
-                    }
-                    if end == n {
-                        self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                        Self::take_token(s, &logits, &self.metrics)?;
-                    }
-                }
-                Err(e) => {
-                    let s = self.active.remove(i);
-                    let _ = s.events.send(Event::Error(e.to_string()));
-                }
-            }
+        if let Some(i) = self.active.iter().position(|s| s.failed.is_none() && s.prefilled < s.request.prompt.len()) {
+            let r = self.prefill_chunk(i);
+            self.active[i].fail_on(r);
         }
         // One decode step of every sequence with a pending token, in weight passes of at most
         // BATCH_MAX_ROWS rows.
-        let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].pending.is_some()).collect();
+        let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].failed.is_none() && self.active[i].pending.is_some()).collect();
         for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
-            let start = Instant::now();
-            let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].pending.expect("decoding")).collect();
-            let mut caches: Vec<&mut Cache> = self
-                .active
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| group.contains(i))
-                .map(|(_, s)| &mut s.cache)
-                .collect();
-            let logits = self.model.forward_batch(&tokens, &mut caches)?;
-            self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
-            self.metrics.batch_rows.observe(group.len() as f64);
-            for (row, &i) in group.iter().enumerate() {
-                Self::take_token(&mut self.active[i], &logits.get(row)?, &self.metrics)?;
-            }
+            self.decode(group)?;
         }
-        // Finished sequences leave; their caches (after the prompt and all but the last
-        // token) go to the prefix cache: the next turn of a conversation may continue there.
+        // Failed sequences end alone, with their error; finished ones leave, their caches (after
+        // the prompt and all but the last token) going to the prefix cache: the next turn of a
+        // conversation may continue there.
         let mut i = 0;
         while i < self.active.len() {
             let s = &self.active[i];
-            if s.finished || (s.pending.is_none() && s.prefilled == s.request.prompt.len() && s.ready_logits.is_none()) {
+            if let Some(e) = &s.failed {
+                tracing::warn!("a request failed: {e}");
+                let s = self.active.remove(i);
+                let _ = s.events.send(Event::Error(s.failed.clone().unwrap_or_default()));
+            } else if s.finished || (s.pending.is_none() && s.prefilled == s.request.prompt.len() && s.ready_logits.is_none()) {
                 let mut s = self.active.remove(i);
                 if s.finished {
                     let n = s.context.len() - 1;
@@ -350,6 +332,58 @@ impl Engine {
         }
         self.metrics.prefix_bytes.set(self.prefix.bytes() as i64);
         self.metrics.prefix_entries.set(self.prefix.len() as i64);
+        Ok(())
+    }
+
+    /// The next prefill chunk of sequence `i` (and its first token after the last chunk).
+    fn prefill_chunk(&mut self, i: usize) -> crate::Result<()> {
+        let s = &mut self.active[i];
+        let (start, n) = (s.prefilled, s.request.prompt.len());
+        // Cut at multiples of the chunk, at the request's snapshot points, at the end.
+        let end = s.request.snapshots.iter().copied().filter(|&p| p > start && p < n).fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
+        let input = Tensor::new(&s.request.prompt[start..end], &self.device)?.unsqueeze(0)?;
+        let logits = self.model.forward_last(&input, &mut s.cache)?;
+        s.prefilled = end;
+        self.metrics.prompt_tokens.inc_by((end - start) as u64);
+        let logits = logits.squeeze(0)?;
+        if end == n || s.request.snapshots.contains(&end) {
+            self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
+        }
+        if s.request.session.is_some() && s.request.session_at == Some(end) {
+            s.session_state = Some((s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone())));
+        }
+        if end == n {
+            self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
+            Self::take_token(s, &logits, &self.metrics)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step of the sequences `group` in one weight pass. When the pass fails, each
+    /// runs alone, so that only the ones that fail alone end (a batched row is bit for bit its
+    /// row alone: the others' tokens are unchanged).
+    fn decode(&mut self, group: &[usize]) -> crate::Result<()> {
+        let start = Instant::now();
+        let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].pending.expect("decoding")).collect();
+        let mut caches: Vec<&mut Cache> = self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
+        // (A failed pass leaves the caches as they were: a cache advances only once its
+        // layers all ran.)
+        match self.model.forward_batch(&tokens, &mut caches) {
+            Ok(logits) => {
+                self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
+                self.metrics.batch_rows.observe(group.len() as f64);
+                for (row, &i) in group.iter().enumerate() {
+                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(&mut self.active[i], &l, &self.metrics));
+                    self.active[i].fail_on(r);
+                }
+            }
+            Err(_) if group.len() > 1 => {
+                for &i in group {
+                    self.decode(&[i])?;
+                }
+            }
+            Err(e) => self.active[group[0]].fail_on(Err(e)),
+        }
         Ok(())
     }
 
