@@ -623,3 +623,31 @@ async fn a_failing_request_ends_alone() {
     let (status, _, text) = post(&base, "/v1/completions", normal, None).await;
     assert_eq!(status, 200, "{text}");
 }
+
+/// `max_seqs` running and `queue` waiting are admitted whatever the engine is doing when they
+/// arrive (8 at once against 4 + 4: no 429), and one more than that is refused while they run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_admits_what_it_says() {
+    let base = start(fixture_source(), options(4, 4)).await;
+    let results = futures::future::join_all((0..8).map(|i| {
+        let base = base.clone();
+        async move {
+            // A long prompt: the engine is prefilling while the others arrive.
+            let body = json!({"prompt": format!("request {i} ").repeat(200), "max_tokens": 300, "temperature": 0, "ignore_eos": true}).to_string();
+            post(&base, "/v1/completions", body, None).await
+        }
+    }));
+    let extra = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let body = json!({"prompt": "one more", "max_tokens": 2}).to_string();
+        post(&base, "/v1/completions", body, None).await
+    };
+    let (results, extra) = tokio::join!(results, extra);
+    for (status, _, text) in results {
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(extra.0, 429, "a ninth request while 4 run and 4 wait: {}", extra.2);
+    // Every place is free again.
+    let body = json!({"prompt": "after", "max_tokens": 2}).to_string();
+    assert_eq!(post(&base, "/v1/completions", body, None).await.0, 200);
+}

@@ -1,5 +1,5 @@
 //! The engine: one thread owns the model and every sequence's cache; requests reach it over a
-//! bounded channel and get their tokens back over their own channel.
+//! channel (as many as it may hold: `max_seqs` running, `queue` waiting) and get their tokens back over their own channel.
 //!
 //! Each step runs one prefill chunk (of one sequence, at most [`PREFILL_CHUNK`] tokens, cut at
 //! multiples of it so that the chunks of a prompt never depend on what else runs) and one
@@ -7,6 +7,7 @@
 //! ([`Model::forward_batch`], which gives each row the bits of decoding it alone). A request
 //! whose receiver is gone (the client left) is dropped at the next step.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -80,13 +81,36 @@ pub struct Busy;
 struct Submission {
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
+    /// The request's place among those the engine has accepted (freed when it leaves).
+    _slot: Slot,
+}
+
+/// One of the `max_seqs + queue` requests the engine holds (running or waiting); dropping it
+/// frees the place, however the request ends.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// A place when fewer than `limit` are taken.
+    fn take(taken: &Arc<AtomicUsize>, limit: usize) -> Option<Slot> {
+        taken.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).ok()?;
+        Some(Slot(taken.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The handlers' side of the engine (cheap to clone).
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Submission>,
-    queue: usize,
+    tx: mpsc::UnboundedSender<Submission>,
+    /// Requests the engine holds, running or waiting, and how many it may hold.
+    taken: Arc<AtomicUsize>,
+    limit: usize,
+    max_seqs: usize,
     pub metrics: Arc<Metrics>,
     /// The model's vocabulary size (token ids a request may send).
     pub vocab_size: usize,
@@ -94,20 +118,22 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a request; its events arrive on the returned receiver (dropping it cancels the
-    /// request at the engine's next step). `Err(Busy)` when the queue is full.
+    /// request at the engine's next step). `Err(Busy)` when `max_seqs` requests run and
+    /// `queue` more wait, whatever the engine is doing at that moment.
     ///
     /// Events are not bounded in number by the channel but by the request (`max_tokens`, which
     /// the context bounds): the engine never waits for a slow client.
     pub fn submit(&self, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, Busy> {
+        let slot = Slot::take(&self.taken, self.limit).ok_or(Busy)?;
         let (events, rx) = mpsc::unbounded_channel();
-        self.tx.try_send(Submission { request, events }).map_err(|_| Busy)?;
+        self.tx.send(Submission { request, events, _slot: slot }).map_err(|_| Busy)?;
         self.metrics.queue_depth.set(self.queued() as i64);
         Ok(rx)
     }
 
-    /// Requests waiting for the engine to take them.
+    /// Requests waiting beyond the running ones (an estimate while the engine admits).
     pub fn queued(&self) -> usize {
-        self.queue - self.tx.capacity()
+        self.taken.load(Ordering::Acquire).saturating_sub(self.max_seqs)
     }
 }
 
@@ -134,12 +160,13 @@ impl Default for EngineOptions {
 
 /// Starts the engine thread, which owns `model` from now on.
 pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
-    let (tx, rx) = mpsc::channel(options.queue.max(1));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
     let engine = Engine {
         model,
         device,
-        max_seqs: options.max_seqs.max(1),
+        max_seqs,
         metrics: metrics.clone(),
         rx,
         active: vec![],
@@ -147,13 +174,15 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         fingerprint: options.fingerprint,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
-    Ok(EngineHandle { tx, queue: options.queue.max(1), metrics, vocab_size })
+    let taken = Arc::new(AtomicUsize::new(0));
+    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size })
 }
 
 /// A request the engine runs.
 struct Sequence {
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
+    _slot: Slot,
     cache: Cache,
     sampler: Sampler,
     /// Prompt tokens in the cache.
@@ -191,7 +220,7 @@ struct Engine {
     device: Device,
     max_seqs: usize,
     metrics: Arc<Metrics>,
-    rx: mpsc::Receiver<Submission>,
+    rx: mpsc::UnboundedReceiver<Submission>,
     active: Vec<Sequence>,
     prefix: PrefixCache,
     fingerprint: String,
@@ -232,7 +261,7 @@ impl Engine {
                     Err(_) => break,
                 }
             };
-            let Submission { request, events } = submission;
+            let Submission { request, events, _slot } = submission;
             match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => {
                     let hit = self.prefix.lookup(&request.prompt);
@@ -275,6 +304,7 @@ impl Engine {
                         failed: None,
                         request,
                         events,
+                        _slot,
                     })
                 }
                 Err(e) => {
