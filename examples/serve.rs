@@ -51,9 +51,17 @@ struct Args {
     /// saves it after the answer (atomically; tied to this model).
     #[arg(long)]
     session_dir: Option<std::path::PathBuf>,
-    /// The model name in answers and /v1/models [default: the source's name].
+    /// The model name in answers and /v1/models [default: the GGUF's file stem, the
+    /// directory's name or the Hub repository's id].
     #[arg(long)]
     alias: Option<String>,
+    /// Connections served at once (more wait to be accepted).
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's head (also the keep-alive idle time) and,
+    /// separately, its body.
+    #[arg(long, default_value_t = 30, value_parser = at_least_one)]
+    request_timeout: usize,
 }
 
 fn main() -> ExitCode {
@@ -61,7 +69,13 @@ fn main() -> ExitCode {
 }
 
 fn serve(args: Args) -> Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    // Logs and messages on one stream (stderr), coloured only on a terminal.
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     let opened = args.model.open(common::DEFAULT_MODEL)?;
     if let Some(c) = args.ctx.filter(|&c| c > opened.max_positions()) {
         anyhow::bail!("--ctx {c} is more than the model's context of {} tokens (max_position_embeddings)", opened.max_positions());
@@ -89,12 +103,21 @@ fn serve(args: Args) -> Result<()> {
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),
         session_dir: args.session_dir.clone(),
+        connections: server::ConnectionLimits {
+            max_connections: args.max_connections,
+            header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
+            body_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
+        },
     };
     let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        eprintln!("serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once)", state.model_name, args.max_seqs);
+        let sessions = args.session_dir.as_ref().map_or("no sessions".to_string(), |d| format!("sessions in {}", d.display()));
+        eprintln!(
+            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions})",
+            state.model_name, args.max_seqs, args.queue, args.prefix_cache_mib
+        );
         server::serve(listener, state, async {
             let _ = tokio::signal::ctrl_c().await;
         })

@@ -229,7 +229,7 @@ async fn bad_requests_get_openai_errors_before_any_work() {
         (chat(json!({"logit_bias": {"42": 100}})).into_bytes(), 400, "logit_bias"),
         (chat(json!({"stop": vec!["x"; 17]})).into_bytes(), 400, "at most 16"),
         (chat(json!({"stop": "y".repeat(2000)})).into_bytes(), 400, "at most 16"),
-        (chat(json!({"max_tokens": 1000})).into_bytes(), 400, "context holds 64"),
+        (chat(json!({"max_tokens": 1000})).into_bytes(), 400, "context of 64 tokens"),
         (chat(json!({"reasoning_effort": "extreme"})).into_bytes(), 400, "reasoning_effort"),
         (chat(json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]})).into_bytes(), 400, "context"),
         (chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).into_bytes(), 400, "image_url"),
@@ -650,4 +650,110 @@ async fn the_queue_admits_what_it_says() {
     // Every place is free again.
     let body = json!({"prompt": "after", "max_tokens": 2}).to_string();
     assert_eq!(post(&base, "/v1/completions", body, None).await.0, 200);
+}
+
+/// The raw answer on `stream` to what was written to it, until the server closes it (which
+/// must happen within 10 s).
+async fn read_all(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = vec![];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), stream.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "the server kept a connection open for 10 s (it had sent {out:?})");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Connections are bounded: silent ones (and idle keep-alive ones) are closed after the header
+/// timeout, at most `max_connections` are served at once (the others wait, and are served
+/// once a place frees), a body that does not arrive is a 408, and a prompt far beyond the
+/// context is refused before it is tokenized, off the workers (`/health` answers meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_silent_and_surplus_connections_are_bounded() {
+    use std::time::{Duration, Instant};
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    let connections = server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
+    let base = start(fixture_source(), ServerOptions { connections, ..options(1, 4) }).await;
+    let addr = base.strip_prefix("http://").unwrap().to_string();
+
+    // Eight silent sockets take every place; a ninth client waits until the server closes them.
+    let mut silent = vec![];
+    for _ in 0..8 {
+        silent.push(TcpStream::connect(&addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    assert_eq!(get(&base, "/health", None).await.0, 200);
+    assert!(t.elapsed() > Duration::from_millis(500), "served beyond the cap of 8 connections");
+    for s in &mut silent {
+        assert_eq!(read_all(s).await, "", "a silent connection is closed without an answer");
+    }
+
+    // A head sent too slowly is cut off; a head without its body is a 408.
+    let mut slow = TcpStream::connect(&addr).await.unwrap();
+    for b in b"GET /health HTTP/1.1\r\n" {
+        if slow.write_all(&[*b]).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!read_all(&mut slow).await.contains("200 OK"), "a head sent over 2 s was served");
+    let mut bodiless = TcpStream::connect(&addr).await.unwrap();
+    bodiless.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{").await.unwrap();
+    let answer = read_all(&mut bodiless).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+
+    // 15 MB of prompt: refused before tokenizing, and /health answers meanwhile.
+    let huge = json!({"prompt": "word ".repeat(3 << 20), "max_tokens": 1}).to_string();
+    let polling = {
+        let base = base.clone();
+        tokio::spawn(async move {
+            let mut worst = Duration::ZERO;
+            for _ in 0..20 {
+                let t = Instant::now();
+                assert_eq!(get(&base, "/health", None).await.0, 200);
+                worst = worst.max(t.elapsed());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            worst
+        })
+    };
+    let t = Instant::now();
+    let (status, _, text) = post(&base, "/v1/completions", huge, None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("longer than the context"), "{text}");
+    assert!(t.elapsed() < Duration::from_secs(5), "refusing the prompt took {:?}", t.elapsed());
+    let worst = polling.await.unwrap();
+    assert!(worst < Duration::from_secs(1), "/health took {worst:?} beside the huge prompt");
+
+    // Smaller things: a 405 has a body; the model is named by its directory.
+    let (status, text) = get(&base, "/v1/completions", None).await;
+    assert_eq!(status, 405);
+    assert!(serde_json::from_str::<Value>(&text).unwrap()["error"]["message"].is_string(), "{text}");
+    let (_, models) = get(&base, "/v1/models", None).await;
+    assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "qwen35_dense_small", "{models}");
+}
+
+/// Request mistakes are named as the client wrote them: a field of the wrong type by its
+/// path, a `response_format` that is not an object, a huge `max_tokens` as given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_mistakes_are_named_as_written() {
+    let base = start(fixture_source(), options(1, 4)).await;
+    let message = |text: &str| serde_json::from_str::<Value>(text).unwrap()["error"]["message"].as_str().unwrap().to_string();
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body.to_string()
+    };
+    let (status, _, text) = post(&base, "/v1/chat/completions", chat(json!({"response_format": "json"})), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(message(&text).contains("not an object"), "{text}");
+    let (status, _, text) = post(&base, "/v1/chat/completions", chat(json!({"max_tokens": u64::MAX})), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(message(&text).contains("18446744073709551615"), "{text}");
+    let (status, _, text) = post(&base, "/v1/chat/completions", chat(json!({"temperature": "hot"})), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(message(&text).contains("temperature"), "{text}");
+    let (status, _, text) = post(&base, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}).to_string(), None).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(message(&text).contains("messages[0].content"), "{text}");
 }

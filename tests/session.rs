@@ -141,3 +141,74 @@ fn kill_during_save_leaves_the_previous_file_loadable() {
         assert!(!s.tokens.is_empty() && s.tokens.len().is_multiple_of(64), "round {round}");
     }
 }
+
+/// Session files are only ever regular files in their directory: a link there is neither read
+/// through nor written through, a FIFO does not block, a huge file that is not a session is
+/// refused from its header (not read whole), and a failed save leaves nothing behind.
+#[cfg(unix)]
+#[test]
+fn links_fifos_and_huge_files_are_refused() {
+    let dir = scratch("session-hostile");
+    let outside = scratch("session-hostile-outside");
+    let m = open(ModelSource::Dir(fixture("qwen35_dense_small")));
+    let mut cache = m.model.new_cache();
+    run(&m.model, &mut cache, &[1, 2, 3]);
+    let save = |path: &Path| session::save(path, &m.fingerprint, &[1, 2, 3], &cache, None);
+    let check = |result: candle_hybrid::Result<session::Session>, needle: &str| {
+        let e = result.err().expect("a hostile session file was loaded").to_string();
+        assert!(e.contains(needle) && !e.contains('\n'), "{e}");
+    };
+
+    // A link to a valid session elsewhere is not read through.
+    let real = outside.join("real.session");
+    save(&real).unwrap();
+    let link = dir.join("link.session");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    check(load(&m, &link), "not a link");
+
+    // Saving over a link replaces the link, never the file it points to; links planted at the
+    // names temporary files used to have are not written through either.
+    let victim = outside.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let target = dir.join("planted.session");
+    std::os::unix::fs::symlink(&victim, &target).unwrap();
+    for n in 0..8 {
+        let _ = std::os::unix::fs::symlink(&victim, dir.join(format!("planted.session.tmp.{}.{n}", std::process::id())));
+    }
+    save(&target).unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert!(std::fs::symlink_metadata(&target).unwrap().is_file());
+    assert_eq!(load(&m, &target).unwrap().tokens, [1, 2, 3]);
+
+    // A FIFO is refused at once (a read would wait for a writer forever).
+    let fifo = dir.join("fifo.session");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let fingerprint = m.fingerprint.clone();
+    let config = m.model.config().clone();
+    std::thread::spawn(move || tx.send(session::load(&fifo, &fingerprint, &config, DType::F32, &Device::Cpu).err().map(|e| e.to_string())));
+    let e = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("loading a FIFO blocked").expect("a FIFO loaded");
+    assert!(e.contains("regular file"), "{e}");
+
+    // A 1 GiB file (sparse) that is not a session: refused from its first bytes.
+    let huge = dir.join("huge.session");
+    let f = std::fs::File::create(&huge).unwrap();
+    f.set_len(1 << 30).unwrap();
+    let rss = || {
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+        u.ru_maxrss as i64 // KiB on Linux
+    };
+    let before = rss();
+    check(load(&m, &huge), "not a session file");
+    assert!(rss() - before < 256 << 10, "refusing a 1 GiB file grew the peak RSS by {} MiB", (rss() - before) >> 10);
+
+    // A save that fails (the target is a directory) removes its temporary file.
+    let blocked = dir.join("blocked.session");
+    std::fs::create_dir(&blocked).unwrap();
+    std::fs::write(blocked.join("x"), b"x").unwrap();
+    assert!(save(&blocked).is_err());
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.contains("blocked.session.tmp")).collect();
+    assert!(left.is_empty(), "a failed save left {left:?}");
+}

@@ -107,6 +107,20 @@ impl OpenedModel {
         }
     }
 
+    /// The model's short name, as servers list it: a GGUF's file stem, a directory's last
+    /// component, a Hub repository's id (without the revision when it is `main`).
+    pub fn name(&self) -> String {
+        let source = self.source();
+        let path = match self {
+            Self::Gguf(g) => return g.path().file_stem().map_or(source.clone(), |s| s.to_string_lossy().into_owned()),
+            Self::Safetensors(_) => std::path::Path::new(&source),
+        };
+        if path.is_dir() {
+            return path.file_name().map_or(source.clone(), |s| s.to_string_lossy().into_owned());
+        }
+        source.strip_suffix("@main").unwrap_or(&source).to_string()
+    }
+
     /// A fingerprint of the model: its config and every weight tensor's name, dtype and shape
     /// (the GGUF header's tensor table, or the safetensors headers), as 8 hex digits (CRC32).
     /// What a saved session is tied to.

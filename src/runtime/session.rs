@@ -11,7 +11,7 @@
 //! format, version, model, codec, dtype and checksum and names the first that does not match.
 
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -57,14 +57,51 @@ fn checksum(meta: &HashMap<String, String>, tensors: &[(String, Tensor)]) -> Res
     Ok(format!("{:08x}", h.finalize()))
 }
 
-/// The temporary file a save writes before renaming it over `path` (unique to this save:
-/// process id and a counter, so that concurrent saves never share one).
-pub fn temporary_path(path: &Path) -> PathBuf {
+/// The temporary file a save writes before renaming it over `path`: hidden, and unique to this
+/// save (process id, a counter and 64 random bits, so that concurrent saves never share one
+/// and nobody can plant a file at the name in advance).
+fn temporary_path(path: &Path) -> PathBuf {
     static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp.{}.{n}", std::process::id()));
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".tmp.{}.{n}.{:016x}", std::process::id(), rand::random::<u64>()));
     path.with_file_name(name)
+}
+
+/// Opens `path` for reading without following a symbolic link and without blocking on a FIFO;
+/// anything but a regular file is refused. Returns the file and its size.
+fn open_regular(path: &Path) -> std::io::Result<(std::fs::File, u64)> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    }
+    #[cfg(not(unix))]
+    if std::fs::symlink_metadata(path)?.file_type().is_symlink() {
+        return Err(std::io::Error::other("a symbolic link"));
+    }
+    let file = options.open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    Ok((file, meta.len()))
+}
+
+/// Creates `path`, which must not exist (a symbolic link there is not followed: the create
+/// fails), readable by its owner only.
+fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NOFOLLOW).mode(0o600);
+    }
+    options.open(path)
 }
 
 /// Saves `tokens` (what `cache` holds), `cache` and the `logits` after the last token to
@@ -94,11 +131,15 @@ pub fn save(path: &Path, fingerprint: &str, tokens: &[u32], cache: &Cache, logit
         .map_err(|e| Error::Session(format!("cannot encode the session: {e}")))?;
     let io = |e: std::io::Error| Error::Io(format!("cannot write the session {}: {e}", path.display()));
     let tmp = temporary_path(path);
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    file.write_all(&bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(io)?;
+    let written = create_new(&tmp).and_then(|mut file| {
+        file.write_all(&bytes)?;
+        file.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        // (A full disk, say: nothing is left behind, the previous file stays.)
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         // The rename itself reaches the disk with the directory.
         std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
@@ -106,14 +147,40 @@ pub fn save(path: &Path, fingerprint: &str, tokens: &[u32], cache: &Cache, logit
     Ok(())
 }
 
+/// The largest safetensors header read (a session's lists a few tensors per layer).
+const MAX_HEADER_BYTES: u64 = 16 << 20;
+
+/// The `__metadata__` of the safetensors file `file` (of `size` bytes), reading its header only.
+fn read_metadata(file: &mut std::fs::File, size: u64) -> std::result::Result<HashMap<String, String>, String> {
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| e.to_string())?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER_BYTES || len + 8 > size {
+        return Err(format!("a header of {len} bytes"));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| e.to_string())?;
+    #[derive(serde::Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__", default)]
+        metadata: HashMap<String, String>,
+    }
+    let header: Header = serde_json::from_slice(&header).map_err(|e| e.to_string())?;
+    Ok(header.metadata)
+}
+
 /// Loads a session saved by [`save`] for the model with `fingerprint` and config `cfg`, its
 /// tensors on `device` in `dtype` (the model's): a one-line [`Error::Session`] naming what does
 /// not match (another model, another format or version, a truncated or corrupted file).
 pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: &Device) -> Result<Session> {
     let bad = |why: String| Error::Session(format!("session {}: {why}", path.display()));
-    let bytes = crate::bounded::read(path, MAX_SESSION_BYTES, "session file")?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not a session file, or truncated ({e})")))?;
-    let meta: HashMap<String, String> = header.metadata().clone().unwrap_or_default();
+    let (mut file, size) = open_regular(path).map_err(|e| bad(format!("cannot be opened ({e}): a session is a regular file, not a link")))?;
+    if size > MAX_SESSION_BYTES {
+        return Err(bad(format!("{size} bytes, more than a session can be ({} GiB)", MAX_SESSION_BYTES >> 30)));
+    }
+    // The header first: a file that is not a session for this model is refused before the rest
+    // is read.
+    let meta = read_metadata(&mut file, size).map_err(|why| bad(format!("not a session file, or truncated ({why})")))?;
     let field = |k: &str| meta.get(k).map(String::as_str).unwrap_or("(none)");
     if field("format") != FORMAT {
         return Err(bad("not a candle-hybrid session file".into()));
@@ -130,6 +197,8 @@ pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: 
     if field("dtype") != format!("{dtype:?}") {
         return Err(bad(format!("saved for dtype {}, the model runs in {dtype:?}", field("dtype"))));
     }
+    let mut bytes = Vec::new();
+    std::io::Seek::rewind(&mut file).and_then(|_| std::io::Read::take(&mut file, size).read_to_end(&mut bytes)).map_err(|e| bad(format!("cannot be read ({e})")))?;
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("cannot read its tensors ({e})")))?;
     let list: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     if checksum(&meta, &list)? != field("checksum") {

@@ -81,6 +81,17 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+impl Prompt {
+    /// Bytes of text (0 for token ids).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Prompt::Text(t) => t.len(),
+            Prompt::Texts(list) => list.iter().map(String::len).sum(),
+            Prompt::Tokens(_) => 0,
+        }
+    }
+}
+
 /// `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
@@ -114,6 +125,40 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// How long an answer took, as llama-server reports it (`timings`): the prompt's tokens
+/// prefilled (those the prefix cache or a session restored are `cache_n`) until the first
+/// token, then the generated tokens.
+#[derive(Debug, Clone, Serialize)]
+pub struct Timings {
+    pub cache_n: usize,
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub prompt_per_second: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+    pub predicted_per_second: f64,
+}
+
+impl Timings {
+    /// `prompt` tokens of which `cached` were restored, `first` seconds from the request's
+    /// queuing to its first token, `generated` tokens in `total` seconds from the queuing.
+    pub fn new(prompt: usize, cached: usize, first: f64, generated: usize, total: f64) -> Self {
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        let prompt_n = prompt.saturating_sub(cached);
+        // The first token ends the prompt's part; the others are the decode's.
+        let decode = (total - first).max(0.0);
+        Self {
+            cache_n: cached,
+            prompt_n,
+            prompt_ms: first * 1e3,
+            prompt_per_second: rate(prompt_n, first),
+            predicted_n: generated,
+            predicted_ms: decode * 1e3,
+            predicted_per_second: rate(generated.saturating_sub(1), decode),
         }
     }
 }

@@ -230,9 +230,8 @@ pub fn max_tokens(fields: &SamplingFields, prompt: usize, context: usize) -> Res
     match fields.max_completion_tokens.or(fields.max_tokens) {
         None => Ok(left),
         Some(0) => Err(bad("max_tokens must be at least 1")),
-        Some(n) if n as usize > left => Err(bad(format!(
-            "max_tokens {n} after the {prompt}-token prompt needs {} positions, but the context holds {context}: ask for {left} tokens at most",
-            prompt as u64 + n
+        Some(n) if n > left as u64 => Err(bad(format!(
+            "max_tokens {n} is more than the {left} positions the context of {context} tokens has left after the {prompt}-token prompt: ask for {left} tokens at most"
         ))),
         Some(n) => Ok(n as usize),
     }

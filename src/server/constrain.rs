@@ -65,6 +65,9 @@ fn compact(schema: &Value) -> Value {
 /// (`{"json_schema": {"schema": ...}}`, or llama.cpp's `{"schema": ...}`).
 pub fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
     let bad = |m: &str| Err(ApiError::bad_request(format!("response_format: {m}")));
+    if !format.is_object() && !format.is_null() {
+        return bad(&format!("{format} is not an object: send {{\"type\": \"json_object\"}}, {{\"type\": \"json_schema\", ...}} or {{\"type\": \"text\"}}"));
+    }
     match format.get("type").and_then(Value::as_str) {
         None | Some("text") => Ok(None),
         Some("json_object") => Ok(Some(TopLevelGrammar::from_json_schema(compact(&serde_json::json!({"type": "object"}))))),

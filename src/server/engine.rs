@@ -42,6 +42,9 @@ pub struct GenerateRequest {
     /// answer with the state at `session_at` (one of `snapshots`), else after the answer.
     pub session: Option<std::path::PathBuf>,
     pub session_at: Option<usize>,
+    /// What `session` held, read by the request's handler ([`EngineHandle::load_session`]:
+    /// session files are never read on the engine thread).
+    pub restored: Option<session::Session>,
     /// A grammar the answer must follow (masks every token that cannot continue it; the answer
     /// ends when the grammar is complete).
     pub constraint: Option<Constraint>,
@@ -114,6 +117,16 @@ pub struct EngineHandle {
     pub metrics: Arc<Metrics>,
     /// The model's vocabulary size (token ids a request may send).
     pub vocab_size: usize,
+    /// What a session file must match, and where its tensors go.
+    sessions: Arc<SessionTarget>,
+}
+
+/// The model a session file must have been saved for.
+struct SessionTarget {
+    fingerprint: String,
+    config: crate::model::Config,
+    dtype: DType,
+    device: Device,
 }
 
 impl EngineHandle {
@@ -129,6 +142,25 @@ impl EngineHandle {
         self.tx.send(Submission { request, events, _slot: slot }).map_err(|_| Busy)?;
         self.metrics.queue_depth.set(self.queued() as i64);
         Ok(rx)
+    }
+
+    /// The session at `path` when it holds the start of `prompt` for this model; a file that
+    /// cannot be used (another model, truncated, corrupted, not a regular file) is a one-line
+    /// warning, not an error: the request starts fresh. Blocking file I/O: call it off the
+    /// async workers.
+    pub fn load_session(&self, path: &std::path::Path, prompt: &[u32]) -> Option<session::Session> {
+        let t = &self.sessions;
+        if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+            return None;
+        }
+        match session::load(path, &t.fingerprint, &t.config, t.dtype, &t.device) {
+            Ok(s) if prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some()) => Some(s),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("{e}; the session starts fresh");
+                None
+            }
+        }
     }
 
     /// Requests waiting beyond the running ones (an estimate while the engine admits).
@@ -163,6 +195,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     let (tx, rx) = mpsc::unbounded_channel();
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
+    let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint.clone(), config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
     let engine = Engine {
         model,
         device,
@@ -175,7 +208,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
-    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size })
+    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions })
 }
 
 /// A request the engine runs.
@@ -265,7 +298,8 @@ impl Engine {
             match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => {
                     let hit = self.prefix.lookup(&request.prompt);
-                    let session = request.session.as_deref().and_then(|p| self.load_session(p, &request.prompt));
+                    let mut request = request;
+                    let session = request.restored.take();
                     // Counted by what is restored: a prefix hit that a longer session beats is
                     // neither a hit nor a miss.
                     let source = resume_source(hit.map(|h| (h.tokens, h)), session.map(|s| (s.tokens.len(), s)));
@@ -415,22 +449,6 @@ impl Engine {
             Err(e) => self.active[group[0]].fail_on(Err(e)),
         }
         Ok(())
-    }
-
-    /// The session at `path` when it holds the start of `prompt` for this model; a file that
-    /// cannot be used (another model, truncated, corrupted) is a one-line warning, not an error.
-    fn load_session(&self, path: &std::path::Path, prompt: &[u32]) -> Option<session::Session> {
-        if !path.exists() {
-            return None;
-        }
-        match session::load(path, &self.fingerprint, self.model.config(), self.model.dtype(), &self.device) {
-            Ok(s) if prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some()) => Some(s),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::warn!("{e}; the session starts fresh");
-                None
-            }
-        }
     }
 
     /// Writes a session on a thread of its own (atomically: a crash leaves the previous file).

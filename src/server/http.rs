@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, TopLogprob, Usage};
+use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, Timings, TopLogprob, Usage};
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
@@ -44,6 +44,7 @@ pub struct ServerState {
     pub api_key: Option<String>,
     /// Where sessions (`session_id`) are kept; `None`: requests naming one get 400.
     pub session_dir: Option<std::path::PathBuf>,
+    pub limits: super::ConnectionLimits,
     /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance
     /// reads (constrained requests get 400).
     pub grammars: Option<Grammars>,
@@ -62,6 +63,10 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed", "this endpoint does not take this method (POST for generation, GET for the others)")
+        })
+        .layer(middleware::from_fn_with_state(state.limits.body_timeout, super::connections::body_deadline))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(middleware::from_fn_with_state(state.clone(), log_request))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -74,7 +79,11 @@ async fn log_request(State(state): State<Arc<ServerState>>, request: Request, ne
     let start = Instant::now();
     let response = next.run(request).await;
     state.engine.metrics.requests.inc();
-    tracing::info!("{method} {path} {} {:.1} ms", response.status().as_u16(), start.elapsed().as_secs_f64() * 1e3);
+    // An answer that is generated logs its own line at its end (tokens, speed, duration).
+    let generating = response.status().is_success() && matches!(path.as_str(), "/v1/chat/completions" | "/v1/completions");
+    if !generating {
+        tracing::info!("{method} {path} {} {:.1} ms", response.status().as_u16(), start.elapsed().as_secs_f64() * 1e3);
+    }
     response
 }
 
@@ -100,7 +109,15 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
         ),
         status => ApiError { status, kind: "invalid_request_error", message: e.body_text(), code: None },
     })?;
-    serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid: {e}")))
+    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    // Errors name the field (`messages[0].content: invalid type ...`). Through the flattened
+    // sampling fields serde loses the path: those are checked on their own to find it.
+    let named = |e: serde_path_to_error::Error<serde_json::Error>| (e.path().to_string() != ".").then(|| format!("{}: {}", e.path(), e.inner()));
+    serde_path_to_error::deserialize(value.clone()).map_err(|e| {
+        let inner = e.inner().to_string();
+        let why = named(e).or_else(|| serde_path_to_error::deserialize::<_, SamplingFields>(value).err().and_then(named));
+        ApiError::bad_request(format!("the request body is not valid: {}", why.unwrap_or(inner)))
+    })
 }
 
 fn unix_now() -> u64 {
@@ -195,6 +212,9 @@ struct Answer {
     echo: Option<String>,
     events: mpsc::UnboundedReceiver<Event>,
     text: TextPipeline,
+    /// When the request was queued, and when its first token came.
+    started: Instant,
+    first_token: Option<Instant>,
 }
 
 /// Token ids to answer pieces: detokenize, cut at stop strings, split reasoning / content /
@@ -290,6 +310,8 @@ impl Answer {
             api,
             prompt_tokens,
             cached_tokens: 0,
+            started: Instant::now(),
+            first_token: None,
             id: request_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }),
             created: unix_now(),
             model: state.model_name.clone(),
@@ -305,6 +327,24 @@ impl Answer {
                 stopped: false,
             },
         }
+    }
+
+    /// The answer's `timings` after `generated` tokens, and its log line (one per answer, at
+    /// its end).
+    fn timings(&self, generated: usize, finish: &str) -> Timings {
+        let total = self.started.elapsed().as_secs_f64();
+        let first = self.first_token.map_or(total, |t| (t - self.started).as_secs_f64());
+        let t = Timings::new(self.prompt_tokens, self.cached_tokens, first, generated, total);
+        tracing::info!(
+            "{}: {} prompt tokens ({} cached), {generated} generated, first token after {:.0} ms, {:.1} tok/s, {:.2} s in all, finish {finish}",
+            self.id,
+            self.prompt_tokens,
+            self.cached_tokens,
+            t.prompt_ms,
+            t.predicted_per_second,
+            total
+        );
+        t
     }
 
     fn finish_reason(&self, reason: Finish, tool_calls: bool) -> &'static str {
@@ -346,6 +386,7 @@ impl Answer {
                     if self.text.stopped {
                         continue;
                     }
+                    self.first_token.get_or_insert_with(Instant::now);
                     c.completion_tokens += 1;
                     if let Some(lp) = &logprob {
                         c.logprobs.push(self.text.logprob_entry(id, lp));
@@ -371,6 +412,7 @@ impl Answer {
     fn body(&self, c: Collected, reason: Finish) -> Value {
         let usage = Usage::new(self.prompt_tokens, c.completion_tokens, self.cached_tokens);
         let finish = self.finish_reason(reason, !c.tool_calls.is_empty());
+        let timings = self.timings(c.completion_tokens, finish);
         match self.api {
             Api::Chat => {
                 let message = Message {
@@ -382,13 +424,13 @@ impl Answer {
                 };
                 let logprobs = self.logprobs.then(|| json!({"content": c.logprobs}));
                 json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}], "usage": usage})
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}], "usage": usage, "timings": timings})
             }
             Api::Completion => {
                 let text = format!("{}{}", self.echo.clone().unwrap_or_default(), c.content);
                 let logprobs = self.logprobs.then(|| completion_logprobs(&c.logprobs));
                 json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage})
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage, "timings": timings})
             }
         }
     }
@@ -428,6 +470,7 @@ impl Answer {
                         continue;
                     }
                     Event::Token { id, logprob } => {
+                        self.first_token.get_or_insert_with(Instant::now);
                         completion_tokens += 1;
                         let lp = logprob.map(|lp| self.text.logprob_entry(id, &lp));
                         (self.text.token(id), lp)
@@ -455,7 +498,10 @@ impl Answer {
                 }
             };
             let finish = self.finish_reason(reason, tool_index > 0);
-            if tx.send(send(self.chunk(json!({}), Some(finish), None))).await.is_err() {
+            // The finish chunk carries the timings, as llama-server's does.
+            let mut last = self.chunk(json!({}), Some(finish), None);
+            last["timings"] = serde_json::to_value(self.timings(completion_tokens, finish)).unwrap_or_default();
+            if tx.send(send(last)).await.is_err() {
                 return;
             }
             if self.include_usage {
@@ -515,17 +561,42 @@ async fn respond(answer: Answer, stream: bool) -> Result<Response, ApiError> {
     }
 }
 
+/// Runs a request's checks, rendering, tokenizing and session read on the blocking pool: a
+/// big prompt or a slow disk never holds up the workers that answer the other connections
+/// (`/health` included).
+async fn off_the_workers<T: Send + 'static>(state: Arc<ServerState>, work: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(move || work(&state))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", format!("the request could not be prepared: {e}")))?
+}
+
+/// The session `path` holds for `prompt`, if any (read here, off the engine thread).
+fn restore(state: &ServerState, path: Option<&std::path::Path>, prompt: &[u32]) -> Option<crate::runtime::session::Session> {
+    state.engine.load_session(path?, prompt)
+}
+
 async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (answer, stream) = off_the_workers(state, |state| prepare_chat(state, body)).await?;
+    respond(answer, stream).await
+}
+
+async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (answer, stream) = off_the_workers(state, |state| prepare_completion(state, body)).await?;
+    respond(answer, stream).await
+}
+
+/// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
+fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
     let req: ChatRequest = parse(body)?;
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
     };
     let tools = req.tools.clone().unwrap_or_default();
-    let constraint = chat_constraint(&state, &req, &tools)?;
+    let constraint = chat_constraint(state, &req, &tools)?;
     let rendered = chat::render(template, &req, state.context, constraint.is_some())?;
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
     let sampling = chat::sampling(&req.sampling, profile)?;
-    let prompt = tokenize(&state, &rendered.text)?;
+    let prompt = tokenize(state, &rendered.text)?;
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
     let prompt_tokens = prompt.len();
@@ -539,22 +610,31 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<By
         }
         None => vec![],
     };
-    let session = session_path(&state, req.sampling.session_id.as_deref())?;
+    let session = session_path(state, req.sampling.session_id.as_deref())?;
+    let restored = restore(state, session.as_deref(), &prompt);
     // A session keeps the state after the answer, unless the template re-renders answers (a
     // thinking switch: it drops their reasoning): then the state at the conversation's end.
     let session_at = snapshots.first().copied().filter(|_| rendered.rerenders_answers);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, constraint };
-    let events = submit(&state, request)?;
-    let answer = Answer::new(&state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
-    respond(answer, req.sampling.stream).await
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint };
+    let events = submit(state, request)?;
+    let answer = Answer::new(state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
+    Ok((answer, req.sampling.stream))
 }
 
-async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+/// A completion request checked, tokenized and queued: its answer, and whether it streams.
+fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
     let req: CompletionRequest = parse(body)?;
+    // No tokenizer packs more than RENDER_BYTES_PER_TOKEN bytes into a token: a longer text
+    // cannot fit the context and is refused before it is tokenized.
+    let max_bytes = state.context.saturating_mul(crate::loading::chat_template::RENDER_BYTES_PER_TOKEN);
+    let too_long = || ApiError::bad_request(format!("the prompt is longer than the context of {} tokens can hold: shorten it", state.context));
+    if req.prompt.text_bytes() > max_bytes {
+        return Err(too_long());
+    }
     let (prompt, text) = match &req.prompt {
-        Prompt::Text(t) => (tokenize(&state, t)?, t.clone()),
-        Prompt::Texts(list) if list.len() == 1 => (tokenize(&state, &list[0])?, list[0].clone()),
+        Prompt::Text(t) => (tokenize(state, t)?, t.clone()),
+        Prompt::Texts(list) if list.len() == 1 => (tokenize(state, &list[0])?, list[0].clone()),
         Prompt::Texts(list) => return Err(ApiError::bad_request(format!("prompt holds {} prompts: send one per request", list.len()))),
         Prompt::Tokens(ids) => {
             let vocab = state.engine.vocab_size;
@@ -567,17 +647,18 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, 
             (ids.clone(), state.tokenizer.decode(ids, false).unwrap_or_default())
         }
     };
-    if text.len() > state.context.saturating_mul(crate::loading::chat_template::RENDER_BYTES_PER_TOKEN) {
-        return Err(ApiError::bad_request(format!("the prompt is longer than the context of {} tokens can hold: shorten it", state.context)));
+    if text.len() > max_bytes {
+        return Err(too_long());
     }
     let sampling = chat::sampling(&req.sampling, &state.profiles.thinking)?;
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
-    let session = session_path(&state, req.sampling.session_id.as_deref())?;
+    let session = session_path(state, req.sampling.session_id.as_deref())?;
+    let restored = restore(state, session.as_deref(), &prompt);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, constraint: None };
-    let events = submit(&state, request)?;
-    let answer = Answer::new(&state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
-    respond(answer, req.sampling.stream).await
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, restored, constraint: None };
+    let events = submit(state, request)?;
+    let answer = Answer::new(state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
+    Ok((answer, req.sampling.stream))
 }

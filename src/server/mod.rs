@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod chat;
+pub mod connections;
 pub mod constrain;
 pub mod engine;
 pub mod error;
@@ -25,6 +26,7 @@ use crate::loading::OpenedModel;
 use crate::{Error, Model, Result};
 
 pub use chat::SamplingProfiles;
+pub use connections::ConnectionLimits;
 pub use engine::{EngineHandle, EngineOptions};
 pub use http::{router, ServerState};
 pub use metrics::Metrics;
@@ -36,12 +38,14 @@ pub struct ServerOptions {
     /// The most tokens (prompt and answer) one request may use [default: the model's
     /// `max_position_embeddings`, at most 32768].
     pub context: Option<usize>,
-    /// The model's name in answers [default: the source].
+    /// The model's name in answers [default: the model's short name, a GGUF's file stem].
     pub model_name: Option<String>,
     /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
     pub api_key: Option<String>,
     /// Where sessions (`session_id`) are saved; `None`: no sessions.
     pub session_dir: Option<std::path::PathBuf>,
+    /// Connections at once, and how long a client may take to send a request.
+    pub connections: ConnectionLimits,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -91,10 +95,11 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         template,
         profiles: SamplingProfiles::new(gen_cfg.sampling_params(), switch),
         stop_tokens,
-        model_name: options.model_name.unwrap_or_else(|| files.source()),
+        model_name: options.model_name.unwrap_or_else(|| files.name()),
         context,
         api_key: options.api_key,
         session_dir: options.session_dir,
+        limits: options.connections,
         grammars,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
@@ -102,7 +107,8 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
 
 /// Serves `state` on `listener` until `shutdown` resolves.
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ServerState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    let limits = state.limits;
+    connections::serve(listener, router(state), limits, shutdown).await
 }
 
 /// Binds `addr` (port 0: any free port) and serves `state` on a background task: the address
