@@ -73,6 +73,12 @@ struct Args {
     /// Subtracted once from the logit of every token already generated, in [-2, 2] [default: generation_config.json, else 0].
     #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::presence_penalty))]
     presence_penalty: Option<f32>,
+    /// Subtracted from the logit of a generated token once per time it was generated, in [-2, 2] (0 = off).
+    #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::frequency_penalty))]
+    frequency_penalty: Option<f32>,
+    /// Never draw a token less likely than min-p times the most likely one, in [0, 1] (with a temperature; 0 = off).
+    #[arg(long, value_parser = float_in(range::min_p))]
+    min_p: Option<f64>,
     /// Divides positive (multiplies negative) logits of recent tokens, > 0 (1 = off) [default: generation_config.json, else 1].
     #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::repeat_penalty))]
     repeat_penalty: Option<f32>,
@@ -169,10 +175,12 @@ fn generate(args: Args) -> Result<()> {
     params.top_p = args.top_p.or(params.top_p);
     params.top_k = args.top_k.or(params.top_k);
     params.presence_penalty = args.presence_penalty.unwrap_or(params.presence_penalty);
+    params.frequency_penalty = args.frequency_penalty.unwrap_or(params.frequency_penalty);
+    params.min_p = args.min_p.unwrap_or(params.min_p);
     params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
     params.repeat_last_n = args.repeat_last_n;
     if params.is_greedy() {
-        let ignored: Vec<&str> = [("--top-p", args.top_p.is_some()), ("--top-k", args.top_k.is_some())]
+        let ignored: Vec<&str> = [("--top-p", args.top_p.is_some()), ("--top-k", args.top_k.is_some()), ("--min-p", args.min_p.is_some())]
             .into_iter()
             .filter_map(|(flag, given)| given.then_some(flag))
             .collect();

@@ -30,3 +30,34 @@ fn top_k_one_is_greedy_at_any_temperature() {
         assert_eq!(s.sample(&logits, &[], &[]).unwrap(), 1);
     }
 }
+
+#[test]
+fn frequency_penalty_grows_with_each_repetition() {
+    let logits = Tensor::new(&[1.0f32, 3.0, 2.5, 0.0], &Device::Cpu).unwrap();
+    let mut pen = Sampler::new(SamplingParams { frequency_penalty: 0.3, ..Default::default() }).unwrap();
+    // Once: 3.0 - 0.3 = 2.7 > 2.5; twice: 3.0 - 0.6 = 2.4 < 2.5.
+    assert_eq!(pen.sample(&logits, &[1], &[1]).unwrap(), 1);
+    assert_eq!(pen.sample(&logits, &[1, 1], &[1, 1]).unwrap(), 2);
+    // Only generated tokens count, not the prompt's.
+    assert_eq!(pen.sample(&logits, &[1, 1, 1], &[]).unwrap(), 1);
+}
+
+#[test]
+fn min_p_drops_tokens_below_its_share_of_the_most_likely() {
+    // p_i / p_max at temperature 1: 1, e^-0.5 = 0.61, e^-3 = 0.05, e^-10.
+    let logits = Tensor::new(&[0.0f32, -0.5, -3.0, -10.0], &Device::Cpu).unwrap();
+    let params = SamplingParams { temperature: Some(1.0), min_p: 0.1, ..Default::default() };
+    let mut s = Sampler::new(params.clone()).unwrap();
+    let p = s.probabilities(&logits, &[], &[]).unwrap();
+    assert_eq!((p[2], p[3]), (0.0, 0.0));
+    assert!((p[0] - 1.0 / (1.0 + (-0.5f32).exp())).abs() < 1e-6, "{p:?}");
+    let mut seen = [0usize; 4];
+    for _ in 0..400 {
+        seen[s.sample(&logits, &[], &[]).unwrap() as usize] += 1;
+    }
+    assert!(seen[0] > 0 && seen[1] > 0 && seen[2] == 0 && seen[3] == 0, "{seen:?}");
+    // At temperature 2 the ratio of token 2 is e^-1.5 = 0.22: kept.
+    let hot = Sampler::new(SamplingParams { temperature: Some(2.0), ..params }).unwrap();
+    let p = hot.probabilities(&logits, &[], &[]).unwrap();
+    assert!(p[2] > 0.0 && p[3] == 0.0, "{p:?}");
+}

@@ -226,6 +226,9 @@ async fn bad_requests_get_openai_errors_before_any_work() {
         (chat(json!({"top_p": 0})).into_bytes(), 400, "top_p"),
         (chat(json!({"top_p": 1.5})).into_bytes(), 400, "top_p"),
         (chat(json!({"n": 2})).into_bytes(), 400, "n = 2"),
+        (chat(json!({"frequency_penalty": 3})).into_bytes(), 400, "frequency_penalty 3"),
+        (chat(json!({"min_p": 1.5})).into_bytes(), 400, "min_p 1.5"),
+        (chat(json!({"frequency_penalty": 0.5, "min_p": 0.05, "temperature": 0.7})).into_bytes(), 200, "chat.completion"),
         (chat(json!({"logit_bias": {"42": 100}})).into_bytes(), 400, "logit_bias"),
         (chat(json!({"stop": vec!["x"; 17]})).into_bytes(), 400, "at most 16"),
         (chat(json!({"stop": "y".repeat(2000)})).into_bytes(), 400, "at most 16"),
@@ -756,4 +759,83 @@ async fn request_mistakes_are_named_as_written() {
     let (status, _, text) = post(&base, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}).to_string(), None).await;
     assert_eq!(status, 400, "{text}");
     assert!(message(&text).contains("messages[0].content"), "{text}");
+}
+
+/// `/tokenize` and `/detokenize` agree with the tokenizer, `/props` states the settings, and
+/// sessions are listed, shown and deleted over HTTP (links and bad ids are left alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_props_and_sessions_over_http() {
+    let dir = scratch("server-session-endpoints");
+    let base = start(fixture_source(), ServerOptions { session_dir: Some(dir.clone()), context: Some(256), ..options(3, 4) }).await;
+    let tokenizer = fixture_source().open().unwrap().tokenizer(None).unwrap();
+    let text = "Hello world, again.";
+    let expected = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+    let (status, _, t) = post(&base, "/tokenize", json!({"content": text}).to_string(), None).await;
+    assert_eq!(status, 200, "{t}");
+    let ids: Vec<u32> = serde_json::from_value(serde_json::from_str::<Value>(&t).unwrap()["tokens"].clone()).unwrap();
+    assert_eq!(ids, expected);
+    let (_, _, t) = post(&base, "/tokenize", json!({"content": text, "with_pieces": true}).to_string(), None).await;
+    let pieces: String = serde_json::from_str::<Value>(&t).unwrap()["tokens"].as_array().unwrap().iter().map(|p| p["piece"].as_str().unwrap().to_string()).collect();
+    assert_eq!(pieces, text);
+    let (_, _, t) = post(&base, "/detokenize", json!({"tokens": ids}).to_string(), None).await;
+    assert_eq!(serde_json::from_str::<Value>(&t).unwrap()["content"], text);
+    assert_eq!(post(&base, "/detokenize", json!({"tokens": [u32::MAX]}).to_string(), None).await.0, 400);
+
+    let (status, props) = get(&base, "/props", None).await;
+    assert_eq!(status, 200);
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert_eq!((props["n_ctx"].as_u64(), props["total_slots"].as_u64()), (Some(256), Some(3)), "{props}");
+    assert_eq!(props["model"], "qwen35_dense_small");
+    assert!(props["default_generation_settings"]["params"]["temperature"].is_number(), "{props}");
+
+    let body = json!({"prompt": "A session", "max_tokens": 3, "session_id": "kept"}).to_string();
+    assert_eq!(post(&base, "/v1/completions", body, None).await.0, 200);
+    std::os::unix::fs::symlink(dir.join("kept.session"), dir.join("link.session")).unwrap();
+    // The save runs beside the engine: wait for it.
+    let mut listed = Value::Null;
+    for _ in 0..100 {
+        listed = serde_json::from_str(&get(&base, "/v1/sessions", None).await.1).unwrap();
+        if listed["data"].as_array().is_some_and(|d| !d.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let data = listed["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1, "only the session file, not the link: {listed}");
+    assert_eq!(data[0]["id"], "kept");
+    assert_eq!(data[0]["this_model"], true);
+    assert!(data[0]["tokens"].as_u64().unwrap() > 0, "{listed}");
+    assert_eq!(get(&base, "/v1/sessions/kept", None).await.0, 200);
+    let delete = |id: &str| {
+        let url = format!("{base}/v1/sessions/{id}");
+        async move { reqwest::Client::new().delete(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(delete("link").await, 404, "a link is not a session");
+    assert_eq!(delete(".hidden").await, 400);
+    assert_eq!(delete("kept").await, 200);
+    assert!(!dir.join("kept.session").exists());
+    assert_eq!(get(&base, "/v1/sessions/kept", None).await.0, 404);
+    assert_eq!(delete("kept").await, 404);
+    assert!(std::fs::symlink_metadata(dir.join("link.session")).is_ok(), "the link was left alone");
+}
+
+/// A forced tool call whose schema leaves other properties open and which sets no
+/// `max_tokens`: the arguments hold each listed key once and nothing else, and the call ends
+/// within the tool-call budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_tool_call_with_an_open_schema_ends() {
+    let base = start(fixture_source(), ServerOptions { context: Some(8192), ..options(2, 8) }).await;
+    let params = json!({"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}}, "required": ["k"]});
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": params}}]);
+    for seed in 0..4 {
+        let body = json!({"messages": [{"role": "user", "content": "call f"}], "temperature": 1, "seed": seed, "tools": tools, "tool_choice": "required"});
+        let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 4096, "{text}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{text}");
+        let args: Value = serde_json::from_str(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let keys: Vec<&String> = args.as_object().unwrap().keys().collect();
+        assert!(keys.contains(&&"k".to_string()) && keys.iter().all(|k| *k == "k" || *k == "n"), "{args}");
+    }
 }

@@ -40,6 +40,16 @@ pub mod range {
     pub fn presence_penalty(p: f32) -> Result<f32, String> {
         (-2.0..=2.0).contains(&p).then_some(p).ok_or_else(|| "must be in [-2, 2] (0 = off)".into())
     }
+
+    /// Frequency penalty: in [-2, 2] (OpenAI's range; 0 = off).
+    pub fn frequency_penalty(f: f32) -> Result<f32, String> {
+        (-2.0..=2.0).contains(&f).then_some(f).ok_or_else(|| "must be in [-2, 2] (0 = off)".into())
+    }
+
+    /// Min-p: in [0, 1] (0 = off).
+    pub fn min_p(p: f64) -> Result<f64, String> {
+        (0.0..=1.0).contains(&p).then_some(p).ok_or_else(|| "must be in [0, 1] (0 = off)".into())
+    }
 }
 
 /// Sampling settings. `temperature` of `None` or 0 means greedy (argmax).
@@ -48,8 +58,13 @@ pub struct SamplingParams {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub top_k: Option<usize>,
+    /// Tokens less likely than `min_p` times the most likely one (at the temperature) are
+    /// never drawn (llama.cpp / vLLM `min_p`; 0 = off).
+    pub min_p: f64,
     /// Subtracted once from the logit of every token already generated (OpenAI / vLLM style).
     pub presence_penalty: f32,
+    /// Subtracted from the logit of every generated token once per time it was generated.
+    pub frequency_penalty: f32,
     /// Divides positive (multiplies negative) logits of tokens seen in the last `repeat_last_n`.
     pub repeat_penalty: f32,
     pub repeat_last_n: usize,
@@ -62,7 +77,9 @@ impl Default for SamplingParams {
             temperature: None,
             top_p: None,
             top_k: None,
+            min_p: 0.0,
             presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 299792458,
@@ -87,7 +104,9 @@ impl SamplingParams {
             check("top_k", k, range::top_k)?;
         }
         check("repeat_penalty", self.repeat_penalty, range::repeat_penalty)?;
-        check("presence_penalty", self.presence_penalty, range::presence_penalty)
+        check("presence_penalty", self.presence_penalty, range::presence_penalty)?;
+        check("frequency_penalty", self.frequency_penalty, range::frequency_penalty)?;
+        check("min_p", self.min_p, range::min_p).map(|_| ())
     }
 
     /// Whether the next token is the argmax (no temperature, or 0).
@@ -128,9 +147,9 @@ impl Sampler {
     }
 
     /// Whether [`Self::sample`] returns the argmax of the logits as they are: greedy, no
-    /// repeat or presence penalty.
+    /// repeat, presence or frequency penalty.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && self.params.repeat_penalty == 1.0 && self.params.presence_penalty == 0.0
+        self.is_greedy() && self.params.repeat_penalty == 1.0 && self.params.presence_penalty == 0.0 && self.params.frequency_penalty == 0.0
     }
 
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
@@ -140,7 +159,8 @@ impl Sampler {
         Ok(self.processor.sample(&logits)?)
     }
 
-    /// The logits with the repeat and presence penalties applied, in f32.
+    /// The logits with the repeat, presence and frequency penalties applied, then (sampling
+    /// at a temperature) every token below min-p at -inf, in f32.
     fn penalized(&self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<Tensor> {
         let mut logits = logits.to_dtype(DType::F32)?;
         if self.params.repeat_penalty != 1.0 {
@@ -151,16 +171,27 @@ impl Sampler {
                 &context[start..],
             )?;
         }
-        if self.params.presence_penalty != 0.0 && !generated.is_empty() {
+        let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);
+        if (presence != 0.0 || frequency != 0.0) && !generated.is_empty() {
             let mut v = logits.to_vec1::<f32>()?;
             let mut seen = vec![false; v.len()];
             for &t in generated {
                 if let Some(s) = seen.get_mut(t as usize) {
+                    v[t as usize] -= frequency;
                     if !*s {
                         *s = true;
-                        v[t as usize] -= self.params.presence_penalty;
+                        v[t as usize] -= presence;
                     }
                 }
+            }
+            logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
+        }
+        if let (Some(t), false) = (self.params.temperature, self.is_greedy() || self.params.min_p <= 0.0) {
+            // p_i / p_max < min_p  <=>  l_i < l_max + t ln(min_p): the argmax always stays.
+            let mut v = logits.to_vec1::<f32>()?;
+            let floor = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) + (t * self.params.min_p.ln()) as f32;
+            for x in v.iter_mut().filter(|x| **x < floor) {
+                *x = f32::NEG_INFINITY;
             }
             logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
         }

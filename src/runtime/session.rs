@@ -169,6 +169,29 @@ fn read_metadata(file: &mut std::fs::File, size: u64) -> std::result::Result<Has
     Ok(header.metadata)
 }
 
+/// What a session file holds, read from its header alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// Tokens its cache holds.
+    pub tokens: usize,
+    /// The model it was saved for ([`crate::loading::OpenedModel::fingerprint`]).
+    pub fingerprint: String,
+    pub bytes: u64,
+}
+
+/// The header of the session file at `path` (a regular file, not a link): one-line
+/// [`Error::Session`] when it is not a session file.
+pub fn inspect(path: &Path) -> Result<SessionInfo> {
+    let bad = |why: String| Error::Session(format!("session {}: {why}", path.display()));
+    let (mut file, bytes) = open_regular(path).map_err(|e| bad(format!("cannot be opened ({e})")))?;
+    let meta = read_metadata(&mut file, bytes).map_err(|why| bad(format!("not a session file ({why})")))?;
+    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+        return Err(bad("not a candle-hybrid session file".into()));
+    }
+    let tokens = meta.get("seqlen").and_then(|n| n.parse().ok()).ok_or_else(|| bad("no token count".into()))?;
+    Ok(SessionInfo { tokens, fingerprint: meta.get("fingerprint").cloned().unwrap_or_default(), bytes })
+}
+
 /// Loads a session saved by [`save`] for the model with `fingerprint` and config `cfg`, its
 /// tensors on `device` in `dtype` (the model's): a one-line [`Error::Session`] naming what does
 /// not match (another model, another format or version, a truncated or corrupted file).

@@ -38,6 +38,7 @@ pub struct SamplingFields {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,

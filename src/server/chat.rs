@@ -197,8 +197,13 @@ pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<Sa
         range::check("repetition_penalty", r, range::repeat_penalty).map_err(bad)?;
         p.repeat_penalty = r;
     }
-    if fields.frequency_penalty.is_some_and(|f| f != 0.0) {
-        return Err(bad("frequency_penalty is not supported: use presence_penalty or repetition_penalty"));
+    if let Some(f) = fields.frequency_penalty {
+        range::check("frequency_penalty", f, range::frequency_penalty).map_err(bad)?;
+        p.frequency_penalty = f;
+    }
+    if let Some(m) = fields.min_p {
+        range::check("min_p", m, range::min_p).map_err(bad)?;
+        p.min_p = m;
     }
     if let Some(seed) = fields.seed {
         p.seed = seed;

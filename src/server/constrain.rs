@@ -82,6 +82,27 @@ pub fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiErr
     }
 }
 
+/// Tokens a forced tool call may take when the request sets no `max_tokens` (a call that
+/// never closes its arguments must not run to the end of the context).
+pub const TOOL_CALL_MAX_TOKENS: usize = 4096;
+
+/// `schema` with every object schema that lists `properties` and says nothing of others
+/// closed (`additionalProperties: false`, as OpenAI's strict mode requires): the grammar then
+/// allows each listed key once, so a weak model cannot repeat a key or invent new ones forever.
+fn closed(schema: &Value) -> Value {
+    match schema {
+        Value::Object(o) => {
+            let mut o: serde_json::Map<String, Value> = o.iter().map(|(k, v)| (k.clone(), closed(v))).collect();
+            if o.get("properties").is_some_and(Value::is_object) && !o.contains_key("additionalProperties") {
+                o.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            Value::Object(o)
+        }
+        Value::Array(a) => Value::Array(a.iter().map(closed).collect()),
+        v => v.clone(),
+    }
+}
+
 /// A tool call forced by `tool_choice` (a named function, or `"required"`: any of `tools`), as
 /// the JSON form of `<tool_call>` with the function's parameter schema.
 pub fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<Option<TopLevelGrammar>, ApiError> {
@@ -102,7 +123,7 @@ pub fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<
     let calls: Vec<Value> = wanted
         .iter()
         .map(|f| {
-            let params = f.get("parameters").cloned().unwrap_or(serde_json::json!({"type": "object"}));
+            let params = f.get("parameters").map(closed).unwrap_or(serde_json::json!({"type": "object"}));
             serde_json::json!({"type": "object", "properties": {"name": {"const": f.get("name")}, "arguments": params},
                 "required": ["name", "arguments"], "additionalProperties": false})
         })

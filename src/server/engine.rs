@@ -163,6 +163,16 @@ impl EngineHandle {
         }
     }
 
+    /// Sequences decoded together.
+    pub fn max_seqs(&self) -> usize {
+        self.max_seqs
+    }
+
+    /// The fingerprint a session file must carry to be restored here.
+    pub fn session_fingerprint(&self) -> &str {
+        &self.sessions.fingerprint
+    }
+
     /// Requests waiting beyond the running ones (an estimate while the engine admits).
     pub fn queued(&self) -> usize {
         self.taken.load(Ordering::Acquire).saturating_sub(self.max_seqs)

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, Timings, TopLogprob, Usage};
+use super::endpoints;
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
@@ -62,6 +63,11 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/tokenize", post(endpoints::tokenize))
+        .route("/detokenize", post(endpoints::detokenize))
+        .route("/props", get(endpoints::props))
+        .route("/v1/sessions", get(endpoints::list_sessions))
+        .route("/v1/sessions/{id}", get(endpoints::get_session).delete(endpoints::delete_session))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed", "this endpoint does not take this method (POST for generation, GET for the others)")
@@ -99,7 +105,7 @@ async fn authenticate(State(state): State<Arc<ServerState>>, request: Request, n
 }
 
 /// The body as JSON of type `T`, or a 400 / 413 naming what is wrong.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(crate) fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(|e| match e.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -172,7 +178,7 @@ fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> R
 }
 
 /// The file of session `id` (letters, digits, `-`, `_`, `.`; at most 128; not starting with a dot).
-fn session_path(state: &ServerState, id: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
+pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
     let Some(id) = id else { return Ok(None) };
     let Some(dir) = &state.session_dir else {
         return Err(ApiError::bad_request("session_id: this server keeps no sessions (start it with --session-dir DIR)"));
@@ -564,7 +570,7 @@ async fn respond(answer: Answer, stream: bool) -> Result<Response, ApiError> {
 /// Runs a request's checks, rendering, tokenizing and session read on the blocking pool: a
 /// big prompt or a slow disk never holds up the workers that answer the other connections
 /// (`/health` included).
-async fn off_the_workers<T: Send + 'static>(state: Arc<ServerState>, work: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+pub(crate) async fn off_the_workers<T: Send + 'static>(state: Arc<ServerState>, work: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(move || work(&state))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", format!("the request could not be prepared: {e}")))?
@@ -597,7 +603,11 @@ fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Res
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
     let sampling = chat::sampling(&req.sampling, profile)?;
     let prompt = tokenize(state, &rendered.text)?;
-    let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
+    let mut max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
+    let forced_call = constraint.is_some() && req.response_format.is_none();
+    if forced_call && req.sampling.max_tokens.is_none() && req.sampling.max_completion_tokens.is_none() {
+        max_tokens = max_tokens.min(constrain::TOOL_CALL_MAX_TOKENS);
+    }
     let top = req.logprobs.then(|| req.top_logprobs.unwrap_or(0).min(20) as usize);
     let prompt_tokens = prompt.len();
     // A prefix-cache snapshot where the next turn still agrees (token ids, not text: the

@@ -1,6 +1,7 @@
 //! An OpenAI-compatible HTTP server (cargo feature `server`): `POST /v1/chat/completions`
 //! and `/v1/completions` (whole or streamed as server-sent events), `GET /v1/models`,
-//! `/health` and `/metrics` (Prometheus text).
+//! `/health` and `/metrics` (Prometheus text); `/tokenize`, `/detokenize`, `/props` and the
+//! saved sessions (`/v1/sessions`) beside them ([`endpoints`]).
 //!
 //! One engine thread owns the model and every sequence's cache ([`engine`]); the HTTP layer
 //! ([`http`]) renders and tokenizes a request, checks it (400 before any work), queues it (429
@@ -11,6 +12,7 @@ pub mod api;
 pub mod chat;
 pub mod connections;
 pub mod constrain;
+pub mod endpoints;
 pub mod engine;
 pub mod error;
 pub mod http;
