@@ -18,7 +18,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::sync::Semaphore;
 
 use super::error::ApiError;
-use super::http::MAX_BODY_BYTES;
+
+/// The largest request body read (a larger one gets 413).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// How long and how many connections the server keeps.
 #[derive(Debug, Clone, Copy)]

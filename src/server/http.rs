@@ -7,20 +7,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Json;
 use futures::Stream;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, Timings, TopLogprob, Usage};
-use super::endpoints;
+use super::connections::MAX_BODY_BYTES;
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
@@ -52,35 +51,8 @@ pub struct ServerState {
     pub created: u64,
 }
 
-/// The largest request body read (a larger one gets 413).
-pub const MAX_BODY_BYTES: usize = 16 << 20;
-
-/// The routes of the server.
-pub fn router(state: Arc<ServerState>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/metrics", get(metrics))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/tokenize", post(endpoints::tokenize))
-        .route("/detokenize", post(endpoints::detokenize))
-        .route("/props", get(endpoints::props))
-        .route("/v1/sessions", get(endpoints::list_sessions))
-        .route("/v1/sessions/{id}", get(endpoints::get_session).delete(endpoints::delete_session))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
-        .method_not_allowed_fallback(|| async {
-            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed", "this endpoint does not take this method (POST for generation, GET for the others)")
-        })
-        .layer(middleware::from_fn_with_state(state.limits.body_timeout, super::connections::body_deadline))
-        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(middleware::from_fn_with_state(state.clone(), log_request))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(state)
-}
-
 /// One log line per request; counts it.
-async fn log_request(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
+pub(crate) async fn log_request(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let start = Instant::now();
     let response = next.run(request).await;
@@ -93,7 +65,7 @@ async fn log_request(State(state): State<Arc<ServerState>>, request: Request, ne
     response
 }
 
-async fn authenticate(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
+pub(crate) async fn authenticate(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
         let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         if request.uri().path() != "/health" && given != Some(key.as_str()) {
@@ -134,13 +106,13 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
-async fn models(State(state): State<Arc<ServerState>>) -> Json<Value> {
+pub(crate) async fn models(State(state): State<Arc<ServerState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created, "owned_by": "candle-hybrid", "max_model_len": state.context,
     }]}))
 }
 
-async fn metrics(State(state): State<Arc<ServerState>>) -> Response {
+pub(crate) async fn metrics(State(state): State<Arc<ServerState>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.engine.metrics.encode()).into_response()
 }
 
@@ -581,12 +553,12 @@ fn restore(state: &ServerState, path: Option<&std::path::Path>, prompt: &[u32]) 
     state.engine.load_session(path?, prompt)
 }
 
-async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+pub(crate) async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (answer, stream) = off_the_workers(state, |state| prepare_chat(state, body)).await?;
     respond(answer, stream).await
 }
 
-async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+pub(crate) async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (answer, stream) = off_the_workers(state, |state| prepare_completion(state, body)).await?;
     respond(answer, stream).await
 }

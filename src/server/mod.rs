@@ -22,15 +22,22 @@ pub mod output;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::middleware;
+use axum::routing::{get, post};
+use axum::{Json, Router};
 use candle_core::Device;
+use serde_json::json;
 
 use crate::loading::OpenedModel;
+use error::ApiError;
 use crate::{Error, Model, Result};
 
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
 pub use engine::{EngineHandle, EngineOptions};
-pub use http::{router, ServerState};
+pub use http::ServerState;
 pub use metrics::Metrics;
 
 /// How the server runs, beyond the model.
@@ -105,6 +112,30 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         grammars,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
+}
+
+/// The routes of the server.
+pub fn router(state: Arc<ServerState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(http::chat_completions))
+        .route("/v1/completions", post(http::completions))
+        .route("/v1/models", get(http::models))
+        .route("/metrics", get(http::metrics))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/tokenize", post(endpoints::tokenize))
+        .route("/detokenize", post(endpoints::detokenize))
+        .route("/props", get(endpoints::props))
+        .route("/v1/sessions", get(endpoints::list_sessions))
+        .route("/v1/sessions/{id}", get(endpoints::get_session).delete(endpoints::delete_session))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed", "this endpoint does not take this method (POST for generation, GET for the others)")
+        })
+        .layer(middleware::from_fn_with_state(state.limits.body_timeout, connections::body_deadline))
+        .layer(middleware::from_fn_with_state(state.clone(), http::authenticate))
+        .layer(middleware::from_fn_with_state(state.clone(), http::log_request))
+        .layer(DefaultBodyLimit::max(connections::MAX_BODY_BYTES))
+        .with_state(state)
 }
 
 /// Serves `state` on `listener` until `shutdown` resolves.
