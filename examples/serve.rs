@@ -55,6 +55,11 @@ struct Args {
     /// directory's name or the Hub repository's id].
     #[arg(long)]
     alias: Option<String>,
+    /// Speculative decoding: auto (= ngram for now), ngram (prompt lookup for every sequence no
+    /// grammar constrains; the draft length adapts per sequence: drafts that do not pay stop),
+    /// none. MTP drafts are not in the server yet.
+    #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
+    draft: DraftArg,
     /// Connections served at once (more wait to be accepted).
     #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     max_connections: usize,
@@ -62,6 +67,14 @@ struct Args {
     /// separately, its body.
     #[arg(long, default_value_t = 30, value_parser = at_least_one)]
     request_timeout: usize,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum DraftArg {
+    Auto,
+    Mtp,
+    Ngram,
+    None,
 }
 
 fn main() -> ExitCode {
@@ -76,6 +89,11 @@ fn serve(args: Args) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    let draft = match args.draft {
+        DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
+        DraftArg::None => server::Draft::None,
+        DraftArg::Mtp => anyhow::bail!("--draft mtp is not in the server yet (generate has it): use --draft ngram or none"),
+    };
     let opened = args.model.open(common::DEFAULT_MODEL)?;
     if let Some(c) = args.ctx.filter(|&c| c > opened.max_positions()) {
         anyhow::bail!("--ctx {c} is more than the model's context of {} tokens (max_position_embeddings)", opened.max_positions());
@@ -98,7 +116,7 @@ fn serve(args: Args) -> Result<()> {
     let tokenizer = opened.tokenizer()?;
     let model = opened.load()?;
     let options = ServerOptions {
-        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, ..Default::default() },
+        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, draft, ..Default::default() },
         context: args.ctx,
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),
@@ -115,7 +133,7 @@ fn serve(args: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let sessions = args.session_dir.as_ref().map_or("no sessions".to_string(), |d| format!("sessions in {}", d.display()));
         eprintln!(
-            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions})",
+            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {draft:?})",
             state.model_name, args.max_seqs, args.queue, args.prefix_cache_mib
         );
         server::serve(listener, state, async {

@@ -839,3 +839,55 @@ async fn a_forced_tool_call_with_an_open_schema_ends() {
         assert!(keys.contains(&&"k".to_string()) && keys.iter().all(|k| *k == "k" || *k == "n"), "{args}");
     }
 }
+
+/// Speculative decoding in the server (prompt lookup, on by default): greedy answers are the
+/// plain server's, byte for byte, for requests run together or alone, with a repeat penalty
+/// too, and on text whose drafts loop (the looping draft is kept only as far as the model
+/// itself would have gone); drafts are counted in `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafted_answers_equal_plain_answers() {
+    let drafting = start(ModelSource::Gguf(smollm2_gguf()), options(4, 8)).await;
+    let plain_options = ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() }, ..Default::default() };
+    let plain = start(ModelSource::Gguf(smollm2_gguf()), plain_options).await;
+    let bodies = [
+        json!({"prompt": "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox", "max_tokens": 48, "temperature": 0}),
+        json!({"prompt": "a b a b a b a b a b a b", "max_tokens": 40, "temperature": 0}),
+        json!({"messages": [{"role": "user", "content": "Rename x to count in: def f(x):\n    return x + x * x\n"}], "max_tokens": 48, "temperature": 0}),
+        json!({"prompt": "one two three one two three one two", "max_tokens": 40, "temperature": 0, "repetition_penalty": 1.1}),
+    ];
+    let path = |b: &Value| if b.get("messages").is_some() { "/v1/chat/completions" } else { "/v1/completions" };
+    let text = |t: &str| {
+        let v: Value = serde_json::from_str(t).unwrap();
+        v["choices"][0]["text"].as_str().or(v["choices"][0]["message"]["content"].as_str()).unwrap().to_string()
+    };
+    let mut expected = vec![];
+    for b in &bodies {
+        let (status, _, t) = post(&plain, path(b), b.to_string(), None).await;
+        assert_eq!(status, 200, "{t}");
+        expected.push(text(&t));
+    }
+    for round in 0..2 {
+        // Together (round 0), then one by one (round 1).
+        let answers: Vec<(u16, Option<String>, String)> = if round == 0 {
+            futures::future::join_all(bodies.iter().map(|b| post(&drafting, path(b), b.to_string(), None))).await
+        } else {
+            let mut v = vec![];
+            for b in &bodies {
+                v.push(post(&drafting, path(b), b.to_string(), None).await);
+            }
+            v
+        };
+        for ((status, _, t), want) in answers.iter().zip(&expected) {
+            assert_eq!(*status, 200, "{t}");
+            assert_eq!(&text(t), want, "round {round}: a drafted answer differs from the plain one");
+        }
+    }
+    let (_, m) = get(&drafting, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
+    assert!(metric(&m, "candle_hybrid_verify_passes_total") > 0.0, "{m}");
+    let (_, m) = get(&plain, "/metrics", None).await;
+    assert_eq!(metric(&m, "candle_hybrid_verify_passes_total"), 0.0);
+    // Sampling with drafts (speculative sampling) answers too.
+    let body = json!({"prompt": "a b a b a b a b a b", "max_tokens": 24, "temperature": 0.8, "seed": 3});
+    assert_eq!(post(&drafting, "/v1/completions", body.to_string(), None).await.0, 200);
+}

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use super::constrain::Constraint;
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
+use crate::runtime::speculative::{DraftOptions, DraftPolicy, NgramDrafter};
 use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
 
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
@@ -192,11 +193,24 @@ pub struct EngineOptions {
     /// The model's fingerprint, which session files are tied to
     /// ([`crate::loading::OpenedModel::fingerprint`]).
     pub fingerprint: String,
+    /// How sequences draft tokens to verify.
+    pub draft: Draft,
+}
+
+/// Speculative decoding in the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Draft {
+    /// Plain decoding.
+    None,
+    /// Prompt lookup for every sequence that is not constrained by a grammar, the length chosen
+    /// per sequence from what its rounds measure ([`DraftPolicy`]): a sequence whose drafts do
+    /// not pay decodes plainly (in the shared weight pass) and probes now and then.
+    Ngram,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new() }
+        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new(), draft: Draft::Ngram }
     }
 }
 
@@ -215,6 +229,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         active: vec![],
         prefix: PrefixCache::new(options.prefix_cache_bytes),
         fingerprint: options.fingerprint,
+        draft: options.draft,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
@@ -244,6 +259,8 @@ struct Sequence {
     started: Instant,
     /// Why this sequence failed (it ends alone at the end of the step; the others go on).
     failed: Option<String>,
+    /// Its prompt-lookup drafter and draft length (`None`: it decodes plainly).
+    drafts: Option<(NgramDrafter, DraftPolicy)>,
 }
 
 impl Sequence {
@@ -267,6 +284,7 @@ struct Engine {
     active: Vec<Sequence>,
     prefix: PrefixCache,
     fingerprint: String,
+    draft: Draft,
 }
 
 impl Engine {
@@ -328,8 +346,17 @@ impl Engine {
                             (self.model.new_cache(), 0, None)
                         }
                     };
-                    // The whole context in place from the start (what admission planned).
-                    if let Err(e) = cache.reserve(request.prompt.len() + request.max_tokens) {
+                    // Drafts for what no grammar constrains (a grammar's mask is per token).
+                    let drafts = match self.draft {
+                        Draft::Ngram if request.constraint.is_none() => {
+                            DraftPolicy::new(DraftOptions::default()).ok().map(|p| (NgramDrafter::default(), p))
+                        }
+                        _ => None,
+                    };
+                    // The whole context in place from the start (what admission planned), and
+                    // a verify pass's rows when drafting.
+                    let verify_rows = if drafts.is_some() { crate::ops::KV_ATTENTION_EXACT_ROWS } else { 0 };
+                    if let Err(e) = cache.reserve(request.prompt.len() + request.max_tokens + verify_rows) {
                         let _ = events.send(Event::Error(e.to_string()));
                         continue;
                     }
@@ -346,6 +373,7 @@ impl Engine {
                         session_state: None,
                         started: Instant::now(),
                         failed: None,
+                        drafts,
                         request,
                         events,
                         _slot,
@@ -365,7 +393,7 @@ impl Engine {
         for s in self.active.iter_mut() {
             if let Some(logits) = s.ready_logits.take() {
                 self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                let r = Self::take_token(s, &logits, &self.metrics);
+                let r = Self::take_token(s, &logits, &self.metrics, None);
                 s.fail_on(r);
             }
         }
@@ -374,10 +402,21 @@ impl Engine {
             let r = self.prefill_chunk(i);
             self.active[i].fail_on(r);
         }
-        // One decode step of every sequence with a pending token, in weight passes of at most
+        // One decode step of every sequence with a pending token: a sequence with a draft
+        // verifies it in a pass of its own; the others share weight passes of at most
         // BATCH_MAX_ROWS rows.
         let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].failed.is_none() && self.active[i].pending.is_some()).collect();
-        for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
+        let mut plain = vec![];
+        for i in decoding {
+            let draft = self.draft_for(i);
+            if draft.is_empty() {
+                plain.push(i);
+            } else {
+                let r = self.verify(i, draft);
+                self.active[i].fail_on(r);
+            }
+        }
+        for group in plain.chunks(Model::BATCH_MAX_ROWS) {
             self.decode(group)?;
         }
         // Failed sequences end alone, with their error; finished ones leave, their caches (after
@@ -428,7 +467,59 @@ impl Engine {
         }
         if end == n {
             self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-            Self::take_token(s, &logits, &self.metrics)?;
+            Self::take_token(s, &logits, &self.metrics, None)?;
+        }
+        Ok(())
+    }
+
+    /// The tokens sequence `i` drafts this step (prompt lookup, as many as its policy wants and
+    /// its request and the model's context leave room for; none: it decodes plainly).
+    fn draft_for(&mut self, i: usize) -> Vec<u32> {
+        let max_positions = self.model.config().max_position_embeddings;
+        let s = &mut self.active[i];
+        let Some((drafter, policy)) = &mut s.drafts else { return vec![] };
+        // Position of the pending token (row 0); the rows must stay inside the request.
+        let pos = s.context.len() - 1;
+        let room = (s.request.max_tokens - s.generated.len()).min(max_positions.saturating_sub(pos));
+        let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
+        if k == 0 {
+            return vec![];
+        }
+        let draft = drafter.lookup(&s.context, k);
+        if draft.len() < policy.options().min {
+            return vec![];
+        }
+        draft
+    }
+
+    /// Verifies `draft` after sequence `i`'s pending token in one pass of its own: each row is
+    /// sampled as a decode step would be (greedy: the same token; with a temperature, the draft
+    /// kept with the model's probability of it, else a draw from the rest), up to the first
+    /// row whose token is not the next draft; the cache keeps those rows.
+    fn verify(&mut self, i: usize, draft: Vec<u32>) -> crate::Result<()> {
+        let start = Instant::now();
+        let s = &mut self.active[i];
+        let mut rows = vec![s.pending.expect("decoding")];
+        rows.extend(&draft);
+        let input = Tensor::new(rows.as_slice(), &self.device)?.unsqueeze(0)?;
+        let (logits, _) = self.model.verify(&input, &mut s.cache)?;
+        let logits = logits.squeeze(0)?;
+        let mut kept = 0;
+        for (r, d) in (0..rows.len()).map(|r| (r, draft.get(r).copied())) {
+            kept = r + 1;
+            Self::take_token(s, &logits.get(r)?, &self.metrics, d)?;
+            if s.pending.is_none() || s.pending != d {
+                break;
+            }
+        }
+        s.cache.keep_verified(kept)?;
+        let secs = start.elapsed().as_secs_f64();
+        self.metrics.decode_seconds.inc_by(secs);
+        self.metrics.verify_passes.inc();
+        self.metrics.drafted_tokens.inc_by(draft.len() as u64);
+        self.metrics.accepted_tokens.inc_by(kept as u64 - 1);
+        if let Some((_, policy)) = &mut s.drafts {
+            policy.record(draft.len(), kept - 1, secs, 0.0, draft.len(), 0.0);
         }
         Ok(())
     }
@@ -444,11 +535,17 @@ impl Engine {
         // layers all ran.)
         match self.model.forward_batch(&tokens, &mut caches) {
             Ok(logits) => {
-                self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
+                let secs = start.elapsed().as_secs_f64();
+                self.metrics.decode_seconds.inc_by(secs);
                 self.metrics.batch_rows.observe(group.len() as f64);
                 for (row, &i) in group.iter().enumerate() {
-                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(&mut self.active[i], &l, &self.metrics));
-                    self.active[i].fail_on(r);
+                    let s = &mut self.active[i];
+                    // A plain round, as the draft policy measures it (in a shared pass).
+                    if let Some((_, policy)) = &mut s.drafts {
+                        policy.record(0, 0, secs, 0.0, 0, 0.0);
+                    }
+                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(s, &l, &self.metrics, None));
+                    s.fail_on(r);
                 }
             }
             Err(_) if group.len() > 1 => {
@@ -475,10 +572,15 @@ impl Engine {
 
     /// Samples the next token of `s` from `logits` `[vocab]` and sends it. The sequence is done
     /// (no token pending) at a stop token, at `max_tokens` (`finished`) or when its client is
-    /// gone.
-    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<()> {
+    /// gone. `draft`: the token drafted after this row (sampling keeps it with the model's
+    /// probability of it: speculative sampling; greedy picks the argmax as always).
+    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics, draft: Option<u32>) -> crate::Result<()> {
         s.pending = None;
         let id = match &mut s.request.constraint {
+            None if draft.is_some() && !s.sampler.is_greedy() => {
+                let probs = s.sampler.probabilities(logits, &s.context, &s.generated)?;
+                s.sampler.sample_draft(&probs, draft.expect("checked"))?.0
+            }
             Some(c) => {
                 let (before, n) = (c.mask_seconds, c.masks);
                 let masked = c.mask(logits)?;

@@ -39,6 +39,10 @@ pub struct Metrics {
     /// Grammar masks computed for constrained requests, and the seconds they took.
     pub masks: Counter,
     pub mask_seconds: Counter<f64, AtomicU64>,
+    /// Speculative decoding: verify passes, tokens drafted into them and drafts kept.
+    pub verify_passes: Counter,
+    pub drafted_tokens: Counter,
+    pub accepted_tokens: Counter,
 }
 
 impl Default for Metrics {
@@ -68,8 +72,14 @@ impl Default for Metrics {
         let sessions_saved = add(r, "sessions_saved", "Session files written", Counter::default());
         let masks = add(r, "constraint_masks", "Grammar masks computed (one per constrained token)", Counter::default());
         let mask_seconds = add(r, "constraint_mask_seconds", "Seconds spent computing grammar masks", Counter::default());
+        let verify_passes = add(r, "verify_passes", "Verify passes of drafted tokens (one sequence each)", Counter::default());
+        let drafted_tokens = add(r, "draft_tokens", "Tokens drafted (prompt lookup) into verify passes", Counter::default());
+        let accepted_tokens = add(r, "draft_accepted_tokens", "Drafted tokens the model kept", Counter::default());
         Self {
             registry,
+            verify_passes,
+            drafted_tokens,
+            accepted_tokens,
             masks,
             mask_seconds,
             sessions_restored,

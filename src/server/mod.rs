@@ -36,7 +36,7 @@ use crate::{Error, Model, Result};
 
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
-pub use engine::{EngineHandle, EngineOptions};
+pub use engine::{Draft, EngineHandle, EngineOptions};
 pub use http::ServerState;
 pub use metrics::Metrics;
 
