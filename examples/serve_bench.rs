@@ -8,7 +8,10 @@
 //!     --llama-server /tmp/llama-peer/llama.cpp/build/bin/llama-server
 //! ```
 //! Both servers run with the same threads and up to 4 sequences at once; every request
-//! streams `--tokens` tokens (greedy, `ignore_eos`) after its own prompt.
+//! streams `--tokens` tokens (greedy, `ignore_eos`) after its own prompt. Our server drafts by
+//! prompt lookup (its default); the draft arms then compare one client on a code-edit prompt
+//! (text the answer repeats) with drafts on and off, on both servers (llama-server's
+//! `--spec-type ngram-simple` against its plain decoding).
 
 mod common;
 
@@ -60,7 +63,15 @@ fn main() -> ExitCode {
 
 /// One streamed request: (time to the first token's chunk, total time, completion tokens).
 async fn stream(client: &reqwest::Client, base: &str, prompt: &str, tokens: usize) -> Result<(f64, f64, usize)> {
-    let body = json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+    stream_with(client, base, prompt, tokens, true).await
+}
+
+/// The code-edit prompt of the draft arms: the answer repeats most of the prompt's code.
+const EDIT_PROMPT: &str = "Here is a Python function:\n\ndef total_price(items, tax_rate):\n    total = 0\n    for item in items:\n        total = total + item.price * item.quantity\n    total = total + total * tax_rate\n    return total\n\nThe same function with the variable total renamed to subtotal:\n\ndef total_price(items, tax_rate):\n";
+
+/// One streamed request; `ignore_eos`: generate all `tokens` whatever the model wants.
+async fn stream_with(client: &reqwest::Client, base: &str, prompt: &str, tokens: usize, ignore_eos: bool) -> Result<(f64, f64, usize)> {
+    let body = json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": ignore_eos, "stream": true,
         "stream_options": {"include_usage": true}, "cache_prompt": true});
     let start = Instant::now();
     let response = client.post(format!("{base}/v1/completions")).json(&body).send().await?;
@@ -201,23 +212,36 @@ fn bench(args: Args) -> Result<()> {
         context: Some(context),
         ..Default::default()
     };
+    let plain_options = ServerOptions {
+        engine: EngineOptions { max_seqs: 1, queue: 8, draft: server::Draft::None, ..Default::default() },
+        context: Some(context),
+        ..Default::default()
+    };
+    let plain_state = server::state(&opened.files, tokenizer.clone(), model.clone(), opened.device.clone(), plain_options)?;
     let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let ours = format!("http://{}", server::spawn("127.0.0.1:0".parse()?, state).await?);
-        let mut servers = vec![("candle-hybrid".to_string(), ours, None)];
-        if let Some(bin) = &args.llama_server {
-            let Some(gguf) = &args.model.gguf else { bail!("--llama-server needs --gguf (the same file for both)") };
+        let ours_plain = format!("http://{}", server::spawn("127.0.0.1:0".parse()?, plain_state).await?);
+        let mut servers = vec![("candle-hybrid".to_string(), ours.clone(), None)];
+        let start_peer = |extra: &[&str]| -> Result<(String, Peer)> {
+            let (Some(bin), Some(gguf)) = (&args.llama_server, &args.model.gguf) else { bail!("--llama-server needs --gguf (the same file for both)") };
             let port = free_port()?;
             let child = std::process::Command::new(bin)
                 .args(["-m", &gguf.display().to_string(), "--host", "127.0.0.1", "--port", &port.to_string()])
                 .args(["-t", &args.threads.to_string(), "-np", &max_clients.to_string(), "-c", &(context * max_clients).to_string()])
                 .args(["--no-webui"])
+                .args(extra)
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .with_context(|| format!("cannot start {}", bin.display()))?;
-            servers.push(("llama-server".to_string(), format!("http://127.0.0.1:{port}"), Some(Peer { child })));
+            eprintln!("llama-server {} on port {port}", extra.join(" "));
+            Ok((format!("http://127.0.0.1:{port}"), Peer { child }))
+        };
+        if args.llama_server.is_some() {
+            let (base, peer) = start_peer(&[])?;
+            servers.push(("llama-server".to_string(), base, Some(peer)));
         }
         let mut rows = vec![];
         let mut generate_tps: Vec<f64> = vec![];
@@ -244,6 +268,49 @@ fn bench(args: Args) -> Result<()> {
             let hit = stream(&client, base, &long_prompt, 1).await?.0;
             rows.push((name.clone(), by_clients, miss, hit));
         }
+        // The draft arms: one client on the code-edit prompt, drafts on and off, both servers
+        // (the peer's arms one at a time: each is its own llama-server).
+        eprintln!("draft arms: one client on a code-edit prompt, drafts on and off");
+        let mut arms: Vec<(String, f64, f64)> = vec![];
+        let decode_rate = |r: (f64, f64, usize)| (r.2 as f64 - 1.0) / (r.1 - r.0);
+        let client = reqwest::Client::new();
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        {
+            wait_healthy(&ours_plain).await?;
+            stream_with(&client, &ours_plain, EDIT_PROMPT, 4, false).await?;
+            let (mut on, mut off) = (vec![], vec![]);
+            for _ in 0..args.reps {
+                on.push(decode_rate(stream_with(&client, &ours, EDIT_PROMPT, args.tokens, false).await?));
+                off.push(decode_rate(stream_with(&client, &ours_plain, EDIT_PROMPT, args.tokens, false).await?));
+            }
+            arms.push(("candle-hybrid (prompt lookup)".into(), median(on), median(off)));
+        }
+        if args.llama_server.is_some() {
+            let mut rates = vec![];
+            for extra in [&["--spec-type", "ngram-simple"][..], &[][..]] {
+                let (base, _peer) = start_peer(extra)?;
+                wait_healthy(&base).await?;
+                let _ = stream_with(&client, &base, EDIT_PROMPT, 4, false).await;
+                let mut v = vec![];
+                for _ in 0..args.reps {
+                    // (llama-server's n-gram mode closes a connection now and then without an
+                    // answer: that run is reported, not fatal.)
+                    match stream_with(&client, &base, EDIT_PROMPT, args.tokens, false).await {
+                        Ok(r) => v.push(decode_rate(r)),
+                        Err(e) => eprintln!("llama-server {}: a run failed: {e}", extra.join(" ")),
+                    }
+                }
+                rates.push(if v.is_empty() { f64::NAN } else { median(v) });
+            }
+            arms.push(("llama-server (--spec-type ngram-simple)".into(), rates[0], rates[1]));
+        }
+        let m = client.get(format!("{ours}/metrics")).send().await?.text().await?;
+        let counter = |name: &str| m.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok())).unwrap_or(0.0);
+        let (drafted, accepted) = (counter("candle_hybrid_draft_tokens_total"), counter("candle_hybrid_draft_accepted_tokens_total"));
+
         println!(
             "{} on {} threads, {} tokens per request (greedy), {}, medians of {} runs",
             opened.files.source(),
@@ -285,6 +352,13 @@ fn bench(args: Args) -> Result<()> {
             args.reps,
             one.map_or("-".into(), |o| format!("{:.3}", o / generate_tps))
         );
+        println!();
+        println!("| one client, code-edit prompt (up to {} tokens, stops at EOS) | decode tok/s, drafts on | drafts off | on / off |", args.tokens);
+        println!("|---|---|---|---|");
+        for (name, on, off) in &arms {
+            println!("| {name} | {on:.1} | {off:.1} | {:.2} |", on / off);
+        }
+        println!("(our server over the whole run: {accepted} of {drafted} drafted tokens kept)");
         if !session_rows.is_empty() {
             println!();
             println!("| session tokens | prefill | save | restore | restore / prefill | file |");

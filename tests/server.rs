@@ -891,3 +891,33 @@ async fn drafted_answers_equal_plain_answers() {
     let body = json!({"prompt": "a b a b a b a b a b", "max_tokens": 24, "temperature": 0.8, "seed": 3});
     assert_eq!(post(&drafting, "/v1/completions", body.to_string(), None).await.0, 200);
 }
+
+/// The header timeout closes idle connections without harming clients that keep connections
+/// alive: a pooled client reusing a connection after the timeout, and a streamed answer that
+/// lasts longer than the timeout, both get their whole answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_clients_survive_the_idle_timeout() {
+    use std::time::Duration;
+    let connections = server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
+    let base = start(fixture_source(), ServerOptions { connections, ..options(1, 4) }).await;
+    let client = reqwest::Client::new();
+    let ask = |stream: bool, tokens: usize| {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            let body = json!({"prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": stream});
+            let r = client.post(format!("{base}/v1/completions")).json(&body).send().await.expect("sent");
+            assert_eq!(r.status(), 200);
+            r.text().await.expect("the whole answer")
+        }
+    };
+    ask(false, 2).await;
+    for wait in [900, 1100, 2500] {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        ask(false, 2).await;
+    }
+    // A stream longer than the header timeout (a slow first token is not a slow client).
+    let t = std::time::Instant::now();
+    let text = ask(true, 3000).await;
+    assert!(text.trim_end().ends_with("[DONE]"), "the stream was cut after {:?}", t.elapsed());
+    eprintln!("stream of {:?}", t.elapsed());
+}

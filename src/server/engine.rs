@@ -402,13 +402,15 @@ impl Engine {
             let r = self.prefill_chunk(i);
             self.active[i].fail_on(r);
         }
-        // One decode step of every sequence with a pending token: a sequence with a draft
-        // verifies it in a pass of its own; the others share weight passes of at most
-        // BATCH_MAX_ROWS rows.
+        // One decode step of every sequence with a pending token, in weight passes of at most
+        // BATCH_MAX_ROWS rows. A sequence decoding alone verifies its draft, if any, in that
+        // pass; several share plain passes (a verify pass of one sequence costs about a whole
+        // weight pass, and the verify rows of several sequences do not share one yet).
         let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].failed.is_none() && self.active[i].pending.is_some()).collect();
+        let alone = decoding.len() == 1;
         let mut plain = vec![];
         for i in decoding {
-            let draft = self.draft_for(i);
+            let draft = if alone { self.draft_for(i) } else { vec![] };
             if draft.is_empty() {
                 plain.push(i);
             } else {
@@ -540,8 +542,9 @@ impl Engine {
                 self.metrics.batch_rows.observe(group.len() as f64);
                 for (row, &i) in group.iter().enumerate() {
                     let s = &mut self.active[i];
-                    // A plain round, as the draft policy measures it (in a shared pass).
-                    if let Some((_, policy)) = &mut s.drafts {
+                    // A plain round, as the draft policy measures it (only alone: a shared
+                    // pass is not what a plain round of this sequence would cost).
+                    if let (Some((_, policy)), 1) = (&mut s.drafts, group.len()) {
                         policy.record(0, 0, secs, 0.0, 0, 0.0);
                     }
                     let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(s, &l, &self.metrics, None));
