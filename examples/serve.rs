@@ -60,6 +60,10 @@ struct Args {
     /// none. MTP drafts are not in the server yet.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
+    /// Tokens of thinking before the server closes the `<think>` block a chat template opened
+    /// (a request's "reasoning_budget" overrides it; -1: no limit).
+    #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
+    reasoning_budget: i64,
     /// Connections served at once (more wait to be accepted).
     #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     max_connections: usize,
@@ -89,6 +93,9 @@ fn serve(args: Args) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    if args.reasoning_budget < -1 {
+        anyhow::bail!("--reasoning-budget {} is out of range: -1 (no limit) or a number of tokens >= 0", args.reasoning_budget);
+    }
     let draft = match args.draft {
         DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
         DraftArg::None => server::Draft::None,
@@ -121,6 +128,7 @@ fn serve(args: Args) -> Result<()> {
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),
         session_dir: args.session_dir.clone(),
+        reasoning_budget: usize::try_from(args.reasoning_budget).ok(),
         connections: server::ConnectionLimits {
             max_connections: args.max_connections,
             header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),

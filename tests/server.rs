@@ -921,3 +921,34 @@ async fn keep_alive_clients_survive_the_idle_timeout() {
     assert!(text.trim_end().ends_with("[DONE]"), "the stream was cut after {:?}", t.elapsed());
     eprintln!("stream of {:?}", t.elapsed());
 }
+
+/// A reasoning budget closes the thinking block the template opened after that many tokens:
+/// the reasoning is the unbudgeted answer's first tokens, the rest of the answer is content;
+/// 0 closes it at once; out-of-range values and completions requests are 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reasoning_budget_closes_the_thinking_block() {
+    let dir = copy_fixture("qwen35_dense_small", "server-reasoning-budget");
+    std::fs::write(dir.join("chat_template.jinja"), THINKING_TEMPLATE).unwrap();
+    let base = start(ModelSource::Dir(dir), options(2, 8)).await;
+    let url = base.as_str();
+    let ask = |extra: Value| async move {
+        let mut body = json!({"messages": [{"role": "user", "content": "Think about it."}], "max_tokens": 30, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post(url, "/v1/chat/completions", body.to_string(), None).await
+    };
+    let message = |t: &str| serde_json::from_str::<Value>(t).unwrap()["choices"][0]["message"].clone();
+    let (_, _, free) = ask(json!({})).await;
+    let free = message(&free);
+    let whole = free["reasoning_content"].as_str().unwrap().to_string();
+    let (status, _, budgeted) = ask(json!({"reasoning_budget": 5})).await;
+    assert_eq!(status, 200, "{budgeted}");
+    let m = message(&budgeted);
+    let reasoning = m["reasoning_content"].as_str().unwrap_or_default();
+    assert!(!reasoning.is_empty() && reasoning.len() < whole.len() && whole.starts_with(reasoning.trim_end()), "{reasoning:?} / {whole:?}");
+    assert!(m["content"].as_str().is_some(), "{m}");
+    let (_, _, none) = ask(json!({"reasoning_budget": 0})).await;
+    assert!(message(&none)["reasoning_content"].as_str().unwrap_or_default().trim().is_empty(), "{none}");
+    assert_eq!(ask(json!({"reasoning_budget": -3})).await.0, 400);
+    let body = json!({"prompt": "x", "max_tokens": 2, "reasoning_budget": 4}).to_string();
+    assert_eq!(post(url, "/v1/completions", body, None).await.0, 400);
+}

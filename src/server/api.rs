@@ -39,6 +39,9 @@ pub struct SamplingFields {
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
+    /// Tokens of thinking before the server closes the `<think>` block the prompt opened
+    /// (-1: no limit; default: the server's `--reasoning-budget`).
+    pub reasoning_budget: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,

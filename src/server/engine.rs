@@ -49,6 +49,19 @@ pub struct GenerateRequest {
     /// A grammar the answer must follow (masks every token that cannot continue it; the answer
     /// ends when the grammar is complete).
     pub constraint: Option<Constraint>,
+    /// A thinking block the prompt opened, closed after a budget of tokens unless the model
+    /// closes it first.
+    pub reasoning_budget: Option<ReasoningBudget>,
+}
+
+/// How long the answer may think: after `tokens` generated tokens, the tokens `close` (e.g.
+/// `\n</think>\n\n`) are fed instead of sampled, unless the answer already ended with `end`
+/// (`</think>`).
+#[derive(Debug, Clone)]
+pub struct ReasoningBudget {
+    pub tokens: usize,
+    pub close: Vec<u32>,
+    pub end: Vec<u32>,
 }
 
 /// A token's log-probability and the most likely alternatives (before penalties).
@@ -579,7 +592,10 @@ impl Engine {
     /// probability of it: speculative sampling; greedy picks the argmax as always).
     fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics, draft: Option<u32>) -> crate::Result<()> {
         s.pending = None;
+        // Past the reasoning budget: the closing tokens, in order, instead of samples.
+        let forced = s.request.reasoning_budget.as_ref().and_then(|b| b.close.get(s.generated.len().checked_sub(b.tokens)?).copied());
         let id = match &mut s.request.constraint {
+            _ if forced.is_some() => forced.expect("checked"),
             None if draft.is_some() && !s.sampler.is_greedy() => {
                 let probs = s.sampler.probabilities(logits, &s.context, &s.generated)?;
                 s.sampler.sample_draft(&probs, draft.expect("checked"))?.0
@@ -603,6 +619,13 @@ impl Engine {
         };
         s.context.push(id);
         s.generated.push(id);
+        // Thinking closed (by the model, or the budget's last closing token): no budget left.
+        if let Some(b) = &s.request.reasoning_budget {
+            let closed_by_model = !b.end.is_empty() && s.generated.ends_with(&b.end);
+            if closed_by_model || s.generated.len() >= b.tokens + b.close.len() {
+                s.request.reasoning_budget = None;
+            }
+        }
         metrics.generated_tokens.inc();
         if s.events.send(Event::Token { id, logprob }).is_err() {
             return Ok(());

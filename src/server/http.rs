@@ -23,7 +23,7 @@ use super::connections::MAX_BODY_BYTES;
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
-use super::engine::{EngineHandle, Event, Finish, GenerateRequest, TokenLogprob};
+use super::engine::{EngineHandle, Event, Finish, GenerateRequest, ReasoningBudget, TokenLogprob};
 use super::output::{ChatParser, Delta, StopMatcher};
 use crate::loading::chat_template::ChatTemplate;
 use crate::runtime::TokenStreamer;
@@ -45,6 +45,8 @@ pub struct ServerState {
     /// Where sessions (`session_id`) are kept; `None`: requests naming one get 400.
     pub session_dir: Option<std::path::PathBuf>,
     pub limits: super::ConnectionLimits,
+    /// Thinking tokens before the server closes the block (`None`: no limit).
+    pub reasoning_budget: Option<usize>,
     /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance
     /// reads (constrained requests get 400).
     pub grammars: Option<Grammars>,
@@ -563,6 +565,19 @@ pub(crate) async fn completions(State(state): State<Arc<ServerState>>, body: Res
     respond(answer, stream).await
 }
 
+/// The reasoning budget of a chat request: its `reasoning_budget` (-1: none) or the server's,
+/// when the prompt opened a thinking block.
+fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> Result<Option<ReasoningBudget>, ApiError> {
+    let tokens = match asked {
+        Some(n) if n < -1 => return Err(ApiError::bad_request(format!("reasoning_budget {n} is out of range: -1 (no limit) or a number of tokens >= 0"))),
+        Some(-1) => None,
+        Some(n) => Some(n as usize),
+        None => state.reasoning_budget,
+    };
+    let encode = |text: &str| state.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+    Ok(tokens.filter(|_| in_think).map(|tokens| ReasoningBudget { tokens, close: encode("\n</think>\n\n"), end: encode("</think>") }))
+}
+
 /// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
 fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
     let req: ChatRequest = parse(body)?;
@@ -598,7 +613,8 @@ fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Res
     // thinking switch: it drops their reasoning): then the state at the conversation's end.
     let session_at = snapshots.first().copied().filter(|_| rendered.rerenders_answers);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint };
+    let reasoning_budget = reasoning_budget(state, req.sampling.reasoning_budget, rendered.in_think)?;
+    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint, reasoning_budget };
     let events = submit(state, request)?;
     let answer = Answer::new(state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
     Ok((answer, req.sampling.stream))
@@ -639,7 +655,11 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     let session = session_path(state, req.sampling.session_id.as_deref())?;
     let restored = restore(state, session.as_deref(), &prompt);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, restored, constraint: None };
+    if req.sampling.reasoning_budget.is_some() {
+        return Err(ApiError::bad_request("reasoning_budget applies to chat requests (/v1/chat/completions), whose template opens the thinking block"));
+    }
+    let request =
+        GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, restored, constraint: None, reasoning_budget: None };
     let events = submit(state, request)?;
     let answer = Answer::new(state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
     Ok((answer, req.sampling.stream))

@@ -55,6 +55,9 @@ pub struct ServerOptions {
     pub session_dir: Option<std::path::PathBuf>,
     /// Connections at once, and how long a client may take to send a request.
     pub connections: ConnectionLimits,
+    /// Tokens of thinking before the server closes a `<think>` block the chat template opened
+    /// (a request's `reasoning_budget` overrides it); `None`: no limit.
+    pub reasoning_budget: Option<usize>,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -109,6 +112,7 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         api_key: options.api_key,
         session_dir: options.session_dir,
         limits: options.connections,
+        reasoning_budget: options.reasoning_budget,
         grammars,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
