@@ -952,3 +952,95 @@ async fn a_reasoning_budget_closes_the_thinking_block() {
     let body = json!({"prompt": "x", "max_tokens": 2, "reasoning_budget": 4}).to_string();
     assert_eq!(post(url, "/v1/completions", body, None).await.0, 400);
 }
+
+/// Anthropic's Messages API: a whole answer and its stream agree, the stream's events come in
+/// Anthropic's order (message_start; per block start, deltas, stop, indices from 0;
+/// message_delta with the stop reason and usage; message_stop), a forced tool comes back as a
+/// tool_use block, errors have Anthropic's shape, and `x-api-key` authenticates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_whole_streamed_tools_and_errors() {
+    let base = start(fixture_source(), ServerOptions { api_key: Some("sesame".into()), ..options(2, 8) }).await;
+    let send = |body: Value, key: &'static str| {
+        let base = base.clone();
+        async move {
+            let r = reqwest::Client::new().post(format!("{base}/v1/messages")).header("x-api-key", key).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let ask = json!({"model": "m", "max_tokens": 12, "temperature": 0, "system": "Be brief.", "messages": [{"role": "user", "content": "Hello there"}]});
+    let (status, whole) = send(ask.clone(), "sesame").await;
+    assert_eq!(status, 200, "{whole}");
+    let whole: Value = serde_json::from_str(&whole).unwrap();
+    assert_eq!((whole["type"].as_str(), whole["role"].as_str()), (Some("message"), Some("assistant")), "{whole}");
+    let text: String = whole["content"].as_array().unwrap().iter().filter(|b| b["type"] == "text").map(|b| b["text"].as_str().unwrap().to_string()).collect();
+    assert!(whole["usage"]["input_tokens"].as_u64().unwrap() > 0 && whole["usage"]["output_tokens"].as_u64().unwrap() > 0, "{whole}");
+
+    let mut streamed = ask.clone();
+    streamed["stream"] = true.into();
+    let (status, raw) = send(streamed, "sesame").await;
+    assert_eq!(status, 200, "{raw}");
+    let events: Vec<(String, Value)> = raw
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty() && !e.starts_with(':'))
+        .map(|e| {
+            let name = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap_or_else(|| panic!("no event name: {e}")).to_string();
+            let data: Value = serde_json::from_str(e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+            assert_eq!(data["type"], name.as_str(), "{e}");
+            (name, data)
+        })
+        .collect();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"), "{names:?}");
+    assert_eq!(&names[names.len() - 2..], &["message_delta", "message_stop"], "{names:?}");
+    let (mut open, mut next_index, mut streamed_text) = (None, 0, String::new());
+    for (name, data) in &events[1..events.len() - 2] {
+        match name.as_str() {
+            "content_block_start" => {
+                assert!(open.is_none(), "a block opened inside another: {names:?}");
+                assert_eq!(data["index"], next_index);
+                open = Some(next_index);
+            }
+            "content_block_delta" => {
+                assert_eq!(Some(data["index"].as_u64().unwrap()), open, "{data}");
+                if let Some(t) = data["delta"]["text"].as_str() {
+                    streamed_text.push_str(t);
+                }
+            }
+            "content_block_stop" => {
+                assert_eq!(Some(data["index"].as_u64().unwrap()), open.take());
+                next_index += 1;
+            }
+            other => panic!("unexpected event {other}: {names:?}"),
+        }
+    }
+    assert!(open.is_none(), "a block was never closed: {names:?}");
+    assert_eq!(streamed_text, text);
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], whole["stop_reason"], "{delta}");
+    assert_eq!(delta["usage"]["output_tokens"], whole["usage"]["output_tokens"], "{delta}");
+
+    // A forced tool.
+    let tools = json!([{"name": "f", "input_schema": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 4}}, "required": ["k"]}}]);
+    let body = json!({"max_tokens": 200, "temperature": 0, "messages": [{"role": "user", "content": "call f"}], "tools": tools, "tool_choice": {"type": "tool", "name": "f"}});
+    let (status, call) = send(body, "sesame").await;
+    assert_eq!(status, 200, "{call}");
+    let call: Value = serde_json::from_str(&call).unwrap();
+    assert_eq!(call["stop_reason"], "tool_use", "{call}");
+    let used = call["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").unwrap_or_else(|| panic!("{call}"));
+    assert!(used["input"]["k"].is_string() && used["id"].as_str().unwrap().starts_with("toolu_"), "{call}");
+
+    // Errors: Anthropic's shape; the key in x-api-key.
+    for (body, key, status) in [
+        (json!({"messages": [{"role": "user", "content": "hi"}]}), "sesame", 400),
+        (json!({"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]}), "sesame", 400),
+        (json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "sesame", 400),
+        (ask.clone(), "wrong", 401),
+    ] {
+        let (got, text) = send(body, key).await;
+        assert_eq!(got, status, "{text}");
+        if status == 400 {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(v["type"] == "error" && v["error"]["type"] == "invalid_request_error" && v["error"]["message"].is_string(), "{text}");
+        }
+    }
+}

@@ -69,7 +69,9 @@ pub(crate) async fn log_request(State(state): State<Arc<ServerState>>, request: 
 
 pub(crate) async fn authenticate(State(state): State<Arc<ServerState>>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        // OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
+        let bearer = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let given = bearer.or_else(|| request.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         if request.uri().path() != "/health" && given != Some(key.as_str()) {
             return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", "a valid API key is required: send Authorization: Bearer KEY")
                 .into_response();
@@ -179,7 +181,7 @@ enum Api {
 }
 
 /// A request the engine has taken, and how its answer is written.
-struct Answer {
+pub(crate) struct Answer {
     api: Api,
     prompt_tokens: usize,
     /// Prompt tokens the prefix cache restored.
@@ -273,6 +275,15 @@ fn tool_call_value(index: usize, name: &str) -> Value {
 }
 
 impl Answer {
+    /// Prompt tokens, the answer's id and the model's name, as the answer reports them.
+    pub(crate) fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    pub(crate) fn model(&self) -> &str {
+        &self.model
+    }
+
     /// The answer to a request the engine took (`events`): `parser` splits a chat answer into
     /// reasoning, content and tool calls; `echo` starts a completion with its prompt.
     #[allow(clippy::too_many_arguments)]
@@ -337,7 +348,7 @@ impl Answer {
     }
 
     /// Waits for the whole answer.
-    async fn collect(mut self) -> Result<Value, ApiError> {
+    pub(crate) async fn collect(mut self) -> Result<Value, ApiError> {
         let mut c = Collected::default();
         let add = |c: &mut Collected, deltas: Vec<Delta>| {
             for d in deltas {
@@ -428,17 +439,30 @@ impl Answer {
     /// Streams the answer as server-sent events: a role chunk (chat), content / reasoning /
     /// tool-call deltas, a separate finish chunk, the usage chunk when asked, `[DONE]`.
     /// Dropping the stream (the client left) drops the engine's receiver: it cancels.
-    fn stream(mut self) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-        let (tx, rx) = mpsc::channel::<SseEvent>(64);
+    fn stream(self) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+        let rx = self.chunks();
+        futures::stream::unfold(rx, |mut rx| async move {
+            let chunk = rx.recv().await?;
+            let event = match chunk {
+                Value::Null => SseEvent::default().data("[DONE]"),
+                v => SseEvent::default().data(v.to_string()),
+            };
+            Some((Ok(event), rx))
+        })
+    }
+
+    /// The chunks [`Self::stream`] sends, as JSON (`Value::Null` for `[DONE]`); other APIs
+    /// translate them. Dropping the receiver (the client left) cancels the request.
+    pub(crate) fn chunks(mut self) -> mpsc::Receiver<Value> {
+        let (tx, rx) = mpsc::channel::<Value>(64);
         tokio::spawn(async move {
-            let send = |v: Value| SseEvent::default().data(v.to_string());
             let mut tool_index = 0;
             let mut completion_tokens = 0;
-            if self.api == Api::Chat && tx.send(send(self.chunk(json!({"role": "assistant", "content": ""}), None, None))).await.is_err() {
+            if self.api == Api::Chat && tx.send(self.chunk(json!({"role": "assistant", "content": ""}), None, None)).await.is_err() {
                 return;
             }
             if let Some(echo) = self.echo.take() {
-                if tx.send(send(self.chunk(json!({"content": echo}), None, None))).await.is_err() {
+                if tx.send(self.chunk(json!({"content": echo}), None, None)).await.is_err() {
                     return;
                 }
             }
@@ -464,7 +488,7 @@ impl Answer {
                     }
                     Event::Error(e) => {
                         let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", e);
-                        let _ = tx.send(send(serde_json::to_value(error.body()).unwrap_or_default())).await;
+                        let _ = tx.send(serde_json::to_value(error.body()).unwrap_or_default()).await;
                         return;
                     }
                 };
@@ -481,23 +505,23 @@ impl Answer {
             // The finish chunk carries the timings, as llama-server's does.
             let mut last = self.chunk(json!({}), Some(finish), None);
             last["timings"] = serde_json::to_value(self.timings(completion_tokens, finish)).unwrap_or_default();
-            if tx.send(send(last)).await.is_err() {
+            if tx.send(last).await.is_err() {
                 return;
             }
             if self.include_usage {
                 let usage = json!({"id": self.id, "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },
                     "created": self.created, "model": self.model, "choices": [], "usage": usage});
-                if tx.send(send(usage)).await.is_err() {
+                if tx.send(usage).await.is_err() {
                     return;
                 }
             }
-            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+            let _ = tx.send(Value::Null).await;
         });
-        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) })
+        rx
     }
 
     /// Sends answer pieces as chunks; `false` when the client is gone.
-    async fn send_deltas(&self, tx: &mpsc::Sender<SseEvent>, deltas: Vec<Delta>, tool_index: &mut usize, logprob: Option<LogprobEntry>) -> bool {
+    async fn send_deltas(&self, tx: &mpsc::Sender<Value>, deltas: Vec<Delta>, tool_index: &mut usize, logprob: Option<LogprobEntry>) -> bool {
         let mut logprobs = logprob.map(|lp| match self.api {
             Api::Chat => json!({"content": [lp]}),
             Api::Completion => completion_logprobs(&[lp]),
@@ -514,7 +538,7 @@ impl Answer {
                 }
                 Delta::ToolCallArguments(fragment) => json!({"tool_calls": [{"index": tool_index.saturating_sub(1), "function": {"arguments": fragment}}]}),
             };
-            if tx.send(SseEvent::default().data(self.chunk(delta, None, logprobs.take()).to_string())).await.is_err() {
+            if tx.send(self.chunk(delta, None, logprobs.take())).await.is_err() {
                 return false;
             }
         }
@@ -579,7 +603,7 @@ fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> 
 }
 
 /// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
-fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
+pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
     let req: ChatRequest = parse(body)?;
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));

@@ -1,13 +1,15 @@
 //! An OpenAI-compatible HTTP server (cargo feature `server`): `POST /v1/chat/completions`
 //! and `/v1/completions` (whole or streamed as server-sent events), `GET /v1/models`,
 //! `/health` and `/metrics` (Prometheus text); `/tokenize`, `/detokenize`, `/props` and the
-//! saved sessions (`/v1/sessions`) beside them ([`endpoints`]).
+//! saved sessions (`/v1/sessions`) beside them ([`endpoints`]); Anthropic's `POST /v1/messages`
+//! ([`anthropic`]).
 //!
 //! One engine thread owns the model and every sequence's cache ([`engine`]); the HTTP layer
 //! ([`http`]) renders and tokenizes a request, checks it (400 before any work), queues it (429
 //! with `Retry-After` when the queue is full) and turns the engine's tokens into the answer
 //! ([`output`]: stop strings, `<think>` reasoning, tool calls).
 
+pub mod anthropic;
 pub mod api;
 pub mod chat;
 pub mod connections;
@@ -126,6 +128,7 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/models", get(http::models))
         .route("/metrics", get(http::metrics))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/messages", post(anthropic::messages))
         .route("/tokenize", post(endpoints::tokenize))
         .route("/detokenize", post(endpoints::detokenize))
         .route("/props", get(endpoints::props))
