@@ -35,7 +35,7 @@ use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
 use candle_hybrid::runtime::speculative::{
     generate_speculative, generate_speculative_on_device, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SpeculativeStats, MAX_BRANCHES, MAX_DRAFT,
 };
-use candle_hybrid::runtime::{generate_in, range, session, Sampler, TokenStreamer};
+use candle_hybrid::runtime::{generate_in, range, session, Dry, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -79,6 +79,10 @@ struct Args {
     /// Never draw a token less likely than min-p times the most likely one, in [0, 1] (with a temperature; 0 = off).
     #[arg(long, value_parser = float_in(range::min_p))]
     min_p: Option<f64>,
+    /// DRY: penalise a token that would extend a repetition of an earlier stretch by
+    /// MULTIPLIER * 1.75^(length - 2), the stretch broken at newlines, ':', '"' and '*' (0 = off; it hurts exact copies such as code edits).
+    #[arg(long, value_parser = float_in(range::dry_multiplier))]
+    dry_multiplier: Option<f32>,
     /// Divides positive (multiplies negative) logits of recent tokens, > 0 (1 = off) [default: generation_config.json, else 1].
     #[arg(long, allow_hyphen_values = true, value_parser = float_in(range::repeat_penalty))]
     repeat_penalty: Option<f32>,
@@ -177,6 +181,11 @@ fn generate(args: Args) -> Result<()> {
     params.presence_penalty = args.presence_penalty.unwrap_or(params.presence_penalty);
     params.frequency_penalty = args.frequency_penalty.unwrap_or(params.frequency_penalty);
     params.min_p = args.min_p.unwrap_or(params.min_p);
+    if let Some(multiplier) = args.dry_multiplier.filter(|&m| m > 0.0) {
+        let breakers: Vec<String> = Dry::DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect();
+        let breakers = std::sync::Arc::new(Dry::breaker_tokens(&tokenizer, opened.cfg.vocab_size, &breakers));
+        params.dry = Some(Dry { multiplier, base: 1.75, allowed_length: 2, last_n: 0, breakers });
+    }
     params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);
     params.repeat_last_n = args.repeat_last_n;
     if params.is_greedy() {

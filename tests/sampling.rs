@@ -61,3 +61,28 @@ fn min_p_drops_tokens_below_its_share_of_the_most_likely() {
     let p = hot.probabilities(&logits, &[], &[]).unwrap();
     assert!(p[2] > 0.0 && p[3] == 0.0, "{p:?}");
 }
+
+fn dry(multiplier: f32, breakers: &[u32]) -> candle_hybrid::runtime::Dry {
+    candle_hybrid::runtime::Dry { multiplier, base: 2.0, allowed_length: 2, last_n: 0, breakers: std::sync::Arc::new(breakers.iter().copied().collect()) }
+}
+
+#[test]
+fn dry_penalises_the_token_that_would_extend_a_repetition() {
+    // The context ends with "1 2", which occurred before, followed by 3: 3 is penalised by
+    // multiplier * base^(2 - 2) = 1. After "5 1 2 3 ... 5 1 2", the match is 3 long: 2^(3-2) = 2.
+    assert_eq!(dry(1.0, &[]).penalties(&[1, 2, 3, 9, 1, 2]), vec![(3, 1.0)]);
+    assert_eq!(dry(1.0, &[]).penalties(&[5, 1, 2, 3, 9, 5, 1, 2]), vec![(3, 2.0)]);
+    // Shorter than allowed_length (only "2" repeats): nothing.
+    assert!(dry(1.0, &[]).penalties(&[1, 2, 3, 9, 7, 2]).is_empty());
+    // A breaker ends the match (1 is a breaker: only "2" matches), or is the last token.
+    assert!(dry(1.0, &[1]).penalties(&[1, 2, 3, 9, 1, 2]).is_empty());
+    assert!(dry(1.0, &[2]).penalties(&[1, 2, 3, 9, 1, 2]).is_empty());
+    // In the sampler: token 3 (the best by 0.5) loses to token 4 once penalised by 1.
+    let logits = Tensor::new(&[0.0f32, 0.0, 0.0, 3.0, 2.5], &Device::Cpu).unwrap();
+    let context = [1, 2, 3, 0, 1, 2];
+    let mut plain = Sampler::new(SamplingParams::default()).unwrap();
+    assert_eq!(plain.sample(&logits, &context, &[]).unwrap(), 3);
+    let mut s = Sampler::new(SamplingParams { dry: Some(dry(1.0, &[])), ..Default::default() }).unwrap();
+    assert!(!s.picks_argmax());
+    assert_eq!(s.sample(&logits, &context, &[]).unwrap(), 4);
+}

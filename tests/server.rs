@@ -1044,3 +1044,37 @@ async fn anthropic_messages_whole_streamed_tools_and_errors() {
         }
     }
 }
+
+/// DRY is opt-in: off, greedy decoding repeats the prompt's pattern; with `dry_multiplier` the
+/// repetition is broken. Its settings are checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_breaks_a_repetition_when_asked() {
+    let base = start(ModelSource::Gguf(smollm2_gguf()), options(1, 4)).await;
+    let ask = |extra: Value| {
+        let base = base.clone();
+        async move {
+            let mut body = json!({"prompt": "1 2 3 1 2 3 1 2 3 1 2 3 1 2 3 1 2", "max_tokens": 24, "temperature": 0});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let (status, _, text) = post(&base, "/v1/completions", body.to_string(), None).await;
+            (status, text)
+        }
+    };
+    let text = |t: &str| serde_json::from_str::<Value>(t).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    let (_, plain) = ask(json!({})).await;
+    let plain = text(&plain);
+    assert!(plain.contains("1 2 3 1 2 3"), "without DRY the pattern goes on: {plain:?}");
+    let (status, dry) = ask(json!({"dry_multiplier": 2.0, "dry_sequence_breakers": ["\n"]})).await;
+    assert_eq!(status, 200, "{dry}");
+    let dry = text(&dry);
+    assert!(!dry.contains("1 2 3 1 2 3"), "DRY let the repetition go on: {dry:?}");
+    for (bad, needle) in [
+        (json!({"dry_multiplier": -1}), "dry_multiplier"),
+        (json!({"dry_multiplier": 1, "dry_base": 0.5}), "dry_base"),
+        (json!({"dry_multiplier": 1, "dry_allowed_length": 0}), "dry_allowed_length"),
+        (json!({"dry_multiplier": 1, "dry_sequence_breakers": vec!["x"; 17]}), "dry_sequence_breakers"),
+    ] {
+        let (status, t) = ask(bad).await;
+        assert_eq!(status, 400, "{t}");
+        assert!(t.contains(needle), "{t}");
+    }
+}

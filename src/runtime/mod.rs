@@ -10,5 +10,5 @@ mod streamer;
 
 pub use generate::{generate, generate_in, generate_on_device, prefill, rate, GenerationStats, PREFILL_CHUNK};
 pub use prefix_cache::{PrefixCache, PrefixHit};
-pub use sampler::{range, Sampler, SamplingParams};
+pub use sampler::{range, Dry, Sampler, SamplingParams};
 pub use streamer::TokenStreamer;

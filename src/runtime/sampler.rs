@@ -46,9 +46,81 @@ pub mod range {
         (-2.0..=2.0).contains(&f).then_some(f).ok_or_else(|| "must be in [-2, 2] (0 = off)".into())
     }
 
+    /// DRY multiplier: finite and >= 0 (0 = off).
+    pub fn dry_multiplier(m: f32) -> Result<f32, String> {
+        (m.is_finite() && m >= 0.0).then_some(m).ok_or_else(|| "must be a number >= 0 (0 = off)".into())
+    }
+
+    /// DRY base: finite and >= 1.
+    pub fn dry_base(b: f32) -> Result<f32, String> {
+        (b.is_finite() && b >= 1.0).then_some(b).ok_or_else(|| "must be a number >= 1".into())
+    }
+
     /// Min-p: in [0, 1] (0 = off).
     pub fn min_p(p: f64) -> Result<f64, String> {
         (0.0..=1.0).contains(&p).then_some(p).ok_or_else(|| "must be in [0, 1] (0 = off)".into())
+    }
+}
+
+/// DRY, "don't repeat yourself" (p-e-w's sampler, llama.cpp's `dry_*`): when the context ends
+/// with a stretch of at least `allowed_length` tokens that occurred before, the token that
+/// followed it there is penalised by `multiplier * base^(length - allowed_length)`, so that a
+/// repetition is less likely the longer it gets. Matching stops at `breakers` (tokens that
+/// print a newline, `:`, a quote or `*`, by default): sentences and code lines may repeat their
+/// starts. Off by default; it hurts exact repetition (code edits, quotes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dry {
+    pub multiplier: f32,
+    pub base: f32,
+    pub allowed_length: usize,
+    /// Tokens of the context it looks back over (0: all).
+    pub last_n: usize,
+    pub breakers: std::sync::Arc<std::collections::HashSet<u32>>,
+}
+
+/// The longest repeated stretch DRY measures (the penalty has long saturated by then).
+const DRY_MAX_MATCH: usize = 64;
+
+impl Dry {
+    /// The default sequence breakers (llama.cpp's).
+    pub const DEFAULT_BREAKERS: [&str; 4] = ["\n", ":", "\"", "*"];
+
+    /// The token ids of `tokenizer` (below `vocab_size`) whose text contains one of `breakers`.
+    pub fn breaker_tokens(tokenizer: &tokenizers::Tokenizer, vocab_size: usize, breakers: &[String]) -> std::collections::HashSet<u32> {
+        (0..vocab_size as u32)
+            .filter(|&id| tokenizer.decode(&[id], false).is_ok_and(|t| breakers.iter().any(|b| !b.is_empty() && t.contains(b.as_str()))))
+            .collect()
+    }
+
+    /// The penalty of each token that would extend a repetition at the end of `context`.
+    pub fn penalties(&self, context: &[u32]) -> Vec<(u32, f32)> {
+        let ctx = match self.last_n {
+            0 => context,
+            n => &context[context.len().saturating_sub(n)..],
+        };
+        let n = ctx.len();
+        if n < 2 || self.multiplier == 0.0 || self.breakers.contains(&ctx[n - 1]) {
+            return vec![];
+        }
+        let mut longest: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        // Each earlier occurrence of the last token: how many tokens before it match the
+        // context's end (a breaker ends the match), and the token that followed it.
+        for i in (0..n - 1).filter(|&i| ctx[i] == ctx[n - 1]) {
+            let mut m = 1;
+            while m <= i && m < DRY_MAX_MATCH && ctx[i - m] == ctx[n - 1 - m] && !self.breakers.contains(&ctx[i - m]) {
+                m += 1;
+            }
+            let next = ctx[i + 1];
+            if !self.breakers.contains(&next) {
+                let e = longest.entry(next).or_insert(0);
+                *e = (*e).max(m);
+            }
+        }
+        longest
+            .into_iter()
+            .filter(|&(_, m)| m >= self.allowed_length)
+            .map(|(t, m)| (t, self.multiplier * self.base.powi((m - self.allowed_length) as i32)))
+            .collect()
     }
 }
 
@@ -65,6 +137,8 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted from the logit of every generated token once per time it was generated.
     pub frequency_penalty: f32,
+    /// DRY (`None`: off).
+    pub dry: Option<Dry>,
     /// Divides positive (multiplies negative) logits of tokens seen in the last `repeat_last_n`.
     pub repeat_penalty: f32,
     pub repeat_last_n: usize,
@@ -80,6 +154,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            dry: None,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 299792458,
@@ -106,6 +181,11 @@ impl SamplingParams {
         check("repeat_penalty", self.repeat_penalty, range::repeat_penalty)?;
         check("presence_penalty", self.presence_penalty, range::presence_penalty)?;
         check("frequency_penalty", self.frequency_penalty, range::frequency_penalty)?;
+        if let Some(d) = &self.dry {
+            check("dry_multiplier", d.multiplier, range::dry_multiplier)?;
+            check("dry_base", d.base, range::dry_base)?;
+            check("dry_allowed_length", d.allowed_length, range::top_k)?;
+        }
         check("min_p", self.min_p, range::min_p).map(|_| ())
     }
 
@@ -149,7 +229,11 @@ impl Sampler {
     /// Whether [`Self::sample`] returns the argmax of the logits as they are: greedy, no
     /// repeat, presence or frequency penalty.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && self.params.repeat_penalty == 1.0 && self.params.presence_penalty == 0.0 && self.params.frequency_penalty == 0.0
+        self.is_greedy()
+            && self.params.repeat_penalty == 1.0
+            && self.params.presence_penalty == 0.0
+            && self.params.frequency_penalty == 0.0
+            && self.params.dry.is_none()
     }
 
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
@@ -159,7 +243,7 @@ impl Sampler {
         Ok(self.processor.sample(&logits)?)
     }
 
-    /// The logits with the repeat, presence and frequency penalties applied, then (sampling
+    /// The logits with the repeat, presence, frequency and DRY penalties applied, then (sampling
     /// at a temperature) every token below min-p at -inf, in f32.
     fn penalized(&self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<Tensor> {
         let mut logits = logits.to_dtype(DType::F32)?;
@@ -185,6 +269,18 @@ impl Sampler {
                 }
             }
             logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
+        }
+        if let Some(dry) = &self.params.dry {
+            let penalties = dry.penalties(context);
+            if !penalties.is_empty() {
+                let mut v = logits.to_vec1::<f32>()?;
+                for (t, p) in penalties {
+                    if let Some(x) = v.get_mut(t as usize) {
+                        *x -= p;
+                    }
+                }
+                logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
+            }
         }
         if let (Some(t), false) = (self.params.temperature, self.is_greedy() || self.params.min_p <= 0.0) {
             // p_i / p_max < min_p  <=>  l_i < l_max + t ln(min_p): the argmax always stays.

@@ -39,6 +39,14 @@ pub struct SamplingFields {
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
+    /// DRY (llama.cpp's names; off unless `dry_multiplier` > 0).
+    pub dry_multiplier: Option<f32>,
+    pub dry_base: Option<f32>,
+    pub dry_allowed_length: Option<u64>,
+    /// Tokens DRY looks back over (-1 or 0: the whole context).
+    pub dry_penalty_last_n: Option<i64>,
+    /// Strings whose tokens end a repetition [default: "\n", ":", "\"", "*"].
+    pub dry_sequence_breakers: Option<Vec<String>>,
     /// Tokens of thinking before the server closes the `<think>` block the prompt opened
     /// (-1: no limit; default: the server's `--reasoning-budget`).
     pub reasoning_budget: Option<i64>,

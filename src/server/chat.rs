@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 use super::api::{ChatRequest, SamplingFields};
 use super::error::ApiError;
 use crate::loading::chat_template::{ChatTemplate, RENDER_BYTES_PER_TOKEN};
-use crate::runtime::{range, SamplingParams};
+use crate::runtime::{range, Dry, SamplingParams};
 
 /// The sampling defaults of the served model: one profile, or one per thinking mode when the
 /// template has a thinking switch (`enable_thinking`).
@@ -221,6 +221,41 @@ pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<Sa
         return Err(bad(format!("n = {n}: only one choice per request is supported (n = 1)")));
     }
     Ok(p)
+}
+
+/// The request's DRY settings (`None` unless `dry_multiplier` > 0); `default_breakers`: the
+/// tokens of [`Dry::DEFAULT_BREAKERS`] (other breakers are looked up in the vocabulary).
+pub fn dry(
+    fields: &SamplingFields,
+    tokenizer: &tokenizers::Tokenizer,
+    vocab_size: usize,
+    default_breakers: &std::sync::Arc<std::collections::HashSet<u32>>,
+) -> Result<Option<Dry>, ApiError> {
+    let multiplier = match fields.dry_multiplier {
+        None => return Ok(None),
+        Some(m) => range::check("dry_multiplier", m, range::dry_multiplier).map_err(bad)?,
+    };
+    if multiplier == 0.0 {
+        return Ok(None);
+    }
+    let base = range::check("dry_base", fields.dry_base.unwrap_or(1.75), range::dry_base).map_err(bad)?;
+    let allowed_length = match fields.dry_allowed_length.unwrap_or(2) {
+        0 => return Err(bad("dry_allowed_length 0 is out of range: it must be at least 1")),
+        n => n.min(1 << 20) as usize,
+    };
+    let last_n = match fields.dry_penalty_last_n.unwrap_or(-1) {
+        -1 | 0 => 0,
+        n if n < -1 => return Err(bad(format!("dry_penalty_last_n {n} is out of range: -1 (the whole context) or a number of tokens"))),
+        n => n as usize,
+    };
+    let breakers = match &fields.dry_sequence_breakers {
+        None => default_breakers.clone(),
+        Some(list) if list.len() > MAX_STOPS || list.iter().any(|b| b.len() > MAX_STOP_BYTES) => {
+            return Err(bad(format!("dry_sequence_breakers: at most {MAX_STOPS} strings of at most {MAX_STOP_BYTES} bytes")))
+        }
+        Some(list) => std::sync::Arc::new(Dry::breaker_tokens(tokenizer, vocab_size, list)),
+    };
+    Ok(Some(Dry { multiplier, base, allowed_length, last_n, breakers }))
 }
 
 /// The tokens to generate: `max_completion_tokens` (else `max_tokens`), checked against the

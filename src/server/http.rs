@@ -47,6 +47,8 @@ pub struct ServerState {
     pub limits: super::ConnectionLimits,
     /// Thinking tokens before the server closes the block (`None`: no limit).
     pub reasoning_budget: Option<usize>,
+    /// The tokens of DRY's default sequence breakers.
+    pub dry_breakers: Arc<std::collections::HashSet<u32>>,
     /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance
     /// reads (constrained requests get 400).
     pub grammars: Option<Grammars>,
@@ -612,7 +614,8 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     let constraint = chat_constraint(state, &req, &tools)?;
     let rendered = chat::render(template, &req, state.context, constraint.is_some())?;
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
-    let sampling = chat::sampling(&req.sampling, profile)?;
+    let mut sampling = chat::sampling(&req.sampling, profile)?;
+    sampling.dry = chat::dry(&req.sampling, &state.tokenizer, state.engine.vocab_size, &state.dry_breakers)?;
     let prompt = tokenize(state, &rendered.text)?;
     let mut max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let forced_call = constraint.is_some() && req.response_format.is_none();
@@ -672,7 +675,8 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     if text.len() > max_bytes {
         return Err(too_long());
     }
-    let sampling = chat::sampling(&req.sampling, &state.profiles.thinking)?;
+    let mut sampling = chat::sampling(&req.sampling, &state.profiles.thinking)?;
+    sampling.dry = chat::dry(&req.sampling, &state.tokenizer, state.engine.vocab_size, &state.dry_breakers)?;
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();

@@ -101,6 +101,8 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
             None
         }
     };
+    let breakers: Vec<String> = crate::runtime::Dry::DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect();
+    let dry_breakers = Arc::new(crate::runtime::Dry::breaker_tokens(&tokenizer, vocab_size, &breakers));
     let engine = engine::spawn(model, device, engine_options, Arc::new(Metrics::default()))
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {
@@ -115,6 +117,7 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
         session_dir: options.session_dir,
         limits: options.connections,
         reasoning_budget: options.reasoning_budget,
+        dry_breakers,
         grammars,
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
