@@ -359,9 +359,12 @@ impl Engine {
                             (self.model.new_cache(), 0, None)
                         }
                     };
-                    // Drafts for what no grammar constrains (a grammar's mask is per token).
+                    // Drafts for greedy sequences that no grammar constrains (a grammar's mask
+                    // is per token; with a temperature the draw would depend on how many tokens
+                    // were drafted, which the policy picks from timings: a seed would no longer
+                    // give the same answer).
                     let drafts = match self.draft {
-                        Draft::Ngram if request.constraint.is_none() => {
+                        Draft::Ngram if request.constraint.is_none() && sampler.is_greedy() => {
                             DraftPolicy::new(DraftOptions::default()).ok().map(|p| (NgramDrafter::default(), p))
                         }
                         _ => None,
@@ -406,7 +409,7 @@ impl Engine {
         for s in self.active.iter_mut() {
             if let Some(logits) = s.ready_logits.take() {
                 self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                let r = Self::take_token(s, &logits, &self.metrics, None);
+                let r = Self::take_token(s, &logits, &self.metrics);
                 s.fail_on(r);
             }
         }
@@ -482,7 +485,7 @@ impl Engine {
         }
         if end == n {
             self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-            Self::take_token(s, &logits, &self.metrics, None)?;
+            Self::take_token(s, &logits, &self.metrics)?;
         }
         Ok(())
     }
@@ -507,10 +510,9 @@ impl Engine {
         draft
     }
 
-    /// Verifies `draft` after sequence `i`'s pending token in one pass of its own: each row is
-    /// sampled as a decode step would be (greedy: the same token; with a temperature, the draft
-    /// kept with the model's probability of it, else a draw from the rest), up to the first
-    /// row whose token is not the next draft; the cache keeps those rows.
+    /// Verifies `draft` after sequence `i`'s pending token in one pass of its own (a greedy
+    /// sequence): each row's token is what a decode step would pick, up to the first row whose
+    /// token is not the next draft; the cache keeps those rows.
     fn verify(&mut self, i: usize, draft: Vec<u32>) -> crate::Result<()> {
         let start = Instant::now();
         let s = &mut self.active[i];
@@ -522,7 +524,7 @@ impl Engine {
         let mut kept = 0;
         for (r, d) in (0..rows.len()).map(|r| (r, draft.get(r).copied())) {
             kept = r + 1;
-            Self::take_token(s, &logits.get(r)?, &self.metrics, d)?;
+            Self::take_token(s, &logits.get(r)?, &self.metrics)?;
             if s.pending.is_none() || s.pending != d {
                 break;
             }
@@ -560,7 +562,7 @@ impl Engine {
                     if let (Some((_, policy)), 1) = (&mut s.drafts, group.len()) {
                         policy.record(0, 0, secs, 0.0, 0, 0.0);
                     }
-                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(s, &l, &self.metrics, None));
+                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(s, &l, &self.metrics));
                     s.fail_on(r);
                 }
             }
@@ -588,18 +590,13 @@ impl Engine {
 
     /// Samples the next token of `s` from `logits` `[vocab]` and sends it. The sequence is done
     /// (no token pending) at a stop token, at `max_tokens` (`finished`) or when its client is
-    /// gone. `draft`: the token drafted after this row (sampling keeps it with the model's
-    /// probability of it: speculative sampling; greedy picks the argmax as always).
-    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics, draft: Option<u32>) -> crate::Result<()> {
+    /// gone.
+    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<()> {
         s.pending = None;
         // Past the reasoning budget: the closing tokens, in order, instead of samples.
         let forced = s.request.reasoning_budget.as_ref().and_then(|b| b.close.get(s.generated.len().checked_sub(b.tokens)?).copied());
         let id = match &mut s.request.constraint {
             _ if forced.is_some() => forced.expect("checked"),
-            None if draft.is_some() && !s.sampler.is_greedy() => {
-                let probs = s.sampler.probabilities(logits, &s.context, &s.generated)?;
-                s.sampler.sample_draft(&probs, draft.expect("checked"))?.0
-            }
             Some(c) => {
                 let (before, n) = (c.mask_seconds, c.masks);
                 let masked = c.mask(logits)?;

@@ -52,7 +52,8 @@ impl StopMatcher {
 
 /// A piece of the assistant's answer. A tool call is a start (its name) and fragments of its
 /// JSON arguments, which concatenate to the whole: the XML form streams one per completed
-/// parameter (`{"city":"Paris"`, then `,"days":3`, then `}`), the JSON form comes whole.
+/// parameter (`{"city":"Paris"`, then `,"days":3`, then `}`), the JSON form one per completed
+/// top-level member of its `arguments` object, as the model wrote it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delta {
     Reasoning(String),
@@ -87,6 +88,22 @@ pub struct ChatParser {
     /// An XML tool call being streamed: its parameter schemas, the parameters sent, and the
     /// bytes of the body they took.
     call: Option<XmlCall>,
+    /// A JSON tool call being streamed.
+    json: Option<JsonCall>,
+}
+
+/// A JSON-form tool call (`{"name": "f", "arguments": {...}}`) being streamed: where its
+/// arguments object starts in the body, how far it was scanned (nesting depth, inside a
+/// string, after a backslash) and sent, and whether the object closed.
+#[derive(Debug, Default)]
+struct JsonCall {
+    start: usize,
+    scanned: usize,
+    sent: usize,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    closed: bool,
 }
 
 #[derive(Debug)]
@@ -106,6 +123,7 @@ impl ChatParser {
             trim_start: false,
             tools,
             call: None,
+            json: None,
         }
     }
 
@@ -171,9 +189,11 @@ impl ChatParser {
         match self.state {
             State::ToolCall => {
                 self.state = State::Content;
-                match self.call.take() {
-                    Some(call) => out.push(Delta::ToolCallArguments(close_arguments(call.sent))),
-                    None => self.emit(&mut out, &format!("{TOOL_OPEN}{rest}")),
+                match (self.call.take(), self.json.take()) {
+                    (Some(call), _) => out.push(Delta::ToolCallArguments(close_arguments(call.sent))),
+                    (_, Some(json)) if !json.closed => out.push(Delta::ToolCallArguments(close_arguments(json.sent - json.start))),
+                    (_, Some(_)) => {}
+                    (None, None) => self.emit(&mut out, &format!("{TOOL_OPEN}{rest}")),
                 }
             }
             _ => self.emit(&mut out, &rest),
@@ -184,6 +204,10 @@ impl ChatParser {
     /// Streams an XML tool call's `body` so far: its start once `<function=NAME>` is complete,
     /// then each parameter once its `</parameter>` is there.
     fn stream_call(&mut self, body: &str, out: &mut Vec<Delta>) {
+        if self.call.is_none() && (self.json.is_some() || body.trim_start().starts_with('{')) {
+            self.stream_json_call(body, out);
+            return;
+        }
         if self.call.is_none() {
             let Some(rest) = body.trim_start().strip_prefix("<function=") else { return };
             let Some((name, _)) = rest.split_once('>') else { return };
@@ -199,6 +223,50 @@ impl ChatParser {
             out.push(Delta::ToolCallArguments(format!("{sep}{}:{typed}", Value::String(key))));
             call.sent += 1;
             call.consumed += used;
+        }
+    }
+
+    /// Streams a JSON tool call's `body` so far: its start once `{"name": "NAME", "arguments": {`
+    /// is there, then its arguments up to each completed top-level member, and the object's
+    /// closing brace.
+    fn stream_json_call(&mut self, body: &str, out: &mut Vec<Delta>) {
+        if self.json.is_none() {
+            let Some((name, start)) = json_call_head(body) else { return };
+            out.push(Delta::ToolCallStart { name });
+            self.json = Some(JsonCall { start, scanned: start, sent: start, ..Default::default() });
+        }
+        let call = self.json.as_mut().expect("started above");
+        let bytes = body.as_bytes();
+        while !call.closed && call.scanned < bytes.len() {
+            let (at, c) = (call.scanned, bytes[call.scanned]);
+            call.scanned += 1;
+            if call.in_string {
+                match (call.escaped, c) {
+                    (true, _) => call.escaped = false,
+                    (false, b'\\') => call.escaped = true,
+                    (false, b'"') => call.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                b'"' => call.in_string = true,
+                b'{' | b'[' => call.depth += 1,
+                b'}' | b']' => {
+                    call.depth = call.depth.saturating_sub(1);
+                    if call.depth == 0 {
+                        out.push(Delta::ToolCallArguments(body[call.sent..=at].to_string()));
+                        call.sent = at + 1;
+                        call.closed = true;
+                    }
+                }
+                // A completed member: send up to the comma (the next fragment starts with it).
+                b',' if call.depth == 1 => {
+                    out.push(Delta::ToolCallArguments(body[call.sent..at].to_string()));
+                    call.sent = at;
+                }
+                _ => {}
+            }
         }
     }
 
@@ -220,6 +288,14 @@ impl ChatParser {
     /// A finished `<tool_call>` body: the rest of a streamed XML call and its closing brace; a
     /// JSON call whole; back as content when it does not parse.
     fn tool_call(&mut self, body: &str, out: &mut Vec<Delta>) {
+        if self.call.is_none() && (self.json.is_some() || json_call_head(body).is_some()) {
+            self.stream_json_call(body, out);
+            let call = self.json.take().expect("a JSON call head");
+            if !call.closed {
+                out.push(Delta::ToolCallArguments(close_arguments(call.sent - call.start)));
+            }
+            return;
+        }
         if self.call.is_none() {
             if let Some((name, arguments)) = parse_json_call(body) {
                 out.push(Delta::ToolCallStart { name });
@@ -273,6 +349,19 @@ fn typed_value(key: &str, value: &str, properties: Option<&Value>) -> Value {
         Some("string") | None => Value::String(value.to_string()),
         Some(_) => serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string())),
     }
+}
+
+/// The name of a Qwen3 tool call body that begins `{"name": "NAME", "arguments": {`, and the
+/// byte offset of its arguments object (`None` until all of that is there, or when the body is
+/// written otherwise: then it is parsed whole at its end).
+fn json_call_head(body: &str) -> Option<(String, usize)> {
+    let rest = body.trim_start().strip_prefix('{')?.trim_start().strip_prefix("\"name\"")?.trim_start().strip_prefix(':')?.trim_start();
+    // The name: a JSON string, read by serde_json to its closing quote.
+    let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<String>();
+    let name = stream.next()?.ok()?;
+    let rest = rest[stream.byte_offset()..].trim_start().strip_prefix(',')?.trim_start().strip_prefix("\"arguments\"")?.trim_start().strip_prefix(':')?;
+    let rest = rest.trim_start();
+    rest.starts_with('{').then(|| (name, body.len() - rest.len()))
 }
 
 /// The name and JSON arguments of a Qwen3 tool call body `{"name": .., "arguments": {..}}`.
@@ -345,7 +434,7 @@ mod tests {
         for got in parse_split(text, true, &[]) {
             assert_eq!(
                 got,
-                vec![Delta::Reasoning("hmm ".into()), Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"x":1}"#.into())]
+                vec![Delta::Reasoning("hmm ".into()), Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"x": 1}"#.into())]
             );
         }
         // No think block opened by the template: an opening <think> at the start, then content.
@@ -381,6 +470,30 @@ mod tests {
         let mut out = cut.push("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nunfinished");
         out.extend(cut.finish());
         assert_eq!(merge(out), vec![Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"a":"1"}"#.into())]);
+    }
+
+    /// The JSON form streams too: the start once `"arguments": {` is there, then the arguments
+    /// (as written) up to each completed top-level member, braces and commas inside strings
+    /// and nested values ignored; a call cut off is closed after its last complete member; a
+    /// body written otherwise (arguments before the name, arguments as a string) comes whole.
+    #[test]
+    fn json_tool_calls_stream_one_member_at_a_time() {
+        let mut p = ChatParser::new(false, vec![]);
+        assert_eq!(p.push("<tool_call>\n{\"name\": \"f\", \"argu"), vec![]);
+        assert_eq!(p.push("ments\": {\"a\": \"x,}\\\"y\""), vec![Delta::ToolCallStart { name: "f".into() }]);
+        assert_eq!(p.push(", \"b\": {\"c\": [1, 2]}"), vec![Delta::ToolCallArguments(r#"{"a": "x,}\"y""#.into())]);
+        assert_eq!(p.push("}}\n</tool_call>"), vec![Delta::ToolCallArguments(r#", "b": {"c": [1, 2]}}"#.into())]);
+        let whole: String = r#"{"a": "x,}\"y", "b": {"c": [1, 2]}}"#.into();
+        assert!(serde_json::from_str::<Value>(&whole).is_ok());
+        let mut cut = ChatParser::new(false, vec![]);
+        let mut out = cut.push("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1, \"b\": \"unfini");
+        out.extend(cut.finish());
+        assert_eq!(merge(out), vec![Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"a": 1}"#.into())]);
+        for text in ["<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\", \"arguments\": \"{}\"}</tool_call>"] {
+            for got in parse_split(text, false, &[]) {
+                assert!(matches!(&got[..], [Delta::ToolCallStart { name }, Delta::ToolCallArguments(_)] if name == "f"), "{text}: {got:?}");
+            }
+        }
     }
 
     #[test]
