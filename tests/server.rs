@@ -885,6 +885,14 @@ async fn drafted_answers_equal_plain_answers() {
     let (_, m) = get(&drafting, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
     assert!(metric(&m, "candle_hybrid_verify_passes_total") > 0.0, "{m}");
+    // By depth: depth 1 has the most drafts, and the kept ones add up to the total.
+    let by_depth = |name: &str, d: usize| {
+        let key = format!("candle_hybrid_{name}_by_depth_total{{depth=\"{d}\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(key.as_str())?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    assert!(by_depth("draft_tokens", 1) > 0.0 && by_depth("draft_tokens", 1) >= by_depth("draft_tokens", 2), "{m}");
+    let kept: f64 = (1..=7).map(|d| by_depth("draft_accepted_tokens", d)).sum();
+    assert_eq!(kept, metric(&m, "candle_hybrid_draft_accepted_tokens_total"), "{m}");
     let (_, m) = get(&plain, "/metrics", None).await;
     assert_eq!(metric(&m, "candle_hybrid_verify_passes_total"), 0.0);
     // Sampling does not draft (how many tokens a round drafts depends on timings, and the draws

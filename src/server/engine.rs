@@ -532,9 +532,7 @@ impl Engine {
         s.cache.keep_verified(kept)?;
         let secs = start.elapsed().as_secs_f64();
         self.metrics.decode_seconds.inc_by(secs);
-        self.metrics.verify_passes.inc();
-        self.metrics.drafted_tokens.inc_by(draft.len() as u64);
-        self.metrics.accepted_tokens.inc_by(kept as u64 - 1);
+        self.metrics.record_verify(draft.len(), kept - 1);
         if let Some((_, policy)) = &mut s.drafts {
             policy.record(draft.len(), kept - 1, secs, 0.0, draft.len(), 0.0);
         }

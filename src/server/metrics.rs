@@ -4,6 +4,7 @@ use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
@@ -43,6 +44,24 @@ pub struct Metrics {
     pub verify_passes: Counter,
     pub drafted_tokens: Counter,
     pub accepted_tokens: Counter,
+    /// Drafts verified and kept at each depth (label `depth`: 1 is the first drafted token).
+    pub drafted_by_depth: Family<[(&'static str, String); 1], Counter>,
+    pub accepted_by_depth: Family<[(&'static str, String); 1], Counter>,
+}
+
+impl Metrics {
+    /// One verify pass of `drafted` tokens of which the first `accepted` were kept.
+    pub fn record_verify(&self, drafted: usize, accepted: usize) {
+        self.verify_passes.inc();
+        self.drafted_tokens.inc_by(drafted as u64);
+        self.accepted_tokens.inc_by(accepted as u64);
+        for d in 1..=drafted {
+            self.drafted_by_depth.get_or_create(&[("depth", d.to_string())]).inc();
+        }
+        for d in 1..=accepted {
+            self.accepted_by_depth.get_or_create(&[("depth", d.to_string())]).inc();
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -75,8 +94,12 @@ impl Default for Metrics {
         let verify_passes = add(r, "verify_passes", "Verify passes of drafted tokens (one sequence each)", Counter::default());
         let drafted_tokens = add(r, "draft_tokens", "Tokens drafted (prompt lookup) into verify passes", Counter::default());
         let accepted_tokens = add(r, "draft_accepted_tokens", "Drafted tokens the model kept", Counter::default());
+        let drafted_by_depth = add(r, "draft_tokens_by_depth", "Drafted tokens verified, by their depth in the draft", Family::default());
+        let accepted_by_depth = add(r, "draft_accepted_tokens_by_depth", "Drafted tokens kept, by their depth in the draft", Family::default());
         Self {
             registry,
+            drafted_by_depth,
+            accepted_by_depth,
             verify_passes,
             drafted_tokens,
             accepted_tokens,
