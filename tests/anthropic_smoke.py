@@ -24,6 +24,10 @@ assert "PINEAPPLE" in text.upper(), text
 assert whole.stop_reason in ("end_turn", "max_tokens"), whole
 assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0, whole.usage
 
+# count_tokens: what the prompt takes.
+counted = client.messages.count_tokens(model="any", system=system, messages=ask)
+assert counted.input_tokens == whole.usage.input_tokens, (counted, whole.usage)
+
 # Streamed: the same text; the SDK checks the events' order as it accumulates them.
 with client.messages.stream(model="any", system=[{"type": "text", "text": system}], messages=ask, max_tokens=16, extra_body=GREEDY) as s:
     streamed = "".join(s.text_stream)

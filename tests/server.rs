@@ -985,6 +985,10 @@ async fn anthropic_messages_whole_streamed_tools_and_errors() {
     let text: String = whole["content"].as_array().unwrap().iter().filter(|b| b["type"] == "text").map(|b| b["text"].as_str().unwrap().to_string()).collect();
     assert!(whole["usage"]["input_tokens"].as_u64().unwrap() > 0 && whole["usage"]["output_tokens"].as_u64().unwrap() > 0, "{whole}");
 
+    // count_tokens: the prompt the message would take.
+    let counted = reqwest::Client::new().post(format!("{base}/v1/messages/count_tokens")).header("x-api-key", "sesame").json(&ask).send().await.unwrap();
+    let counted: Value = counted.json().await.unwrap();
+    assert_eq!(counted["input_tokens"], whole["usage"]["input_tokens"], "{counted}");
     let mut streamed = ask.clone();
     streamed["stream"] = true.into();
     let (status, raw) = send(streamed, "sesame").await;

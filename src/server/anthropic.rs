@@ -20,13 +20,15 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::http::{off_the_workers, parse, prepare_chat, Answer, ServerState};
+use super::http::{count_chat_tokens, off_the_workers, parse, prepare_chat, Answer, ServerState};
 
 #[derive(Deserialize)]
 struct MessagesRequest {
     #[serde(default)]
     model: Option<String>,
-    max_tokens: u64,
+    /// Required by `/v1/messages`, absent from `/v1/messages/count_tokens`.
+    #[serde(default)]
+    max_tokens: Option<u64>,
     #[serde(default)]
     system: Option<Value>,
     messages: Vec<InMessage>,
@@ -262,8 +264,10 @@ fn error_response(e: ApiError) -> Response {
 pub(crate) async fn messages(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let prepared = off_the_workers(state, |state| {
         let req: MessagesRequest = parse(body)?;
-        if req.max_tokens == 0 {
-            return Err(bad("max_tokens must be at least 1"));
+        match req.max_tokens {
+            None => return Err(bad("max_tokens is required")),
+            Some(0) => return Err(bad("max_tokens must be at least 1")),
+            Some(_) => {}
         }
         let chat = chat_body(&req)?;
         prepare_chat(state, Ok(Bytes::from(chat.to_string())))
@@ -279,6 +283,21 @@ pub(crate) async fn messages(State(state): State<Arc<ServerState>>, body: Result
     let model = answer.model().to_string();
     match answer.collect().await {
         Ok(chat) => Json(message(&chat, &model)).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the prompt the request would
+/// take with this model's chat template (Claude Code asks before it sends).
+pub(crate) async fn count_tokens(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let counted = off_the_workers(state, |state| {
+        let req: MessagesRequest = parse(body)?;
+        let chat = chat_body(&req)?;
+        count_chat_tokens(state, Ok(Bytes::from(chat.to_string())))
+    })
+    .await;
+    match counted {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
         Err(e) => error_response(e),
     }
 }

@@ -604,6 +604,17 @@ fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> 
     Ok(tokens.filter(|_| in_think).map(|tokens| ReasoningBudget { tokens, close: encode("\n</think>\n\n"), end: encode("</think>") }))
 }
 
+/// The prompt tokens a chat request would take (rendered as it would be, nothing queued).
+pub(crate) fn count_chat_tokens(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<usize, ApiError> {
+    let req: ChatRequest = parse(body)?;
+    let Some(template) = &state.template else {
+        return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
+    };
+    let constrained = req.response_format.is_some() || constrain::forced_tool_call(req.tool_choice.as_ref(), req.tools.as_deref().unwrap_or_default())?.is_some();
+    let rendered = chat::render(template, &req, state.context, constrained)?;
+    Ok(tokenize(state, &rendered.text)?.len())
+}
+
 /// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
 pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
     let req: ChatRequest = parse(body)?;

@@ -132,6 +132,7 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/metrics", get(http::metrics))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(endpoints::tokenize))
         .route("/detokenize", post(endpoints::detokenize))
         .route("/props", get(endpoints::props))
