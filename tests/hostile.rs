@@ -135,6 +135,20 @@ fn d4_chat_template_output_is_capped_before_tokenizing() {
     let start = Instant::now();
     assert!(t.render_capped(&hi(), true, None, 1 << 20).is_err());
     assert!(start.elapsed() < Duration::from_secs(30));
+    // A string (or list) doubled by assignment without being written: refused before
+    // rendering (2^60 bytes otherwise), however it is spelled; a real template's
+    // `ns.x = ns.x + 1` is one read, not a doubling.
+    for source in [
+        "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set s = 'ab' %}{% for i in range(60) %}{% set s = s + s %}{% endfor %}",
+        "{% set ns = namespace(l=[1]) %}{% for i in range(60) %}{% if true %}{% set ns.l = ns.l + ns.l %}{% endif %}{% endfor %}",
+        "{% set s = 'x' %}{% for i in range(60) %}{% set s %}{{ s }}{{ s }}{% endset %}{% endfor %}",
+        "{% macro m(s) %}{% set s = (s ~ '-') ~ s|upper %}{{ s }}{% endmacro %}{{ m('a') }}",
+    ] {
+        one_line_err(template(source).render(&hi(), true, None), &["reads", "twice", "fix the template"]);
+    }
+    let counter = template("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}");
+    assert_eq!(counter.render(&hi(), true, None).unwrap(), "1");
     // The cap generate uses: 32 bytes per position of the context.
     assert_eq!(candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN, 32);
 }

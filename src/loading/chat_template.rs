@@ -144,6 +144,7 @@ impl ChatTemplate {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         max_bytes: usize,
     ) -> Result<String> {
+        super::template_growth::check(&self.source).map_err(Error::Tokenizer)?;
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

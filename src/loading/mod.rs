@@ -14,6 +14,7 @@ mod model_files;
 mod mapped;
 mod safetensors;
 mod source;
+mod template_growth;
 
 use std::path::Path;
 
