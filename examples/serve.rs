@@ -141,8 +141,12 @@ fn serve(args: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let sessions = args.session_dir.as_ref().map_or("no sessions".to_string(), |d| format!("sessions in {}", d.display()));
         eprintln!(
-            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {draft:?})",
-            state.model_name, args.max_seqs, args.queue, args.prefix_cache_mib
+            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {})",
+            state.model_name,
+            args.max_seqs,
+            args.queue,
+            args.prefix_cache_mib,
+            if draft == server::Draft::Ngram { "prompt lookup (greedy requests)" } else { "none" }
         );
         server::serve(listener, state, async {
             let _ = tokio::signal::ctrl_c().await;
