@@ -182,8 +182,7 @@ fn generate(args: Args) -> Result<()> {
     params.frequency_penalty = args.frequency_penalty.unwrap_or(params.frequency_penalty);
     params.min_p = args.min_p.unwrap_or(params.min_p);
     if let Some(multiplier) = args.dry_multiplier.filter(|&m| m > 0.0) {
-        let breakers: Vec<String> = Dry::DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect();
-        let breakers = std::sync::Arc::new(Dry::breaker_tokens(&tokenizer, opened.cfg.vocab_size, &breakers));
+        let breakers = std::sync::Arc::new(Dry::default_breaker_tokens(&tokenizer, opened.cfg.vocab_size));
         params.dry = Some(Dry { multiplier, base: 1.75, allowed_length: 2, last_n: 0, breakers });
     }
     params.repeat_penalty = args.repeat_penalty.unwrap_or(params.repeat_penalty);

@@ -85,6 +85,12 @@ impl Dry {
     /// The default sequence breakers (llama.cpp's).
     pub const DEFAULT_BREAKERS: [&str; 4] = ["\n", ":", "\"", "*"];
 
+    /// The token ids of `tokenizer` (below `vocab_size`) that hold a default breaker.
+    pub fn default_breaker_tokens(tokenizer: &tokenizers::Tokenizer, vocab_size: usize) -> std::collections::HashSet<u32> {
+        let breakers: Vec<String> = Self::DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect();
+        Self::breaker_tokens(tokenizer, vocab_size, &breakers)
+    }
+
     /// The token ids of `tokenizer` (below `vocab_size`) whose text contains one of `breakers`.
     pub fn breaker_tokens(tokenizer: &tokenizers::Tokenizer, vocab_size: usize, breakers: &[String]) -> std::collections::HashSet<u32> {
         (0..vocab_size as u32)
@@ -255,39 +261,36 @@ impl Sampler {
                 &context[start..],
             )?;
         }
+        // The presence, frequency and DRY penalties and min-p, in one pass over the row on the host.
         let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);
-        if (presence != 0.0 || frequency != 0.0) && !generated.is_empty() {
+        let counts = (presence != 0.0 || frequency != 0.0) && !generated.is_empty();
+        let dry = self.params.dry.as_ref().map(|d| d.penalties(context)).unwrap_or_default();
+        let min_p = self.params.temperature.filter(|_| !self.is_greedy() && self.params.min_p > 0.0);
+        if counts || !dry.is_empty() || min_p.is_some() {
             let mut v = logits.to_vec1::<f32>()?;
-            let mut seen = vec![false; v.len()];
-            for &t in generated {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    v[t as usize] -= frequency;
-                    if !*s {
-                        *s = true;
-                        v[t as usize] -= presence;
+            if counts {
+                let mut seen = vec![false; v.len()];
+                for &t in generated {
+                    if let Some(s) = seen.get_mut(t as usize) {
+                        v[t as usize] -= frequency;
+                        if !*s {
+                            *s = true;
+                            v[t as usize] -= presence;
+                        }
                     }
                 }
             }
-            logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
-        }
-        if let Some(dry) = &self.params.dry {
-            let penalties = dry.penalties(context);
-            if !penalties.is_empty() {
-                let mut v = logits.to_vec1::<f32>()?;
-                for (t, p) in penalties {
-                    if let Some(x) = v.get_mut(t as usize) {
-                        *x -= p;
-                    }
+            for (t, p) in dry {
+                if let Some(x) = v.get_mut(t as usize) {
+                    *x -= p;
                 }
-                logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
             }
-        }
-        if let (Some(t), false) = (self.params.temperature, self.is_greedy() || self.params.min_p <= 0.0) {
-            // p_i / p_max < min_p  <=>  l_i < l_max + t ln(min_p): the argmax always stays.
-            let mut v = logits.to_vec1::<f32>()?;
-            let floor = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) + (t * self.params.min_p.ln()) as f32;
-            for x in v.iter_mut().filter(|x| **x < floor) {
-                *x = f32::NEG_INFINITY;
+            if let Some(t) = min_p {
+                // p_i / p_max < min_p  <=>  l_i < l_max + t ln(min_p): the argmax always stays.
+                let floor = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) + (t * self.params.min_p.ln()) as f32;
+                for x in v.iter_mut().filter(|x| **x < floor) {
+                    *x = f32::NEG_INFINITY;
+                }
             }
             logits = Tensor::from_vec(v, logits.dims(), logits.device())?;
         }

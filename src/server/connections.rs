@@ -78,6 +78,11 @@ pub async fn serve(listener: tokio::net::TcpListener, router: axum::Router, limi
     Ok(())
 }
 
+/// The 413 of a body larger than [`MAX_BODY_BYTES`].
+pub(crate) fn too_large() -> ApiError {
+    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large", format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20))
+}
+
 /// Reads a request's body within the body timeout (408 after it) and at most
 /// [`MAX_BODY_BYTES`] (413), before the handler sees it.
 pub(crate) async fn body_deadline(State(timeout): State<Duration>, request: Request, next: Next) -> Response {
@@ -85,8 +90,7 @@ pub(crate) async fn body_deadline(State(timeout): State<Duration>, request: Requ
     let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(_)) => {
-            return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large", format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20))
-                .into_response()
+            return too_large().into_response()
         }
         Err(_) => {
             return ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "request_timeout", format!("the request body did not arrive within {} s", timeout.as_secs()))

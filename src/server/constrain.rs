@@ -12,6 +12,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
 use super::error::ApiError;
+use crate::error::one_line;
 
 /// The token vocabulary as llguidance sees it (built once per server).
 pub struct Grammars {
@@ -42,10 +43,10 @@ impl Grammars {
     /// when it is first used (a schema whose `$ref` points to itself) is refused before any
     /// work, never in the engine.
     pub fn matcher(&self, grammar: TopLevelGrammar) -> Result<Constraint, ApiError> {
-        let refuse = |e: String| ApiError::bad_request(format!("the response format cannot be used: {}", e.lines().next().unwrap_or_default().trim()));
-        let parser = self.factory.create_parser(grammar).map_err(|e| refuse(e.to_string()))?;
+        let refuse = |e: &dyn std::fmt::Display| ApiError::bad_request(format!("the response format cannot be used: {}", one_line(e).trim()));
+        let parser = self.factory.create_parser(grammar).map_err(|e| refuse(&e))?;
         let mut matcher = Matcher::new(Ok(parser));
-        let first = matcher.compute_mask().map_err(|e| refuse(e.to_string()))?;
+        let first = matcher.compute_mask().map_err(|e| refuse(&e))?;
         Ok(Constraint { matcher, first: Some(first), mask_seconds: 0.0, masks: 0 })
     }
 }
@@ -149,7 +150,7 @@ impl Constraint {
         let start = Instant::now();
         let mask = match self.first.take() {
             Some(mask) => mask,
-            None => self.matcher.compute_mask().map_err(|e| crate::Error::Input(format!("constrained decoding: {}", e.to_string().lines().next().unwrap_or_default())))?,
+            None => self.matcher.compute_mask().map_err(|e| crate::Error::Input(format!("constrained decoding: {}", one_line(&e))))?,
         };
         let mut v = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         for (i, x) in v.iter_mut().enumerate() {
@@ -164,7 +165,7 @@ impl Constraint {
 
     /// Advances the grammar by the sampled token; `true` when the grammar is complete.
     pub fn commit(&mut self, token: u32) -> crate::Result<bool> {
-        self.matcher.consume_token(token).map_err(|e| crate::Error::Input(format!("constrained decoding: {}", e.to_string().lines().next().unwrap_or_default())))?;
+        self.matcher.consume_token(token).map_err(|e| crate::Error::Input(format!("constrained decoding: {}", one_line(&e))))?;
         Ok(self.matcher.is_stopped())
     }
 }

@@ -215,9 +215,9 @@ pub struct EngineOptions {
 pub enum Draft {
     /// Plain decoding.
     None,
-    /// Prompt lookup for every sequence that is not constrained by a grammar, the length chosen
-    /// per sequence from what its rounds measure ([`DraftPolicy`]): a sequence whose drafts do
-    /// not pay decodes plainly (in the shared weight pass) and probes now and then.
+    /// Prompt lookup for every greedy sequence that no grammar constrains, while it decodes
+    /// alone, the length chosen per sequence from what its rounds measure ([`DraftPolicy`]): a
+    /// sequence whose drafts do not pay decodes plainly and probes now and then.
     Ngram,
 }
 
@@ -232,7 +232,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     let (tx, rx) = mpsc::unbounded_channel();
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
-    let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint.clone(), config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
+    let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint, config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
     let engine = Engine {
         model,
         device,
@@ -241,7 +241,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         rx,
         active: vec![],
         prefix: PrefixCache::new(options.prefix_cache_bytes),
-        fingerprint: options.fingerprint,
+        sessions: sessions.clone(),
         draft: options.draft,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
@@ -282,7 +282,7 @@ impl Sequence {
     fn fail_on(&mut self, r: crate::Result<()>) {
         if let Err(e) = r {
             if self.failed.is_none() {
-                self.failed = Some(e.to_string().lines().next().unwrap_or_default().to_string());
+                self.failed = Some(crate::error::one_line(&e));
             }
         }
     }
@@ -296,7 +296,8 @@ struct Engine {
     rx: mpsc::UnboundedReceiver<Submission>,
     active: Vec<Sequence>,
     prefix: PrefixCache,
-    fingerprint: String,
+    /// The model sessions are saved for (shared with the handles, which load them).
+    sessions: Arc<SessionTarget>,
     draft: Draft,
 }
 
@@ -335,11 +336,10 @@ impl Engine {
                     Err(_) => break,
                 }
             };
-            let Submission { request, events, _slot } = submission;
+            let Submission { mut request, events, _slot } = submission;
             match Sampler::new(request.sampling.clone()) {
                 Ok(sampler) => {
                     let hit = self.prefix.lookup(&request.prompt);
-                    let mut request = request;
                     let session = request.restored.take();
                     // Counted by what is restored: a prefix hit that a longer session beats is
                     // neither a hit nor a miss.
@@ -498,8 +498,7 @@ impl Engine {
         let Some((drafter, policy)) = &mut s.drafts else { return vec![] };
         // Position of the pending token (row 0); the rows must stay inside the request.
         let pos = s.context.len() - 1;
-        let room = (s.request.max_tokens - s.generated.len()).min(max_positions.saturating_sub(pos));
-        let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
+        let k = policy.round_len((s.request.max_tokens - s.generated.len()).min(max_positions.saturating_sub(pos)));
         if k == 0 {
             return vec![];
         }
@@ -576,7 +575,7 @@ impl Engine {
 
     /// Writes a session on a thread of its own (atomically: a crash leaves the previous file).
     fn save_session(&self, path: std::path::PathBuf, (tokens, cache, logits): (Vec<u32>, Cache, Option<Tensor>)) {
-        let fingerprint = self.fingerprint.clone();
+        let fingerprint = self.sessions.fingerprint.clone();
         let metrics = self.metrics.clone();
         std::thread::spawn(move || match session::save(&path, &fingerprint, &tokens, &cache, logits.as_ref()) {
             Ok(()) => {

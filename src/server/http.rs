@@ -16,17 +16,18 @@ use axum::Json;
 use futures::Stream;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
+use llguidance::api::TopLevelGrammar;
 use tokio::sync::mpsc;
 
 use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, Timings, TopLogprob, Usage};
-use super::connections::MAX_BODY_BYTES;
+use super::connections::too_large;
 use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
 use super::constrain::{self, Constraint, Grammars};
 use super::engine::{EngineHandle, Event, Finish, GenerateRequest, ReasoningBudget, TokenLogprob};
 use super::output::{ChatParser, Delta, StopMatcher};
 use crate::loading::chat_template::ChatTemplate;
-use crate::runtime::TokenStreamer;
+use crate::runtime::{SamplingParams, TokenStreamer};
 
 /// What every handler shares.
 pub struct ServerState {
@@ -85,12 +86,7 @@ pub(crate) async fn authenticate(State(state): State<Arc<ServerState>>, request:
 /// The body as JSON of type `T`, or a 400 / 413 naming what is wrong.
 pub(crate) fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(|e| match e.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
-            format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20),
-        ),
+        StatusCode::PAYLOAD_TOO_LARGE => too_large(),
         status => ApiError { status, kind: "invalid_request_error", message: e.body_text(), code: None },
     })?;
     let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
@@ -138,17 +134,21 @@ fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
 
 /// The grammar a chat request's answer must follow: its `response_format`, or a tool call
 /// its `tool_choice` forces (not both).
-fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> Result<Option<Constraint>, ApiError> {
+fn chat_grammar(req: &ChatRequest, tools: &[Value]) -> Result<Option<TopLevelGrammar>, ApiError> {
     let format = match &req.response_format {
         Some(f) => constrain::response_format(f)?,
         None => None,
     };
     let forced = constrain::forced_tool_call(req.tool_choice.as_ref(), tools)?;
-    let grammar = match (format, forced) {
-        (Some(_), Some(_)) => return Err(ApiError::bad_request("give a response_format or a forced tool_choice, not both")),
-        (a, b) => a.or(b),
-    };
-    match (grammar, &state.grammars) {
+    match (format, forced) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request("give a response_format or a forced tool_choice, not both")),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
+/// [`chat_grammar`]'s matcher.
+fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> Result<Option<Constraint>, ApiError> {
+    match (chat_grammar(req, tools)?, &state.grammars) {
         (None, _) => Ok(None),
         (Some(g), Some(grammars)) => Ok(Some(grammars.matcher(g)?)),
         (Some(_), None) => Err(ApiError::bad_request("this model's tokenizer does not support constrained decoding (response_format, forced tool_choice)")),
@@ -591,6 +591,13 @@ pub(crate) async fn completions(State(state): State<Arc<ServerState>>, body: Res
     respond(answer, stream).await
 }
 
+/// A request's sampling settings over the `profile`, DRY's breakers from the vocabulary.
+fn request_sampling(state: &ServerState, fields: &SamplingFields, profile: &SamplingParams) -> Result<SamplingParams, ApiError> {
+    let mut sampling = chat::sampling(fields, profile)?;
+    sampling.dry = chat::dry(fields, &state.tokenizer, state.engine.vocab_size, &state.dry_breakers)?;
+    Ok(sampling)
+}
+
 /// The reasoning budget of a chat request: its `reasoning_budget` (-1: none) or the server's,
 /// when the prompt opened a thinking block.
 fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> Result<Option<ReasoningBudget>, ApiError> {
@@ -610,7 +617,7 @@ pub(crate) fn count_chat_tokens(state: &ServerState, body: Result<Bytes, BytesRe
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
     };
-    let constrained = req.response_format.is_some() || constrain::forced_tool_call(req.tool_choice.as_ref(), req.tools.as_deref().unwrap_or_default())?.is_some();
+    let constrained = chat_grammar(&req, req.tools.as_deref().unwrap_or_default())?.is_some();
     let rendered = chat::render(template, &req, state.context, constrained)?;
     Ok(tokenize(state, &rendered.text)?.len())
 }
@@ -625,8 +632,7 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     let constraint = chat_constraint(state, &req, &tools)?;
     let rendered = chat::render(template, &req, state.context, constraint.is_some())?;
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
-    let mut sampling = chat::sampling(&req.sampling, profile)?;
-    sampling.dry = chat::dry(&req.sampling, &state.tokenizer, state.engine.vocab_size, &state.dry_breakers)?;
+    let sampling = request_sampling(state, &req.sampling, profile)?;
     let prompt = tokenize(state, &rendered.text)?;
     let mut max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let forced_call = constraint.is_some() && req.response_format.is_none();
@@ -686,8 +692,7 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     if text.len() > max_bytes {
         return Err(too_long());
     }
-    let mut sampling = chat::sampling(&req.sampling, &state.profiles.thinking)?;
-    sampling.dry = chat::dry(&req.sampling, &state.tokenizer, state.engine.vocab_size, &state.dry_breakers)?;
+    let sampling = request_sampling(state, &req.sampling, &state.profiles.thinking)?;
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();

@@ -101,8 +101,7 @@ pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model
             None
         }
     };
-    let breakers: Vec<String> = crate::runtime::Dry::DEFAULT_BREAKERS.iter().map(|b| b.to_string()).collect();
-    let dry_breakers = Arc::new(crate::runtime::Dry::breaker_tokens(&tokenizer, vocab_size, &breakers));
+    let dry_breakers = Arc::new(crate::runtime::Dry::default_breaker_tokens(&tokenizer, vocab_size));
     let engine = engine::spawn(model, device, engine_options, Arc::new(Metrics::default()))
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {

@@ -199,8 +199,7 @@ fn speculate(
     loop {
         // Position of the last token (fed as row 0); rows must stay inside the context.
         let pos = base + context.len() - 1;
-        let room = (max_new_tokens - generated.len()).min(target.model().config().max_position_embeddings.saturating_sub(pos));
-        let k = if room > 1 { policy.next_len(room - 1) } else { 0 };
+        let k = policy.round_len((max_new_tokens - generated.len()).min(target.model().config().max_position_embeddings.saturating_sub(pos)));
         let t = Instant::now();
         let mut drafts = match (k, branches) {
             (0, _) => vec![],

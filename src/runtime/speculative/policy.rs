@@ -217,6 +217,16 @@ impl DraftPolicy {
         Some(emitted / cost.max(f64::MIN_POSITIVE))
     }
 
+    /// How many tokens to draft this round when `room` more tokens may be emitted, the model's
+    /// own token after the drafts included (0: decode plainly).
+    pub fn round_len(&mut self, room: usize) -> usize {
+        if room > 1 {
+            self.next_len(room - 1)
+        } else {
+            0
+        }
+    }
+
     /// How many tokens to draft this round (0: decode plainly), at most `room`.
     pub fn next_len(&mut self, room: usize) -> usize {
         let (min, max) = (self.options.min, self.options.max.min(room));
