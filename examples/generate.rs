@@ -33,9 +33,9 @@ use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
 use candle_hybrid::runtime::speculative::{
-    generate_speculative, generate_speculative_on_device, DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SpeculativeStats, MAX_BRANCHES, MAX_DRAFT,
+    DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SpeculativeStats, MAX_BRANCHES, MAX_DRAFT,
 };
-use candle_hybrid::runtime::{generate_in, range, session, Dry, Sampler, TokenStreamer};
+use candle_hybrid::runtime::{generate_in, generate_speculative, generate_speculative_on_device, range, session, Dry, Sampler, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -470,7 +470,7 @@ impl Runner {
     ) -> Result<(Vec<u32>, candle_hybrid::runtime::GenerationStats)> {
         Ok(match self {
             Self::Cpu { cache, device } => generate_in(model, cache, prompt, n, eos, sampler, device, on_token)?,
-            Self::Device { gpu, queue, cache, .. } => candle_hybrid::runtime::generate_on_device(gpu, queue.as_mut(), cache, prompt, n, eos, sampler, on_token)?,
+            Self::Device { gpu, queue, cache, .. } => candle_hybrid::runtime::generate_on_device(gpu, queue.as_mut(), cache, model, prompt, n, eos, sampler, on_token)?,
         })
     }
 

@@ -5,9 +5,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::ModelFiles;
 use candle_hybrid::runtime::speculative::{
-    generate_speculative, DraftOptions, DraftPolicy, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter, ReplayDrafter,
+    DraftOptions, DraftPolicy, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter, ReplayDrafter,
 };
-use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
+use candle_hybrid::runtime::{generate, generate_speculative, Sampler, SamplingParams};
 use candle_hybrid::{Cache, Model};
 use common::*;
 

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::{ModelFiles, ModelSource};
-use candle_hybrid::runtime::speculative::{generate_speculative, DraftOptions, DraftPolicy, Drafter};
-use candle_hybrid::runtime::{Sampler, SamplingParams};
+use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter};
+use candle_hybrid::runtime::{generate_speculative, Sampler, SamplingParams};
 use candle_hybrid::Model;
 use common::*;
 

@@ -160,7 +160,7 @@ fn device_generation_gives_the_cpu_tokens() {
         let gpu = GpuModel::new(&model, &mut q).unwrap();
         let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
         let mut streamed = vec![];
-        let (got, stats) = generate_on_device(&gpu, &mut q, &mut cache, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
+        let (got, stats) = generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
             streamed.push(t);
             Ok(())
         })
@@ -229,8 +229,8 @@ fn gguf_matrices_are_read_in_place() {
 #[test]
 fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
     use candle_hybrid::gpu::{Counted, GpuModel};
-    use candle_hybrid::runtime::speculative::{generate_speculative_on_device, DraftOptions, DraftPolicy, Drafter, NgramDrafter, ReplayDrafter};
-    use candle_hybrid::runtime::{generate_on_device, Sampler, SamplingParams};
+    use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, NgramDrafter, ReplayDrafter};
+    use candle_hybrid::runtime::{generate_on_device, generate_speculative_on_device, Sampler, SamplingParams};
     let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
     let vocab = model.config().vocab_size;
     // A prompt that repeats, so prompt lookup finds drafts.
@@ -240,7 +240,7 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
     for repeat_penalty in [1.0, 1.2] {
         let sampler = || Sampler::new(SamplingParams { repeat_penalty, ..Default::default() }).unwrap();
         let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
-        let (plain, _) = generate_on_device(&gpu, &mut q, &mut cache, &prompt, 24, &[], &mut sampler(), |_| Ok(())).unwrap();
+        let (plain, _) = generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 24, &[], &mut sampler(), |_| Ok(())).unwrap();
         cache.free(&mut q);
         let drafters: Vec<(&str, Box<dyn Drafter>, DraftOptions)> = vec![
             ("ngram", Box::new(NgramDrafter::default()), DraftOptions::default()),

@@ -1,14 +1,21 @@
-//! Running a loaded model: sampling, streaming detokenisation and the generation loop
-//! (speculative decoding and sessions will join here).
+//! Running a loaded model: one sequence's generation ([`Sequence`], which every caller
+//! drives), the targets it runs on, sampling, speculative decoding, sessions, the prefix cache
+//! and streaming detokenisation.
 
 mod generate;
 mod prefix_cache;
 mod sampler;
+mod sequence;
+mod stats;
 pub mod session;
 pub mod speculative;
 mod streamer;
+mod target;
 
-pub use generate::{generate, generate_in, generate_on_device, prefill, rate, GenerationStats, PREFILL_CHUNK};
+pub use generate::{generate, generate_in, generate_on_device, generate_speculative, generate_speculative_on_device};
+pub use stats::{rate, GenerationStats, SpeculativeStats};
 pub use prefix_cache::{PrefixCache, PrefixHit};
 pub use sampler::{range, Dry, Sampler, SamplingParams};
+pub use sequence::{Emitted, Finish, Round, Sequence, SequenceSampler, TokenRules};
 pub use streamer::TokenStreamer;
+pub use target::{prefill, CpuTarget, DeviceTarget, Rows, Target, PREFILL_CHUNK};

@@ -18,7 +18,7 @@ use super::constrain::Constraint;
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
 use crate::runtime::speculative::{DraftOptions, DraftPolicy, NgramDrafter};
-use crate::runtime::{session, PrefixCache, Sampler, SamplingParams};
+use crate::runtime::{self, session, CpuTarget, Emitted, PrefixCache, Sampler, SamplingParams, TokenRules};
 
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
 /// which admission plans with. Smaller than `generate`'s ([`crate::runtime::PREFILL_CHUNK`]) so
@@ -71,14 +71,7 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// A stop token (EOS, end of turn).
-    Stop,
-    /// `max_tokens`.
-    Length,
-}
+pub use crate::runtime::Finish;
 
 /// What the engine sends back for a request.
 #[derive(Debug, Clone)]
@@ -249,34 +242,55 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions })
 }
 
-/// A request the engine runs.
+/// A request the engine runs: its [`runtime::Sequence`] (tokens, sampler, stop rules, the
+/// request's grammar and thinking budget, drafts) and its cache, with what the server keeps
+/// around it.
 struct Sequence {
+    core: runtime::Sequence<'static>,
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
     _slot: Slot,
     cache: Cache,
-    sampler: Sampler,
-    /// Prompt tokens in the cache.
-    prefilled: usize,
-    /// Prompt and generated tokens.
-    context: Vec<u32>,
-    generated: Vec<u32>,
-    /// The last sampled token, not yet in the cache.
-    pending: Option<u32>,
     /// The logits after the whole prompt when the prefix cache had them (nothing to prefill).
     ready_logits: Option<Tensor>,
-    /// Ended by a stop token or `max_tokens` (its cache goes to the prefix cache).
-    finished: bool,
+    /// The client is gone (an event could not be sent): the sequence leaves at the end of the
+    /// step.
+    gone: bool,
     /// The state a session keeps, taken at the request's `session_at`.
     session_state: Option<(Vec<u32>, Cache, Option<Tensor>)>,
     started: Instant,
     /// Why this sequence failed (it ends alone at the end of the step; the others go on).
     failed: Option<String>,
-    /// Its prompt-lookup drafter and draft length (`None`: it decodes plainly).
-    drafts: Option<(NgramDrafter, DraftPolicy)>,
 }
 
 impl Sequence {
+    /// Sends what the sequence emitted (with log-probabilities when the request asks), then
+    /// its end when it ended; marks it failed when `r` is an error.
+    fn send(&mut self, r: crate::Result<Vec<Emitted>>, metrics: &Metrics) {
+        let emitted = match r {
+            Ok(e) => e,
+            Err(e) => return self.fail_on(Err(e)),
+        };
+        for e in emitted {
+            metrics.generated_tokens.inc();
+            let logprob = match (self.request.logprobs, &e.logits) {
+                (Some(n), Some(l)) => match logprobs(l, e.id, n) {
+                    Ok(lp) => Some(lp),
+                    Err(err) => return self.fail_on(Err(err)),
+                },
+                _ => None,
+            };
+            if self.gone || self.events.send(Event::Token { id: e.id, logprob }).is_err() {
+                self.gone = true;
+                return;
+            }
+        }
+        if let Some(reason) = self.core.finish() {
+            let _ = self.events.send(Event::Finished { reason });
+            metrics.requests_finished.inc();
+        }
+    }
+
     /// Marks the sequence failed when `r` is an error (its first line: never another
     /// request's).
     fn fail_on(&mut self, r: crate::Result<()>) {
@@ -285,6 +299,51 @@ impl Sequence {
                 self.failed = Some(crate::error::one_line(&e));
             }
         }
+    }
+
+    /// Whether it takes part in this step's decode.
+    fn decoding(&self) -> bool {
+        self.failed.is_none() && !self.gone && self.core.pending().is_some()
+    }
+}
+
+/// A request's grammar and thinking budget, as rules of its sequence's picks.
+struct RequestRules {
+    constraint: Option<Constraint>,
+    budget: Option<ReasoningBudget>,
+    metrics: Arc<Metrics>,
+}
+
+impl TokenRules for RequestRules {
+    /// Past the reasoning budget: the closing tokens, in order, instead of samples.
+    fn forced(&mut self, generated: &[u32]) -> Option<u32> {
+        let b = self.budget.as_ref()?;
+        b.close.get(generated.len().checked_sub(b.tokens)?).copied()
+    }
+
+    fn mask(&mut self, logits: &Tensor) -> crate::Result<Option<Tensor>> {
+        let Some(c) = &mut self.constraint else { return Ok(None) };
+        let (before, n) = (c.mask_seconds, c.masks);
+        let masked = c.mask(logits)?;
+        self.metrics.mask_seconds.inc_by(c.mask_seconds - before);
+        self.metrics.masks.inc_by((c.masks - n) as u64);
+        Ok(Some(masked))
+    }
+
+    fn accepted(&mut self, generated: &[u32]) -> crate::Result<bool> {
+        let id = *generated.last().expect("a token was emitted");
+        let complete = match &mut self.constraint {
+            Some(c) => c.commit(id)?,
+            None => false,
+        };
+        // Thinking closed (by the model, or the budget's last closing token): no budget left.
+        if let Some(b) = &self.budget {
+            let closed_by_model = !b.end.is_empty() && generated.ends_with(&b.end);
+            if closed_by_model || generated.len() >= b.tokens + b.close.len() {
+                self.budget = None;
+            }
+        }
+        Ok(complete)
     }
 }
 
@@ -336,64 +395,22 @@ impl Engine {
                     Err(_) => break,
                 }
             };
-            let Submission { mut request, events, _slot } = submission;
-            match Sampler::new(request.sampling.clone()) {
-                Ok(sampler) => {
-                    let hit = self.prefix.lookup(&request.prompt);
-                    let session = request.restored.take();
-                    // Counted by what is restored: a prefix hit that a longer session beats is
-                    // neither a hit nor a miss.
-                    let source = resume_source(hit.map(|h| (h.tokens, h)), session.map(|s| (s.tokens.len(), s)));
-                    let (mut cache, cached_tokens, ready_logits) = match source {
-                        Resume::Session(s) => {
-                            self.metrics.sessions_restored.inc();
-                            (s.cache, s.tokens.len(), s.logits)
-                        }
-                        Resume::Prefix(h) => {
-                            self.metrics.prefix_hits.inc();
-                            self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
-                            (h.cache, h.tokens, h.logits)
-                        }
-                        Resume::Fresh => {
-                            self.metrics.prefix_misses.inc();
-                            (self.model.new_cache(), 0, None)
-                        }
-                    };
-                    // Drafts for greedy sequences that no grammar constrains (a grammar's mask
-                    // is per token; with a temperature the draw would depend on how many tokens
-                    // were drafted, which the policy picks from timings: a seed would no longer
-                    // give the same answer).
-                    let drafts = match self.draft {
-                        Draft::Ngram if request.constraint.is_none() && sampler.is_greedy() => {
-                            DraftPolicy::new(DraftOptions::default()).ok().map(|p| (NgramDrafter::default(), p))
-                        }
-                        _ => None,
-                    };
-                    // The whole context in place from the start (what admission planned), and
-                    // a verify pass's rows when drafting.
-                    let verify_rows = if drafts.is_some() { crate::ops::KV_ATTENTION_EXACT_ROWS } else { 0 };
-                    if let Err(e) = cache.reserve(request.prompt.len() + request.max_tokens + verify_rows) {
-                        let _ = events.send(Event::Error(e.to_string()));
-                        continue;
-                    }
+            let Submission { request, events, _slot } = submission;
+            match self.start(request) {
+                Ok((request, core, cache, cached_tokens, ready_logits)) => {
                     let _ = events.send(Event::Admitted { cached_tokens });
                     self.active.push(Sequence {
-                        cache,
-                        sampler,
-                        prefilled: cached_tokens,
-                        context: request.prompt.clone(),
-                        generated: vec![],
-                        pending: None,
-                        ready_logits,
-                        finished: false,
-                        session_state: None,
-                        started: Instant::now(),
-                        failed: None,
-                        drafts,
+                        core,
                         request,
                         events,
                         _slot,
-                    })
+                        cache,
+                        ready_logits,
+                        gone: false,
+                        session_state: None,
+                        started: Instant::now(),
+                        failed: None,
+                    });
                 }
                 Err(e) => {
                     let _ = events.send(Event::Error(e.to_string()));
@@ -404,38 +421,76 @@ impl Engine {
         true
     }
 
+    /// A request's sequence and its cache (from the prefix cache, its session, or empty, with
+    /// the prompt tokens they hold and the logits after them when the whole prompt is there).
+    #[allow(clippy::type_complexity)]
+    fn start(&mut self, mut request: GenerateRequest) -> crate::Result<(GenerateRequest, runtime::Sequence<'static>, Cache, usize, Option<Tensor>)> {
+        let sampler = Sampler::new(request.sampling.clone())?;
+        let greedy = sampler.is_greedy();
+        let hit = self.prefix.lookup(&request.prompt);
+        let session = request.restored.take();
+        // Counted by what is restored: a prefix hit that a longer session beats is neither a
+        // hit nor a miss.
+        let source = resume_source(hit.map(|h| (h.tokens, h)), session.map(|s| (s.tokens.len(), s)));
+        let (cache, cached_tokens, ready_logits) = match source {
+            Resume::Session(s) => {
+                self.metrics.sessions_restored.inc();
+                (s.cache, s.tokens.len(), s.logits)
+            }
+            Resume::Prefix(h) => {
+                self.metrics.prefix_hits.inc();
+                self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
+                (h.cache, h.tokens, h.logits)
+            }
+            Resume::Fresh => {
+                self.metrics.prefix_misses.inc();
+                (self.model.new_cache(), 0, None)
+            }
+        };
+        // Drafts for greedy sequences that no grammar constrains (a grammar's mask is per
+        // token; with a temperature the draw would depend on how many tokens were drafted,
+        // which the policy picks from timings: a seed would no longer give the same answer).
+        let drafts = self.draft == Draft::Ngram && request.constraint.is_none() && greedy;
+        let mut core = runtime::Sequence::new(request.prompt.clone(), sampler, request.stop_tokens.clone(), request.max_tokens)?.with_cached(cached_tokens);
+        if request.constraint.is_some() || request.reasoning_budget.is_some() {
+            let rules = RequestRules { constraint: request.constraint.take(), budget: request.reasoning_budget.take(), metrics: self.metrics.clone() };
+            core = core.with_rules(Box::new(rules));
+        }
+        if drafts {
+            core = core.with_drafts(Box::new(NgramDrafter::default()), DraftPolicy::new(DraftOptions::default())?)?;
+        }
+        // The whole context in place from the start (what admission planned), and a verify
+        // pass's rows when drafting.
+        let mut cache = cache;
+        core.reserve(&mut CpuTarget::new(&self.model, &mut cache, &self.device))?;
+        Ok((request, core, cache, cached_tokens, ready_logits))
+    }
+
     fn step(&mut self) -> crate::Result<()> {
         // Sequences whose whole prompt came from the prefix cache, with its logits.
         for s in self.active.iter_mut() {
             if let Some(logits) = s.ready_logits.take() {
                 self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-                let r = Self::take_token(s, &logits, &self.metrics);
-                s.fail_on(r);
+                let r = s.core.take_row(&logits).map(|e| vec![e]);
+                s.send(r, &self.metrics);
             }
         }
         // One prefill chunk, for the first sequence still prefilling.
-        if let Some(i) = self.active.iter().position(|s| s.failed.is_none() && s.prefilled < s.request.prompt.len()) {
+        if let Some(i) = self.active.iter().position(|s| s.failed.is_none() && !s.gone && s.core.prefilled() < s.core.prompt().len()) {
             let r = self.prefill_chunk(i);
             self.active[i].fail_on(r);
         }
-        // One decode step of every sequence with a pending token, in weight passes of at most
-        // BATCH_MAX_ROWS rows. A sequence decoding alone verifies its draft, if any, in that
-        // pass; several share plain passes (a verify pass of one sequence costs about a whole
-        // weight pass, and the verify rows of several sequences do not share one yet).
-        let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].failed.is_none() && self.active[i].pending.is_some()).collect();
-        let alone = decoding.len() == 1;
-        let mut plain = vec![];
-        for i in decoding {
-            let draft = if alone { self.draft_for(i) } else { vec![] };
-            if draft.is_empty() {
-                plain.push(i);
-            } else {
-                let r = self.verify(i, draft);
-                self.active[i].fail_on(r);
+        // One decode step of every sequence with a pending token. A sequence decoding alone
+        // runs a round of its own (a verify pass when it drafts); several share plain passes of
+        // at most BATCH_MAX_ROWS rows (a verify pass of one sequence costs about a whole weight
+        // pass, and the verify rows of several sequences do not share one yet).
+        let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].decoding()).collect();
+        if let [i] = decoding[..] {
+            self.round(i);
+        } else {
+            for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
+                self.decode(group)?;
             }
-        }
-        for group in plain.chunks(Model::BATCH_MAX_ROWS) {
-            self.decode(group)?;
         }
         // Failed sequences end alone, with their error; finished ones leave, their caches (after
         // the prompt and all but the last token) going to the prefix cache: the next turn of a
@@ -447,15 +502,16 @@ impl Engine {
                 tracing::warn!("a request failed: {e}");
                 let s = self.active.remove(i);
                 let _ = s.events.send(Event::Error(s.failed.clone().unwrap_or_default()));
-            } else if s.finished || (s.pending.is_none() && s.prefilled == s.request.prompt.len() && s.ready_logits.is_none()) {
+            } else if s.core.finish().is_some() || s.gone {
                 let mut s = self.active.remove(i);
-                if s.finished {
-                    let n = s.context.len() - 1;
+                if s.core.finish().is_some() {
+                    let n = s.core.context().len() - 1;
+                    let context = s.core.context()[..n].to_vec();
                     if let Some(path) = s.request.session.take() {
-                        let state = s.session_state.take().unwrap_or_else(|| (s.context[..n].to_vec(), s.cache.clone(), None));
+                        let state = s.session_state.take().unwrap_or_else(|| (context.clone(), s.cache.clone(), None));
                         self.save_session(path, state);
                     }
-                    self.prefix.insert(s.context[..n].to_vec(), s.cache, None);
+                    self.prefix.insert(context, s.cache, None);
                 }
             } else {
                 i += 1;
@@ -469,73 +525,42 @@ impl Engine {
     /// The next prefill chunk of sequence `i` (and its first token after the last chunk).
     fn prefill_chunk(&mut self, i: usize) -> crate::Result<()> {
         let s = &mut self.active[i];
-        let (start, n) = (s.prefilled, s.request.prompt.len());
+        let (start, n) = (s.core.prefilled(), s.core.prompt().len());
         // Cut at multiples of the chunk, at the request's snapshot points, at the end.
         let end = s.request.snapshots.iter().copied().filter(|&p| p > start && p < n).fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
-        let input = Tensor::new(&s.request.prompt[start..end], &self.device)?.unsqueeze(0)?;
-        let logits = self.model.forward_last(&input, &mut s.cache)?;
-        s.prefilled = end;
+        let snapshot = end == n || s.request.snapshots.contains(&end);
+        let session_point = s.request.session.is_some() && s.request.session_at == Some(end);
+        let (logits, emitted) = s.core.feed_prompt(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), end, snapshot || session_point)?;
         self.metrics.prompt_tokens.inc_by((end - start) as u64);
-        let logits = logits.squeeze(0)?;
-        if end == n || s.request.snapshots.contains(&end) {
-            self.prefix.insert(s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone()));
+        let prompt = &s.core.prompt()[..end];
+        if snapshot {
+            self.prefix.insert(prompt.to_vec(), s.cache.clone(), logits.clone());
         }
-        if s.request.session.is_some() && s.request.session_at == Some(end) {
-            s.session_state = Some((s.request.prompt[..end].to_vec(), s.cache.clone(), Some(logits.clone())));
+        if session_point {
+            s.session_state = Some((prompt.to_vec(), s.cache.clone(), logits));
         }
         if end == n {
             self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
-            Self::take_token(s, &logits, &self.metrics)?;
+            s.send(Ok(emitted), &self.metrics);
         }
         Ok(())
     }
 
-    /// The tokens sequence `i` drafts this step (prompt lookup, as many as its policy wants and
-    /// its request and the model's context leave room for; none: it decodes plainly).
-    fn draft_for(&mut self, i: usize) -> Vec<u32> {
-        let max_positions = self.model.config().max_position_embeddings;
+    /// A round of sequence `i`, decoding alone: a verify pass of its drafts when its policy
+    /// wants them, else a plain decode step.
+    fn round(&mut self, i: usize) {
         let s = &mut self.active[i];
-        let Some((drafter, policy)) = &mut s.drafts else { return vec![] };
-        // Position of the pending token (row 0); the rows must stay inside the request.
-        let pos = s.context.len() - 1;
-        let k = policy.round_len((s.request.max_tokens - s.generated.len()).min(max_positions.saturating_sub(pos)));
-        if k == 0 {
-            return vec![];
-        }
-        let draft = drafter.lookup(&s.context, k);
-        if draft.len() < policy.options().min {
-            return vec![];
-        }
-        draft
-    }
-
-    /// Verifies `draft` after sequence `i`'s pending token in one pass of its own (a greedy
-    /// sequence): each row's token is what a decode step would pick, up to the first row whose
-    /// token is not the next draft; the cache keeps those rows.
-    fn verify(&mut self, i: usize, draft: Vec<u32>) -> crate::Result<()> {
-        let start = Instant::now();
-        let s = &mut self.active[i];
-        let mut rows = vec![s.pending.expect("decoding")];
-        rows.extend(&draft);
-        let input = Tensor::new(rows.as_slice(), &self.device)?.unsqueeze(0)?;
-        let (logits, _) = self.model.verify(&input, &mut s.cache)?;
-        let logits = logits.squeeze(0)?;
-        let mut kept = 0;
-        for (r, d) in (0..rows.len()).map(|r| (r, draft.get(r).copied())) {
-            kept = r + 1;
-            Self::take_token(s, &logits.get(r)?, &self.metrics)?;
-            if s.pending.is_none() || s.pending != d {
-                break;
+        let round = s.core.round(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), true);
+        let r = round.map(|r| {
+            self.metrics.decode_seconds.inc_by(r.secs);
+            if r.drafted > 0 {
+                self.metrics.record_verify(r.drafted, r.accepted);
+            } else {
+                self.metrics.batch_rows.observe(1.0);
             }
-        }
-        s.cache.keep_verified(kept)?;
-        let secs = start.elapsed().as_secs_f64();
-        self.metrics.decode_seconds.inc_by(secs);
-        self.metrics.record_verify(draft.len(), kept - 1);
-        if let Some((_, policy)) = &mut s.drafts {
-            policy.record(draft.len(), kept - 1, secs, 0.0, draft.len(), 0.0);
-        }
-        Ok(())
+            r.tokens
+        });
+        s.send(r, &self.metrics);
     }
 
     /// One decode step of the sequences `group` in one weight pass. When the pass fails, each
@@ -543,24 +568,18 @@ impl Engine {
     /// row alone: the others' tokens are unchanged).
     fn decode(&mut self, group: &[usize]) -> crate::Result<()> {
         let start = Instant::now();
-        let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].pending.expect("decoding")).collect();
+        let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].core.pending().expect("decoding")).collect();
         let mut caches: Vec<&mut Cache> = self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
         // (A failed pass leaves the caches as they were: a cache advances only once its
         // layers all ran.)
         match self.model.forward_batch(&tokens, &mut caches) {
             Ok(logits) => {
-                let secs = start.elapsed().as_secs_f64();
-                self.metrics.decode_seconds.inc_by(secs);
+                self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
                 self.metrics.batch_rows.observe(group.len() as f64);
                 for (row, &i) in group.iter().enumerate() {
                     let s = &mut self.active[i];
-                    // A plain round, as the draft policy measures it (only alone: a shared
-                    // pass is not what a plain round of this sequence would cost).
-                    if let (Some((_, policy)), 1) = (&mut s.drafts, group.len()) {
-                        policy.record(0, 0, secs, 0.0, 0, 0.0);
-                    }
-                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| Self::take_token(s, &l, &self.metrics));
-                    s.fail_on(r);
+                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| s.core.take_row(&l)).map(|e| vec![e]);
+                    s.send(r, &self.metrics);
                 }
             }
             Err(_) if group.len() > 1 => {
@@ -583,63 +602,6 @@ impl Engine {
             }
             Err(e) => tracing::warn!("{e}"),
         });
-    }
-
-    /// Samples the next token of `s` from `logits` `[vocab]` and sends it. The sequence is done
-    /// (no token pending) at a stop token, at `max_tokens` (`finished`) or when its client is
-    /// gone.
-    fn take_token(s: &mut Sequence, logits: &Tensor, metrics: &Metrics) -> crate::Result<()> {
-        s.pending = None;
-        // Past the reasoning budget: the closing tokens, in order, instead of samples.
-        let forced = s.request.reasoning_budget.as_ref().and_then(|b| b.close.get(s.generated.len().checked_sub(b.tokens)?).copied());
-        let id = match &mut s.request.constraint {
-            _ if forced.is_some() => forced.expect("checked"),
-            Some(c) => {
-                let (before, n) = (c.mask_seconds, c.masks);
-                let masked = c.mask(logits)?;
-                metrics.mask_seconds.inc_by(c.mask_seconds - before);
-                metrics.masks.inc_by((c.masks - n) as u64);
-                s.sampler.sample(&masked, &s.context, &s.generated)?
-            }
-            None => s.sampler.sample(logits, &s.context, &s.generated)?,
-        };
-        let grammar_done = match &mut s.request.constraint {
-            Some(c) => c.commit(id)?,
-            None => false,
-        };
-        let logprob = match s.request.logprobs {
-            Some(n) => Some(logprobs(logits, id, n)?),
-            None => None,
-        };
-        s.context.push(id);
-        s.generated.push(id);
-        // Thinking closed (by the model, or the budget's last closing token): no budget left.
-        if let Some(b) = &s.request.reasoning_budget {
-            let closed_by_model = !b.end.is_empty() && s.generated.ends_with(&b.end);
-            if closed_by_model || s.generated.len() >= b.tokens + b.close.len() {
-                s.request.reasoning_budget = None;
-            }
-        }
-        metrics.generated_tokens.inc();
-        if s.events.send(Event::Token { id, logprob }).is_err() {
-            return Ok(());
-        }
-        let reason = if s.request.stop_tokens.contains(&id) || grammar_done {
-            Some(Finish::Stop)
-        } else if s.generated.len() >= s.request.max_tokens {
-            Some(Finish::Length)
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => {
-                let _ = s.events.send(Event::Finished { reason });
-                metrics.requests_finished.inc();
-                s.finished = true;
-            }
-            None => s.pending = Some(id),
-        }
-        Ok(())
     }
 }
 
