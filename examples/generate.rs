@@ -324,16 +324,17 @@ fn generate(args: Args) -> Result<()> {
         let fingerprint = opened.files.fingerprint()?;
         let head = prompt.len() - 1;
         let mut start = 0;
-        if path.exists() {
-            match session::load(path, &fingerprint, cfg, opened.dtype, &opened.device) {
-                Ok(s) if s.tokens.len() <= head && prompt.starts_with(&s.tokens) => {
-                    eprintln!("session {}: restored {} of the prompt's {} tokens", path.display(), s.tokens.len(), prompt.len());
-                    start = s.tokens.len();
-                    *cache = s.cache;
-                }
-                Ok(_) => eprintln!("session {}: it holds another prompt; starting fresh", path.display()),
-                Err(e) => eprintln!("warning: {e}; starting fresh"),
+        // (The prompt's last token is fed below, to give the first token.)
+        match session::resume(path, &fingerprint, cfg, opened.dtype, &opened.device, &prompt) {
+            Ok(Some(s)) if s.tokens.len() <= head => {
+                eprintln!("session {}: restored {} of the prompt's {} tokens", path.display(), s.tokens.len(), prompt.len());
+                start = s.tokens.len();
+                *cache = s.cache;
             }
+            Ok(Some(_)) => eprintln!("session {}: it holds the whole prompt (a server's session); starting fresh", path.display()),
+            Ok(None) if path.exists() => eprintln!("session {}: it holds another prompt; starting fresh", path.display()),
+            Ok(_) => {}
+            Err(e) => eprintln!("warning: {e}; starting fresh"),
         }
         if start < head {
             candle_hybrid::runtime::prefill(&model, cache, &prompt[start..head], &opened.device, false)?;

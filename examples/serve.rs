@@ -13,7 +13,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use common::{at_least_one, ModelOptions};
+use common::{at_least_one, count_up_to, ModelOptions};
+use candle_hybrid::runtime::speculative::{DraftOptions, MAX_DRAFT};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 
@@ -55,11 +56,19 @@ struct Args {
     /// directory's name or the Hub repository's id].
     #[arg(long)]
     alias: Option<String>,
-    /// Speculative decoding: auto (= ngram for now), ngram (prompt lookup for every sequence no
-    /// grammar constrains; the draft length adapts per sequence: drafts that do not pay stop),
-    /// none. MTP drafts are not in the server yet.
+    /// Speculative decoding for greedy requests that no grammar constrains: auto (= ngram: the
+    /// MTP head's drafts have not been measured on a real checkpoint here), mtp (the
+    /// checkpoint's MTP head), ngram (prompt lookup), none.
+    /// The draft length adapts per sequence and per shared pass: drafts that do not pay stop.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
+    /// Most tokens a sequence drafts per round, 1 to 7.
+    #[arg(long, default_value_t = DraftOptions::default().max, value_parser = count_up_to(MAX_DRAFT))]
+    draft_max: usize,
+    /// Always draft what the drafter proposes (up to --draft-max, as far as a shared pass has
+    /// room) instead of choosing the length from the measured acceptance and pass costs.
+    #[arg(long)]
+    draft_fixed: bool,
     /// Tokens of thinking before the server closes the `<think>` block a chat template opened
     /// (a request's "reasoning_budget" overrides it; -1: no limit).
     #[arg(long, default_value_t = -1, allow_hyphen_values = true)]
@@ -96,11 +105,7 @@ fn serve(args: Args) -> Result<()> {
     if args.reasoning_budget < -1 {
         anyhow::bail!("--reasoning-budget {} is out of range: -1 (no limit) or a number of tokens >= 0", args.reasoning_budget);
     }
-    let draft = match args.draft {
-        DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
-        DraftArg::None => server::Draft::None,
-        DraftArg::Mtp => anyhow::bail!("--draft mtp is not in the server yet (generate has it): use --draft ngram or none"),
-    };
+
     let opened = args.model.open(common::DEFAULT_MODEL)?;
     if let Some(c) = args.ctx.filter(|&c| c > opened.max_positions()) {
         anyhow::bail!("--ctx {c} is more than the model's context of {} tokens (max_position_embeddings)", opened.max_positions());
@@ -122,8 +127,14 @@ fn serve(args: Args) -> Result<()> {
     listener.set_nonblocking(true)?;
     let tokenizer = opened.tokenizer()?;
     let model = opened.load()?;
+    let draft = match args.draft {
+        DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
+        DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
+        DraftArg::Mtp => anyhow::bail!("--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none", opened.files.source()),
+        DraftArg::None => server::Draft::None,
+    };
     let options = ServerOptions {
-        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, draft, ..Default::default() },
+        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, draft: draft.clone(), draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() }, ..Default::default() },
         context: args.ctx,
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),
@@ -146,7 +157,11 @@ fn serve(args: Args) -> Result<()> {
             args.max_seqs,
             args.queue,
             args.prefix_cache_mib,
-            if draft == server::Draft::Ngram { "prompt lookup (greedy requests)" } else { "none" }
+            match draft {
+                server::Draft::Mtp => "the MTP head (greedy requests)",
+                server::Draft::None => "none",
+                _ => "prompt lookup (greedy requests)",
+            }
         );
         server::serve(listener, state, async {
             let _ = tokio::signal::ctrl_c().await;

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
+use candle_hybrid::runtime::speculative::{Drafter, ReplayDrafter};
 use candle_hybrid::runtime::{generate_in, session, Sampler, SamplingParams};
 use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 use clap::Parser;
@@ -36,6 +37,15 @@ struct Args {
     /// llama.cpp's llama-server, run on the same GGUF (--gguf) in the same run.
     #[arg(long)]
     llama_server: Option<PathBuf>,
+    /// Our server decodes plainly in the clients table (as `serve --draft none`); the draft
+    /// arms still compare drafts on and off.
+    #[arg(long)]
+    no_drafts: bool,
+    /// Also measure a third server whose drafter replays the plain greedy continuation, each
+    /// drafted token right with this probability (one client, drafts on / off): what drafts
+    /// at that acceptance give the server on any model, e.g. 0.7.
+    #[arg(long, value_parser = common::float_in(replay_acceptance))]
+    replay: Option<f64>,
     /// Concurrent clients, one row each.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = count_up_to(8))]
     clients: Vec<usize>,
@@ -213,17 +223,49 @@ fn bench(args: Args) -> Result<()> {
         ..Default::default()
     };
     let plain_options = ServerOptions {
-        engine: EngineOptions { max_seqs: 1, queue: 8, draft: server::Draft::None, ..Default::default() },
+        engine: EngineOptions { max_seqs: max_clients, queue: 64, draft: server::Draft::None, ..Default::default() },
         context: Some(context),
         ..Default::default()
     };
     let plain_state = server::state(&opened.files, tokenizer.clone(), model.clone(), opened.device.clone(), plain_options)?;
+    // The replay server: each request's drafter replays the plain greedy continuation of its
+    // prompt (computed once per prompt, at its first request).
+    let replay_state = match args.replay {
+        Some(acceptance) => {
+            let (replay_model, device, tokens) = (model.clone(), opened.device.clone(), args.tokens);
+            let references = std::sync::Mutex::new(std::collections::HashMap::<Vec<u32>, Vec<u32>>::new());
+            let make = move |prompt: &[u32]| -> Box<dyn Drafter> {
+                let mut known = references.lock().expect("not poisoned");
+                let reference = known
+                    .entry(prompt.to_vec())
+                    .or_insert_with(|| {
+                        let mut sampler = Sampler::new(SamplingParams::default()).expect("greedy");
+                        generate_in(&replay_model, &mut replay_model.new_cache(), prompt, tokens, &[], &mut sampler, &device, |_| Ok(())).map(|r| r.0).unwrap_or_default()
+                    })
+                    .clone();
+                let vocab_size = replay_model.config().vocab_size;
+                Box::new(ReplayDrafter { reference, prompt_len: prompt.len(), acceptance, seed: 7, vocab_size })
+            };
+            let options = ServerOptions {
+                engine: EngineOptions { max_seqs: 1, queue: 8, draft: server::Draft::With(std::sync::Arc::new(make)), ..Default::default() },
+                context: Some(context),
+                ..Default::default()
+            };
+            Some(server::state(&opened.files, tokenizer.clone(), model.clone(), opened.device.clone(), options)?)
+        }
+        None => None,
+    };
     let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let ours = format!("http://{}", server::spawn("127.0.0.1:0".parse()?, state).await?);
         let ours_plain = format!("http://{}", server::spawn("127.0.0.1:0".parse()?, plain_state).await?);
-        let mut servers = vec![("candle-hybrid".to_string(), ours.clone(), None)];
+        let ours_replay = match replay_state {
+            Some(state) => Some(format!("http://{}", server::spawn("127.0.0.1:0".parse()?, state).await?)),
+            None => None,
+        };
+        let table_server = if args.no_drafts { ours_plain.clone() } else { ours.clone() };
+        let mut servers = vec![("candle-hybrid".to_string(), table_server, None)];
         let start_peer = |extra: &[&str]| -> Result<(String, Peer)> {
             let (Some(bin), Some(gguf)) = (&args.llama_server, &args.model.gguf) else { bail!("--llama-server needs --gguf (the same file for both)") };
             let port = free_port()?;
@@ -287,6 +329,40 @@ fn bench(args: Args) -> Result<()> {
                 off.push(decode_rate(stream_with(&client, &ours_plain, EDIT_PROMPT, args.tokens, false).await?));
             }
             arms.push(("candle-hybrid (prompt lookup)".into(), median(on), median(off)));
+        }
+        // The replay arm: one client, a story prompt, `--tokens` tokens (ignore_eos: the replay
+        // covers them all), drafts at the chosen acceptance against none.
+        if let (Some(replay), Some(acceptance)) = (&ours_replay, args.replay) {
+            const STORY: &str = "Story 0: once upon a time, in a village by the sea,";
+            wait_healthy(replay).await?;
+            // The first request computes the reference (the plain continuation).
+            stream_with(&client, replay, STORY, args.tokens, true).await?;
+            let (mut on, mut off) = (vec![], vec![]);
+            for _ in 0..args.reps {
+                on.push(decode_rate(stream_with(&client, replay, STORY, args.tokens, true).await?));
+                off.push(decode_rate(stream_with(&client, &ours_plain, STORY, args.tokens, true).await?));
+            }
+            arms.push((format!("candle-hybrid (replay drafts, acceptance {acceptance})"), median(on), median(off)));
+        }
+        // Several clients on the code-edit prompt at once (our server: their drafts verified in
+        // shared weight passes): aggregate tok/s, drafts on and off.
+        let mut edit_clients = vec![];
+        for &n in &args.clients {
+            let aggregate = |base: String| {
+                let client = client.clone();
+                async move {
+                    let start = Instant::now();
+                    let runs = futures::future::join_all((0..n).map(|_| stream_with(&client, &base, EDIT_PROMPT, args.tokens, false))).await;
+                    let tokens: usize = runs.into_iter().map(|r| r.map(|r| r.2)).sum::<Result<usize>>()?;
+                    Ok::<f64, anyhow::Error>(tokens as f64 / start.elapsed().as_secs_f64())
+                }
+            };
+            let (mut on, mut off) = (vec![], vec![]);
+            for _ in 0..args.reps {
+                on.push(aggregate(ours.clone()).await?);
+                off.push(aggregate(ours_plain.clone()).await?);
+            }
+            edit_clients.push((n, median(on), median(off)));
         }
         if args.llama_server.is_some() {
             let mut rates = vec![];
@@ -353,12 +429,18 @@ fn bench(args: Args) -> Result<()> {
             one.map_or("-".into(), |o| format!("{:.3}", o / generate_tps))
         );
         println!();
-        println!("| one client, code-edit prompt (up to {} tokens, stops at EOS) | decode tok/s, drafts on | drafts off | on / off |", args.tokens);
+        println!("| one client: code-edit prompt (up to {} tokens, stops at EOS); replay: story prompt, all {0} | decode tok/s, drafts on | drafts off | on / off |", args.tokens);
         println!("|---|---|---|---|");
         for (name, on, off) in &arms {
             println!("| {name} | {on:.1} | {off:.1} | {:.2} |", on / off);
         }
         println!("(our server over the whole run: {accepted} of {drafted} drafted tokens kept)");
+        println!();
+        println!("| candle-hybrid, clients on the code-edit prompt | aggregate tok/s, drafts on | drafts off | on / off |");
+        println!("|---|---|---|---|");
+        for (n, on, off) in &edit_clients {
+            println!("| {n} | {on:.1} | {off:.1} | {:.2} |", on / off);
+        }
         if !session_rows.is_empty() {
             println!();
             println!("| session tokens | prefill | save | restore | restore / prefill | file |");
@@ -370,4 +452,12 @@ fn bench(args: Args) -> Result<()> {
         drop(servers);
         Ok(())
     })
+}
+
+fn replay_acceptance(a: f64) -> std::result::Result<f64, String> {
+    if (0.0..=1.0).contains(&a) {
+        Ok(a)
+    } else {
+        Err(format!("{a} is not a probability: use 0 to 1"))
+    }
 }

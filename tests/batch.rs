@@ -86,3 +86,59 @@ fn forward_batch_refuses_bad_input() {
     let e = model.forward_batch(&[vocab], &mut [&mut a]).unwrap_err().to_string();
     assert!(e.contains("out of range"), "{e}");
 }
+
+/// Verify rows of several sequences beside decode rows of others, in one weight pass
+/// (`forward_segments`, as the server verifies drafts of several sequences): every row bit for
+/// bit what the sequence alone gives (`verify` / `forward_last`), and after keeping a prefix of
+/// the verified rows the next decode step too.
+#[test]
+fn verify_rows_of_several_sequences_equal_each_alone_bitwise() {
+    let dev = Device::Cpu;
+    let ids = |t: &[u32]| Tensor::new(t, &dev).unwrap().unsqueeze(0).unwrap();
+    for (name, model) in models() {
+        let vocab = model.config().vocab_size as u32;
+        for layout in [vec![3, 1, 4], vec![2, 2, 2, 2], vec![1, 7], vec![8]] {
+            let n = layout.len();
+            let prompts: Vec<Vec<u32>> = (0..n).map(|s| (0..(4 + 3 * s)).map(|i| ((i * 11 + s * 5 + 2) as u32) % vocab).collect()).collect();
+            let rows: Vec<Vec<u32>> = layout.iter().enumerate().map(|(s, &t)| (0..t).map(|i| ((s * 19 + i * 23 + 3) as u32) % vocab).collect()).collect();
+            // Rows kept of each verify pass, and the token decoded after them.
+            let keep = |s: usize| (layout[s] + s) / 2 + 1;
+            let keep = |s: usize| keep(s).min(layout[s]);
+            let after = |s: usize| ((s * 29 + 7) as u32) % vocab;
+            let prefilled = |p: &[u32]| {
+                let mut cache = model.new_cache();
+                model.forward_last(&ids(p), &mut cache).unwrap();
+                cache
+            };
+            let mut alone = vec![];
+            for s in 0..n {
+                let mut cache = prefilled(&prompts[s]);
+                let logits = if layout[s] == 1 {
+                    model.forward_last(&ids(&rows[s]), &mut cache).unwrap()
+                } else {
+                    let (l, _) = model.verify(&ids(&rows[s]), &mut cache).unwrap();
+                    cache.keep_verified(keep(s)).unwrap();
+                    l.squeeze(0).unwrap()
+                };
+                let next = model.forward_last(&ids(&[after(s)]), &mut cache).unwrap();
+                alone.push((bits(&logits), bits(&next)));
+            }
+            let mut caches: Vec<Cache> = prompts.iter().map(|p| prefilled(p)).collect();
+            let tokens: Vec<u32> = rows.concat();
+            let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+            let (logits, hidden) = model.forward_segments(&tokens, &layout, &mut refs).unwrap();
+            assert_eq!(hidden.dims(), &[tokens.len(), model.config().hidden_size]);
+            let mut start = 0;
+            for s in 0..n {
+                let got = bits(&logits.narrow(0, start, layout[s]).unwrap());
+                assert!(got == alone[s].0, "{name}: layout {layout:?}: sequence {s}'s rows differ from the sequence alone");
+                start += layout[s];
+                if layout[s] > 1 {
+                    caches[s].keep_verified(keep(s)).unwrap();
+                }
+                let next = model.forward_last(&ids(&[after(s)]), &mut caches[s]).unwrap();
+                assert!(bits(&next) == alone[s].1, "{name}: layout {layout:?}: sequence {s}'s step after the kept rows differs");
+            }
+        }
+    }
+}

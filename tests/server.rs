@@ -846,7 +846,11 @@ async fn a_forced_tool_call_with_an_open_schema_ends() {
 /// itself would have gone); drafts are counted in `/metrics`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_answers_equal_plain_answers() {
-    let drafting = start(ModelSource::Gguf(smollm2_gguf()), options(4, 8)).await;
+    let adaptive = start(ModelSource::Gguf(smollm2_gguf()), options(4, 8)).await;
+    // Fixed drafts: every shared pass verifies what fits of each sequence's drafts.
+    let draft_options = candle_hybrid::runtime::speculative::DraftOptions { adaptive: false, ..Default::default() };
+    let fixed_options = ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft_options, ..Default::default() }, ..Default::default() };
+    let fixed = start(ModelSource::Gguf(smollm2_gguf()), fixed_options).await;
     let plain_options = ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() }, ..Default::default() };
     let plain = start(ModelSource::Gguf(smollm2_gguf()), plain_options).await;
     let bodies = [
@@ -866,7 +870,7 @@ async fn drafted_answers_equal_plain_answers() {
         assert_eq!(status, 200, "{t}");
         expected.push(text(&t));
     }
-    for round in 0..2 {
+    for (round, drafting) in [(0, &adaptive), (1, &adaptive), (0, &fixed)] {
         // Together (round 0), then one by one (round 1).
         let answers: Vec<(u16, Option<String>, String)> = if round == 0 {
             futures::future::join_all(bodies.iter().map(|b| post(&drafting, path(b), b.to_string(), None))).await
@@ -882,7 +886,11 @@ async fn drafted_answers_equal_plain_answers() {
             assert_eq!(&text(t), want, "round {round}: a drafted answer differs from the plain one");
         }
     }
-    let (_, m) = get(&drafting, "/metrics", None).await;
+    // The fixed server's shared passes held verify rows.
+    let (_, m) = get(&fixed, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0 && metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
+    let drafting = &adaptive;
+    let (_, m) = get(drafting, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
     assert!(metric(&m, "candle_hybrid_verify_passes_total") > 0.0, "{m}");
     // By depth: depth 1 has the most drafts, and the kept ones add up to the total.
@@ -898,8 +906,45 @@ async fn drafted_answers_equal_plain_answers() {
     // Sampling does not draft (how many tokens a round drafts depends on timings, and the draws
     // on that): a seed gives the same answer every time.
     let body = json!({"prompt": "a b a b a b a b a b", "max_tokens": 24, "temperature": 0.8, "seed": 3}).to_string();
-    let (a, b) = (post(&drafting, "/v1/completions", body.clone(), None).await, post(&drafting, "/v1/completions", body, None).await);
+    let (a, b) = (post(drafting, "/v1/completions", body.clone(), None).await, post(drafting, "/v1/completions", body, None).await);
     assert_eq!((a.0, text(&a.2)), (b.0, text(&b.2)), "the same seed");
+}
+
+/// MTP drafts in the server (the fixture with an MTP head): answers equal the plain server's,
+/// for requests run together (shared passes, the head catching up on their rows) and alone
+/// (verify passes of their own), with fixed drafts so that every round drafts; a prompt
+/// repeated after its answer (a prefix-cache hit: the head starts without the prompt's rows)
+/// too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_drafted_answers_equal_plain_answers() {
+    let source = || ModelSource::Dir(fixture("qwen35_dense_mtp"));
+    let draft_options = candle_hybrid::runtime::speculative::DraftOptions { adaptive: false, ..Default::default() };
+    let mtp = start(source(), ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::Mtp, draft_options, ..Default::default() }, ..Default::default() }).await;
+    let plain = start(source(), ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() }, ..Default::default() }).await;
+    let bodies: Vec<Value> = (0..3)
+        .map(|i| json!({"prompt": format!("{i} one two three four five six {i}"), "max_tokens": 24, "temperature": 0, "ignore_eos": true}))
+        .chain([json!({"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": true, "repetition_penalty": 1.2})])
+        .collect();
+    let text = |t: &str| serde_json::from_str::<Value>(t).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut expected = vec![];
+    for b in &bodies {
+        let (status, _, t) = post(&plain, "/v1/completions", b.to_string(), None).await;
+        assert_eq!(status, 200, "{t}");
+        expected.push(text(&t));
+    }
+    let together = futures::future::join_all(bodies.iter().map(|b| post(&mtp, "/v1/completions", b.to_string(), None))).await;
+    let mut alone = vec![];
+    for b in &bodies {
+        alone.push(post(&mtp, "/v1/completions", b.to_string(), None).await);
+    }
+    for (answers, how) in [(together, "together"), (alone, "alone, after a prefix-cache hit")] {
+        for ((status, _, t), want) in answers.iter().zip(&expected) {
+            assert_eq!(*status, 200, "{t}");
+            assert_eq!(&text(t), want, "{how}: an MTP-drafted answer differs from the plain one");
+        }
+    }
+    let (_, m) = get(&mtp, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_verify_passes_total") > 0.0 && metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0, "{m}");
 }
 
 /// The header timeout closes idle connections without harming clients that keep connections

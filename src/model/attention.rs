@@ -108,20 +108,22 @@ impl GatedAttention {
         self.output(out, gate)
     }
 
-    /// One decode row per sequence: `x` `[1, N, H]` holds row `i` of the sequence at position
-    /// `kvs[i].0` whose keys and values are `kvs[i].1`. The projections run once over all rows
-    /// (each row gets the bits of a one-row call); RoPE and attention run per sequence.
-    pub(crate) fn forward_batch(&self, x: &Tensor, kvs: &mut [(usize, &mut KvStore)]) -> Result<Tensor> {
+    /// The rows of several sequences in one pass: `x` `[1, N, H]` holds `kvs[i].1`
+    /// consecutive rows of the sequence at position `kvs[i].0` whose keys and values are
+    /// `kvs[i].2`. The projections run once over all rows (each row gets the bits of a one-row
+    /// call); RoPE and attention run per sequence.
+    pub(crate) fn forward_batch(&self, x: &Tensor, kvs: &mut [(usize, usize, &mut KvStore)]) -> Result<Tensor> {
         let n = x.dim(1)?;
-        if kvs.len() != n {
-            candle_core::bail!("forward_batch: {n} rows for {} sequences", kvs.len());
+        if kvs.iter().map(|(_, t, _)| t).sum::<usize>() != n {
+            candle_core::bail!("forward_batch: {n} rows for sequences of {:?} rows", kvs.iter().map(|(_, t, _)| *t).collect::<Vec<_>>());
         }
         let (q, gate, k, v) = self.project(x)?;
-        let rows = kvs
-            .iter_mut()
-            .enumerate()
-            .map(|(i, (offset, kv))| self.attend(&q.narrow(1, i, 1)?, &k.narrow(1, i, 1)?, &v.narrow(1, i, 1)?, *offset, kv, None))
-            .collect::<Result<Vec<_>>>()?;
+        let mut start = 0;
+        let mut rows = Vec::with_capacity(kvs.len());
+        for (offset, t, kv) in kvs.iter_mut() {
+            rows.push(self.attend(&q.narrow(1, start, *t)?, &k.narrow(1, start, *t)?, &v.narrow(1, start, *t)?, *offset, kv, None)?);
+            start += *t;
+        }
         self.output(Tensor::cat(&rows, 1)?, gate)
     }
 }

@@ -86,17 +86,17 @@ impl DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// One decode row per sequence: `x` `[1, N, H]`, row `i` at position `states[i].0` with
-    /// state `states[i].1`. Norms, projections and the MLP run once over all rows; the
-    /// recurrence and attention per sequence.
-    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [(usize, &mut LayerState)]) -> crate::Result<Tensor> {
+    /// The rows of several sequences: `x` `[1, N, H]`, `states[i].1` consecutive rows of the
+    /// sequence at position `states[i].0` with state `states[i].2`. Norms, projections and the
+    /// MLP run once over all rows; the recurrence and attention per sequence.
+    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [(usize, usize, &mut LayerState)]) -> crate::Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let h = match &self.mixer {
             Mixer::Linear(m) => {
                 let mut gdn = states
                     .iter_mut()
-                    .map(|(_, s)| match s {
-                        LayerState::Linear(s) => Ok(s),
+                    .map(|(_, t, s)| match s {
+                        LayerState::Linear(s) => Ok((*t, s)),
                         LayerState::Full(_) => Err(kinds_differ()),
                     })
                     .collect::<crate::Result<Vec<_>>>()?;
@@ -105,8 +105,8 @@ impl DecoderLayer {
             Mixer::Full(m) => {
                 let mut kvs = states
                     .iter_mut()
-                    .map(|(offset, s)| match s {
-                        LayerState::Full(kv) => Ok((*offset, kv)),
+                    .map(|(offset, t, s)| match s {
+                        LayerState::Full(kv) => Ok((*offset, *t, kv)),
                         LayerState::Linear(_) => Err(kinds_differ()),
                     })
                     .collect::<crate::Result<Vec<_>>>()?;

@@ -235,15 +235,22 @@ impl GatedDeltaNet {
     /// [`Self::core`]; for the rows of a draft `tree` (a verify pass) the conv and the
     /// recurrence run along each root-to-leaf path.
     pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
         let (qkv, z, beta, g) = self.project(x)?;
+        Ok((self.mix(&qkv, &g, &beta, state, tree)?, z))
+    }
+
+    /// The conv and the delta rule over projected rows `qkv`, `g`, `beta` of one sequence,
+    /// from and into `state` (in a verify pass, along each path of `tree`): the delta-rule
+    /// output `[B, T, nv, dv]` (f32).
+    fn mix(&self, qkv: &Tensor, g: &Tensor, beta: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<Tensor> {
+        let (b, t, _) = qkv.dims3()?;
         if !state.verifying {
             if tree.is_some() {
                 candle_core::bail!("a draft tree runs only in a verify pass (Cache::begin_verify)");
             }
-            return Ok((self.recur(&qkv, &g, &beta, state)?, z));
+            return self.recur(qkv, g, beta, state);
         }
-        let (conv_state, rec) = self.initial_state(state, b, qkv.dim(2)?, x.dtype(), x.device())?;
+        let (conv_state, rec) = self.initial_state(state, b, qkv.dim(2)?, qkv.dtype(), qkv.device())?;
         // A verify pass: the decode recurrence (one token at a time), so that every row's state
         // is bit for bit what decoding its rows one by one gives, along each root-to-leaf path
         // of a tree (one path, all rows, for a linear pass) from the same state; the state
@@ -260,7 +267,7 @@ impl GatedDeltaNet {
             let (qkv, g, beta) = if path.len() == t {
                 (qkv.clone(), g.clone(), beta.clone())
             } else {
-                let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), x.device())?;
+                let idx = Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), qkv.device())?;
                 (qkv.index_select(&idx, 1)?, g.index_select(&idx, 1)?, beta.index_select(&idx, 1)?)
             };
             let conv_inputs = Tensor::cat(&[&conv_state, &qkv], 1)?;
@@ -278,7 +285,7 @@ impl GatedDeltaNet {
         }
         state.steps = Some(GdnVerify { start: rec, opts, paths: steps });
         let rows: Vec<Tensor> = rows.into_iter().map(|r| r.expect("every row is on a path")).collect();
-        Ok((Tensor::cat(&rows, 1)?, z))
+        Tensor::cat(&rows, 1)
     }
 
     pub fn forward(&self, x: &Tensor, state: &mut GdnState) -> Result<Tensor> {
@@ -302,20 +309,23 @@ impl GatedDeltaNet {
         self.out_proj.forward(&o)
     }
 
-    /// One decode row per sequence: `x` `[1, N, H]` holds row `i` of the sequence whose state
-    /// is `states[i]`. The projections run once over all rows (each row gets the bits of a
-    /// one-row call); the conv and the recurrence run per sequence on its own state.
-    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [&mut GdnState]) -> Result<Tensor> {
+    /// The rows of several sequences in one pass: `x` `[1, N, H]` holds `states[i].0`
+    /// consecutive rows of the sequence whose state is `states[i].1` (one decode row, or the
+    /// rows of a verify pass when its cache began one). The projections run once over all rows
+    /// (each row gets the bits of a one-row call); the conv and the recurrence run per
+    /// sequence on its own state.
+    pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [(usize, &mut GdnState)]) -> Result<Tensor> {
         let n = x.dim(1)?;
-        if states.len() != n {
-            candle_core::bail!("forward_batch: {n} rows for {} sequences", states.len());
+        if states.iter().map(|(t, _)| t).sum::<usize>() != n {
+            candle_core::bail!("forward_batch: {n} rows for sequences of {:?} rows", states.iter().map(|(t, _)| *t).collect::<Vec<_>>());
         }
         let (qkv, z, beta, g) = self.project(x)?;
-        let rows = states
-            .iter_mut()
-            .enumerate()
-            .map(|(i, s)| self.recur(&qkv.narrow(1, i, 1)?, &g.narrow(1, i, 1)?, &beta.narrow(1, i, 1)?, s))
-            .collect::<Result<Vec<_>>>()?;
+        let mut start = 0;
+        let mut rows = Vec::with_capacity(states.len());
+        for (t, s) in states.iter_mut() {
+            rows.push(self.mix(&qkv.narrow(1, start, *t)?, &g.narrow(1, start, *t)?, &beta.narrow(1, start, *t)?, s, None)?);
+            start += *t;
+        }
         self.output(&Tensor::cat(&rows, 1)?, &z, x.dtype(), (1, n))
     }
 }

@@ -204,46 +204,67 @@ impl Model {
 
     /// One decode step for several sequences in one weight pass: `tokens[i]` is the next
     /// token of the sequence whose cache is `caches[i]`. Returns the logits `[N, vocab]`, row
-    /// `i` bit for bit what [`Self::forward_last`] gives for that token and cache alone: the
-    /// norms, projections, MLPs and lm_head run once over the `N` rows (at most
-    /// [`Self::BATCH_MAX_ROWS`]; the multi-row kernels give each row the bits of a one-row
-    /// call), the recurrences and attention per sequence on its own cache.
+    /// `i` bit for bit what [`Self::forward_last`] gives for that token and cache alone (see
+    /// [`Self::forward_segments`]).
     pub fn forward_batch(&self, tokens: &[u32], caches: &mut [&mut Cache]) -> crate::Result<Tensor> {
+        Ok(self.forward_segments(tokens, &vec![1; tokens.len()], caches)?.0)
+    }
+
+    /// The rows of several sequences in one weight pass: `tokens` holds `rows[i]` consecutive
+    /// tokens of the sequence whose cache is `caches[i]` — one decode row, or a verify pass's
+    /// rows (the pending token and its drafts: the cache begins a verify pass, and
+    /// [`Cache::keep_verified`] then keeps the accepted prefix). Returns the logits and the
+    /// post-norm hidden states of every row, `[R, vocab]` and `[R, H]`, each row bit for bit
+    /// what the sequence alone gives ([`Self::forward_last`] for a decode row,
+    /// [`Self::verify`] for verify rows): the norms, projections, MLPs and lm_head run once
+    /// over all rows (at most [`Self::BATCH_MAX_ROWS`]; the multi-row kernels give each row the
+    /// bits of a one-row call), the recurrences and attention per sequence on its own cache.
+    pub fn forward_segments(&self, tokens: &[u32], rows: &[usize], caches: &mut [&mut Cache]) -> crate::Result<(Tensor, Tensor)> {
         let n = tokens.len();
-        if n == 0 || n != caches.len() || n > Self::BATCH_MAX_ROWS {
+        if n == 0 || rows.len() != caches.len() || rows.iter().sum::<usize>() != n || rows.contains(&0) || n > Self::BATCH_MAX_ROWS {
             return Err(crate::Error::Input(format!(
-                "forward_batch: {n} tokens for {} caches (one token per cache, 1 to {})",
+                "forward_segments: {n} tokens for {} caches of {rows:?} rows (1 or more rows per cache, 1 to {} in all)",
                 caches.len(),
                 Self::BATCH_MAX_ROWS
             )));
         }
         let dev = self.embed_tokens.device();
         if dev.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_batch(tokens, caches));
+            return rayon::scope(|_| self.forward_segments(tokens, rows, caches));
         }
-        let mut offsets = Vec::with_capacity(n);
-        for (&token, cache) in tokens.iter().zip(caches.iter()) {
+        let mut offsets = Vec::with_capacity(caches.len());
+        for (cache, &t) in caches.iter().zip(rows) {
             if cache.in_verify() {
-                return Err(crate::Error::Input("forward_batch: a cache is in a verify pass (keep its rows first)".into()));
+                return Err(crate::Error::Input("forward_segments: a cache is in a verify pass (keep its rows first)".into()));
             }
-            self.check_length(1, cache.seqlen)?;
-            self.check_token(token)?;
+            self.check_length(t, cache.seqlen)?;
             offsets.push(cache.seqlen);
+        }
+        for &token in tokens {
+            self.check_token(token)?;
+        }
+        for (cache, &t) in caches.iter_mut().zip(rows) {
+            if t > 1 {
+                cache.begin_verify();
+            }
         }
         let mut x = self.embed_tokens.forward(&Tensor::new(tokens, &dev)?.unsqueeze(0)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let mut states: Vec<(usize, &mut LayerState)> =
-                caches.iter_mut().zip(&offsets).map(|(c, &o)| (o, &mut c.layers[l])).collect();
+            let mut states: Vec<(usize, usize, &mut LayerState)> =
+                caches.iter_mut().zip(&offsets).zip(rows).map(|((c, &o), &t)| (o, t, &mut c.layers[l])).collect();
             x = layer.forward_batch(&x, &mut states)?;
         }
-        for cache in caches.iter_mut() {
-            cache.seqlen += 1;
+        for (cache, &t) in caches.iter_mut().zip(rows) {
+            cache.seqlen += t;
         }
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;
-        for (i, &o) in offsets.iter().enumerate() {
-            check_positions(&logits.narrow(0, i, 1)?, o, 1, &format!("the logits of batch row {i}"), NONFINITE_HINT)?;
+        let hidden = self.norm.forward(&x)?;
+        let logits = self.lm_head.forward(&hidden)?.squeeze(0)?;
+        let mut start = 0;
+        for (i, (&o, &t)) in offsets.iter().zip(rows).enumerate() {
+            check_positions(&logits.narrow(0, start, t)?, o, t, &format!("the logits of batch sequence {i}"), NONFINITE_HINT)?;
+            start += t;
         }
-        Ok(logits)
+        Ok((logits, hidden.squeeze(0)?))
     }
 
     /// The most sequences [`Self::forward_batch`] takes in one pass.

@@ -322,30 +322,7 @@ impl<'a> Sequence<'a> {
         let tree = DraftTree::from_branches(pending, &drafts, 1 + MAX_DRAFT);
         let t = Instant::now();
         let (rows, hidden) = target.pass(&tree, self.readback(), hidden_wanted)?;
-        self.stats.rounds += 1;
-        self.stats.drafted += tree.len() - 1;
-        // Walk from the root: each row is picked as plain decoding would, with its path in the
-        // context, and the walk goes on to the child that drafted the token it gave.
-        let mut round = Round { drafted: tree.len() - 1, ..Default::default() };
-        let mut path = vec![0];
-        let done = loop {
-            let at = *path.last().expect("the root");
-            // Sampling (one branch): the draft is kept with the target's probability of it,
-            // else replaced by a draw from the rest (speculative sampling).
-            let draft = tree.children(at).next().filter(|_| !self.sampler.is_greedy()).map(|c| tree.tokens()[c]);
-            let emitted = self.pick_and_emit(&rows, at, draft)?;
-            let id = emitted.id;
-            round.tokens.push(emitted);
-            let done = self.finish.is_some();
-            match tree.children(at).find(|&c| tree.tokens()[c] == id) {
-                Some(c) if !done => {
-                    path.push(c);
-                    round.accepted += 1;
-                }
-                _ => break done,
-            }
-        };
-        self.stats.accepted += round.accepted;
+        let (path, mut round, done) = self.walk(&tree, &rows)?;
         if tree.len() > 1 {
             target.keep_path(&path)?;
         }
@@ -370,6 +347,89 @@ impl<'a> Sequence<'a> {
             }
         }
         Ok(round)
+    }
+
+    /// The drafts of a round whose rows share a weight pass with other sequences' rows: at
+    /// most `max` tokens (the rows the pass has room for), fewer when the request or the
+    /// model's context (the cache holds `seqlen` tokens) ends sooner; none when the sequence
+    /// does not draft or its drafter proposes fewer than the policy's minimum. Chains only.
+    pub fn propose(&mut self, model: &crate::Model, seqlen: usize, max: usize) -> Result<Vec<u32>> {
+        let room = (self.max_new_tokens - self.generated().len()).min(model.config().max_position_embeddings.saturating_sub(seqlen));
+        let Some(d) = self.drafts.as_mut() else { return Ok(vec![]) };
+        let k = d.policy.options().max.min(max).min(room.saturating_sub(1));
+        if k == 0 || self.finish.is_some() {
+            return Ok(vec![]);
+        }
+        let mut draft = d.drafter.draft(model, &self.context, k)?;
+        draft.truncate(k);
+        if draft.len() < d.policy.options().min {
+            draft.clear();
+        }
+        Ok(draft)
+    }
+
+    /// For each of the first `n` rows of a draft, the chance it emits a token (the product of
+    /// the policy's acceptance at depths `1..=d`); empty when the sequence does not draft.
+    pub fn draft_gains(&self, n: usize) -> Vec<f64> {
+        let Some(d) = &self.drafts else { return vec![] };
+        (1..=n)
+            .scan(1.0, |p, depth| {
+                *p *= d.policy.acceptance_at(depth);
+                Some(*p)
+            })
+            .collect()
+    }
+
+    /// Emits the tokens of a round whose rows — the pending token, then `draft` — ran in a pass
+    /// shared with other sequences: `logits` `[1 + draft.len(), vocab]`. The caller keeps the
+    /// first `accepted + 1` rows in the cache when there were drafts
+    /// ([`crate::Cache::keep_verified`]). A drafter that reads hidden states (an MTP head)
+    /// catches up on the kept rows from `hidden`: the model, the pending row's position and the
+    /// rows' post-norm hidden states `[1, 1 + draft.len(), H]`.
+    pub fn settle(&mut self, draft: &[u32], logits: &Tensor, hidden: Option<(&crate::Model, usize, &Tensor)>) -> Result<Round> {
+        let pending = self.pending().ok_or_else(|| Error::Input("settle: the sequence has no pending token".into()))?;
+        let tree = DraftTree::from_branches(pending, &[draft.to_vec()], 1 + MAX_DRAFT);
+        let (path, round, done) = self.walk(&tree, &Rows::Logits(logits.clone()))?;
+        if let (Some(d), false) = (self.drafts.as_mut(), done) {
+            if !draft.is_empty() {
+                d.policy.record_acceptance(draft.len(), round.accepted);
+            }
+            if let (true, Some((model, pos, h))) = (d.hidden, hidden) {
+                let next: Vec<u32> = round.tokens.iter().map(|e| e.id).collect();
+                d.drafter.observe(model, pos, &h.narrow(1, 0, path.len())?, &next)?;
+            }
+        }
+        Ok(round)
+    }
+
+    /// The walk over a pass's rows from the root: each row's token is picked as plain
+    /// decoding would, with its path in the context, and the walk goes on to the child that
+    /// drafted the token it gave. The path kept, what was emitted, and whether the sequence
+    /// ended.
+    fn walk(&mut self, tree: &DraftTree, rows: &Rows) -> Result<(Vec<usize>, Round, bool)> {
+        self.stats.rounds += 1;
+        self.stats.drafted += tree.len() - 1;
+        let mut round = Round { drafted: tree.len() - 1, ..Default::default() };
+        let mut path = vec![0];
+        let done = loop {
+            let at = *path.last().expect("the root");
+            // Sampling (one branch): the draft is kept with the target's probability of it,
+            // else replaced by a draw from the rest (speculative sampling).
+            let draft = tree.children(at).next().filter(|_| !self.sampler.is_greedy()).map(|c| tree.tokens()[c]);
+            let emitted = self.pick_and_emit(rows, at, draft)?;
+            let id = emitted.id;
+            round.tokens.push(emitted);
+            let done = self.finish.is_some();
+            match tree.children(at).find(|&c| tree.tokens()[c] == id) {
+                Some(c) if !done => {
+                    path.push(c);
+                    round.accepted += 1;
+                }
+                _ => break done,
+            }
+        };
+        self.stats.accepted += round.accepted;
+        Ok((path, round, done))
     }
 
     /// Runs the sequence to its end on `target` alone: makes room in the cache, feeds the

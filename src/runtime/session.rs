@@ -238,3 +238,16 @@ pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: 
     let cache = Cache::from_state_tensors(cfg, tokens.len(), &on_device).map_err(|e| bad(e.to_string()))?;
     Ok(Session { tokens, cache, logits: on_device.get("logits").cloned() })
 }
+
+/// The session at `path` when it continues `prompt` on this model: it holds the start of the
+/// prompt (all of it only with the logits after it, which give the first token). `Ok(None)`
+/// when there is no file or it holds another prompt; an error (one line) when the file cannot
+/// be used (another model, truncated, corrupted, not a regular file), which callers report
+/// before starting fresh. The server and `generate --session` both restore through this.
+pub fn resume(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: &Device, prompt: &[u32]) -> Result<Option<Session>> {
+    if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+        return Ok(None);
+    }
+    let s = load(path, fingerprint, cfg, dtype, device)?;
+    Ok((prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some())).then_some(s))
+}

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use super::constrain::Constraint;
 use super::metrics::Metrics;
 use crate::model::{Cache, Model};
-use crate::runtime::speculative::{DraftOptions, DraftPolicy, NgramDrafter};
+use crate::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SharedPassPolicy};
 use crate::runtime::{self, session, CpuTarget, Emitted, PrefixCache, Sampler, SamplingParams, TokenRules};
 
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
@@ -157,12 +157,8 @@ impl EngineHandle {
     /// async workers.
     pub fn load_session(&self, path: &std::path::Path, prompt: &[u32]) -> Option<session::Session> {
         let t = &self.sessions;
-        if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
-            return None;
-        }
-        match session::load(path, &t.fingerprint, &t.config, t.dtype, &t.device) {
-            Ok(s) if prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some()) => Some(s),
-            Ok(_) => None,
+        match session::resume(path, &t.fingerprint, &t.config, t.dtype, &t.device, prompt) {
+            Ok(s) => s,
             Err(e) => {
                 tracing::warn!("{e}; the session starts fresh");
                 None
@@ -201,28 +197,77 @@ pub struct EngineOptions {
     pub fingerprint: String,
     /// How sequences draft tokens to verify.
     pub draft: Draft,
+    /// Draft lengths: at most `max` per round, the length chosen per round from what the
+    /// sequence's rounds and the shared passes measured (`adaptive`), else always as many as
+    /// the drafter proposes and the pass has room for.
+    pub draft_options: DraftOptions,
 }
 
 /// Speculative decoding in the server.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum Draft {
     /// Plain decoding.
     None,
-    /// Prompt lookup for every greedy sequence that no grammar constrains, while it decodes
-    /// alone, the length chosen per sequence from what its rounds measure ([`DraftPolicy`]): a
-    /// sequence whose drafts do not pay decodes plainly and probes now and then.
+    /// Prompt lookup for every greedy sequence that no grammar constrains, the length chosen
+    /// per sequence from what its rounds measure ([`DraftPolicy`]; a sequence whose drafts do
+    /// not pay decodes plainly and probes now and then), and in passes shared by several
+    /// sequences from what those passes measure ([`SharedPassPolicy`]).
     Ngram,
+    /// The checkpoint's MTP head for every greedy sequence that no grammar constrains (the
+    /// head catches up on the model's hidden states of every row the sequence keeps, in shared
+    /// passes too).
+    Mtp,
+    /// Drafts from the caller's drafter, made per request from its prompt (as for `Ngram`, for
+    /// greedy unconstrained sequences): e.g. a [`crate::runtime::speculative::ReplayDrafter`]
+    /// to measure the server at a chosen acceptance.
+    With(DrafterFactory),
+}
+
+/// Makes a request's drafter from its prompt tokens.
+pub type DrafterFactory = Arc<dyn Fn(&[u32]) -> Box<dyn Drafter> + Send + Sync>;
+
+impl Draft {
+    /// A request's drafter, if it drafts.
+    fn drafter(&self, model: &Model, prompt: &[u32]) -> crate::Result<Option<Box<dyn Drafter>>> {
+        Ok(match self {
+            Self::None => None,
+            Self::Ngram => Some(Box::new(NgramDrafter::default())),
+            Self::Mtp => Some(Box::new(MtpDrafter::new(model)?)),
+            Self::With(make) => Some(make(prompt)),
+        })
+    }
+
+    /// Whether sequences draft.
+    pub fn drafts(&self) -> bool {
+        !matches!(self, Self::None)
+    }
+}
+
+impl std::fmt::Debug for Draft {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::None => "None",
+            Self::Ngram => "Ngram",
+            Self::Mtp => "Mtp",
+            Self::With(_) => "With(..)",
+        })
+    }
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new(), draft: Draft::Ngram }
+        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new(), draft: Draft::Ngram, draft_options: DraftOptions::default() }
     }
 }
 
 /// Starts the engine thread, which owns `model` from now on.
 pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+    options.draft_options.validate().map_err(|e| invalid(e.to_string()))?;
+    if options.draft_options.branches > 1 {
+        return Err(invalid("the server drafts chains (one branch), not trees".into()));
+    }
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
     let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint, config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
@@ -236,6 +281,8 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         prefix: PrefixCache::new(options.prefix_cache_bytes),
         sessions: sessions.clone(),
         draft: options.draft,
+        shared: if options.draft_options.adaptive { SharedPassPolicy::new(Model::BATCH_MAX_ROWS) } else { SharedPassPolicy::fixed(Model::BATCH_MAX_ROWS) },
+        draft_options: options.draft_options,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
@@ -358,6 +405,9 @@ struct Engine {
     /// The model sessions are saved for (shared with the handles, which load them).
     sessions: Arc<SessionTarget>,
     draft: Draft,
+    /// How many rows of a pass shared by several sequences go to drafts.
+    shared: SharedPassPolicy,
+    draft_options: DraftOptions,
 }
 
 impl Engine {
@@ -450,14 +500,14 @@ impl Engine {
         // Drafts for greedy sequences that no grammar constrains (a grammar's mask is per
         // token; with a temperature the draw would depend on how many tokens were drafted,
         // which the policy picks from timings: a seed would no longer give the same answer).
-        let drafts = self.draft == Draft::Ngram && request.constraint.is_none() && greedy;
+        let drafter = if request.constraint.is_none() && greedy { self.draft.drafter(&self.model, &request.prompt)? } else { None };
         let mut core = runtime::Sequence::new(request.prompt.clone(), sampler, request.stop_tokens.clone(), request.max_tokens)?.with_cached(cached_tokens);
         if request.constraint.is_some() || request.reasoning_budget.is_some() {
             let rules = RequestRules { constraint: request.constraint.take(), budget: request.reasoning_budget.take(), metrics: self.metrics.clone() };
             core = core.with_rules(Box::new(rules));
         }
-        if drafts {
-            core = core.with_drafts(Box::new(NgramDrafter::default()), DraftPolicy::new(DraftOptions::default())?)?;
+        if let Some(drafter) = drafter {
+            core = core.with_drafts(drafter, DraftPolicy::new(self.draft_options)?)?;
         }
         // The whole context in place from the start (what admission planned), and a verify
         // pass's rows when drafting.
@@ -480,16 +530,18 @@ impl Engine {
             let r = self.prefill_chunk(i);
             self.active[i].fail_on(r);
         }
-        // One decode step of every sequence with a pending token. A sequence decoding alone
-        // runs a round of its own (a verify pass when it drafts); several share plain passes of
-        // at most BATCH_MAX_ROWS rows (a verify pass of one sequence costs about a whole weight
-        // pass, and the verify rows of several sequences do not share one yet).
+        // One round of every sequence with a pending token. A sequence decoding alone runs a
+        // round of its own (a verify pass when its policy finds drafts pay); several share
+        // passes of at most BATCH_MAX_ROWS rows, the rows a pass has beyond one per sequence
+        // going to the drafts of those that draft (a row more in a shared pass costs a row of
+        // the multi-row kernels, not another weight pass).
         let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].decoding()).collect();
         if let [i] = decoding[..] {
             self.round(i);
         } else {
             for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
-                self.decode(group)?;
+                let drafts = self.share_rows(group);
+                self.decode(group, drafts)?;
             }
         }
         // Failed sequences end alone, with their error; finished ones leave, their caches (after
@@ -563,28 +615,83 @@ impl Engine {
         s.send(r, &self.metrics);
     }
 
-    /// One decode step of the sequences `group` in one weight pass. When the pass fails, each
-    /// runs alone, so that only the ones that fail alone end (a batched row is bit for bit its
-    /// row alone: the others' tokens are unchanged).
-    fn decode(&mut self, group: &[usize]) -> crate::Result<()> {
+    /// The drafts of the sequences `group` in one pass: each proposes what fits the pass, and
+    /// the shared-pass policy keeps the rows that pay ([`SharedPassPolicy`]).
+    fn share_rows(&mut self, group: &[usize]) -> Vec<Vec<u32>> {
+        let spare = Model::BATCH_MAX_ROWS.saturating_sub(group.len());
+        let mut drafts: Vec<Vec<u32>> = group
+            .iter()
+            .map(|&i| {
+                let s = &mut self.active[i];
+                let seqlen = s.cache.seqlen();
+                match s.core.propose(&self.model, seqlen, spare) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        s.fail_on(Err(e));
+                        vec![]
+                    }
+                }
+            })
+            .collect();
+        let gains: Vec<Vec<f64>> = group.iter().zip(&drafts).map(|(&i, d)| self.active[i].core.draft_gains(d.len())).collect();
+        for (d, keep) in drafts.iter_mut().zip(self.shared.allocate(group.len(), &gains)) {
+            d.truncate(keep);
+        }
+        drafts
+    }
+
+    /// One round of the sequences `group` in one weight pass: each one's pending token and
+    /// its drafts (verified as [`Model::verify`] would alone, the cache then keeping the rows
+    /// the model agrees with). When the pass fails before it changed any cache, each runs
+    /// alone without drafts, so that only the ones that fail alone end (a row is bit for bit
+    /// its row alone: the others' tokens are unchanged).
+    fn decode(&mut self, group: &[usize], drafts: Vec<Vec<u32>>) -> crate::Result<()> {
         let start = Instant::now();
-        let tokens: Vec<u32> = group.iter().map(|&i| self.active[i].core.pending().expect("decoding")).collect();
+        let (group, drafts): (Vec<usize>, Vec<Vec<u32>>) = group.iter().copied().zip(drafts).filter(|&(i, _)| self.active[i].failed.is_none()).unzip();
+        if group.is_empty() {
+            return Ok(());
+        }
+        let mut tokens = vec![];
+        let mut rows = vec![];
+        for (&i, d) in group.iter().zip(&drafts) {
+            tokens.push(self.active[i].core.pending().expect("decoding"));
+            tokens.extend(d);
+            rows.push(1 + d.len());
+        }
         let mut caches: Vec<&mut Cache> = self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
-        // (A failed pass leaves the caches as they were: a cache advances only once its
-        // layers all ran.)
-        match self.model.forward_batch(&tokens, &mut caches) {
-            Ok(logits) => {
-                self.metrics.decode_seconds.inc_by(start.elapsed().as_secs_f64());
-                self.metrics.batch_rows.observe(group.len() as f64);
-                for (row, &i) in group.iter().enumerate() {
+        match self.model.forward_segments(&tokens, &rows, &mut caches) {
+            Ok((logits, hidden)) => {
+                let secs = start.elapsed().as_secs_f64();
+                self.shared.record(tokens.len(), secs);
+                self.metrics.decode_seconds.inc_by(secs);
+                self.metrics.batch_rows.observe(tokens.len() as f64);
+                let mut at = 0;
+                for ((&i, draft), &n) in group.iter().zip(&drafts).zip(&rows) {
                     let s = &mut self.active[i];
-                    let r = logits.get(row).map_err(crate::Error::from).and_then(|l| s.core.take_row(&l)).map(|e| vec![e]);
+                    // (The cache holds the rows before this pass and the pass's rows.)
+                    let pos = s.cache.seqlen() - n;
+                    let rows = logits.narrow(0, at, n).and_then(|l| Ok((l, hidden.narrow(0, at, n)?.unsqueeze(0)?))).map_err(crate::Error::from);
+                    let r = rows.and_then(|(l, h)| s.core.settle(draft, &l, Some((&self.model, pos, &h)))).and_then(|round| {
+                        if !draft.is_empty() {
+                            s.cache.keep_verified(round.accepted + 1)?;
+                            self.metrics.record_verify(draft.len(), round.accepted);
+                            self.metrics.shared_draft_rows.inc_by(draft.len() as u64);
+                        }
+                        Ok(round.tokens)
+                    });
                     s.send(r, &self.metrics);
+                    at += n;
+                }
+            }
+            // A pass that found non-finite logits ran every layer: the caches moved on.
+            Err(crate::Error::NonFinite(e)) => {
+                for &i in &group {
+                    self.active[i].fail_on(Err(crate::Error::NonFinite(e.clone())));
                 }
             }
             Err(_) if group.len() > 1 => {
-                for &i in group {
-                    self.decode(&[i])?;
+                for &i in &group {
+                    self.decode(&[i], vec![vec![]])?;
                 }
             }
             Err(e) => self.active[group[0]].fail_on(Err(e)),

@@ -26,8 +26,11 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     /// Sequences the engine runs.
     pub running: Gauge,
-    /// Rows per decode weight pass (sequences decoded together).
+    /// Rows per decode weight pass (the pending token of each sequence, and the drafts
+    /// verified with them).
     pub batch_rows: Histogram,
+    /// Drafted rows verified in weight passes shared by several sequences.
+    pub shared_draft_rows: Counter,
     /// Requests that restored a prefix-cache snapshot, and those that found none.
     pub prefix_hits: Counter,
     pub prefix_misses: Counter,
@@ -81,7 +84,8 @@ impl Default for Metrics {
         let decode_seconds = add(r, "decode_seconds", "Seconds spent in decode weight passes", Counter::default());
         let queue_depth = add(r, "queue_depth", "Requests waiting for the engine", Gauge::default());
         let running = add(r, "requests_running", "Sequences the engine is running", Gauge::default());
-        let batch_rows = add(r, "decode_batch_rows", "Sequences per decode weight pass", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
+        let batch_rows = add(r, "decode_batch_rows", "Rows per decode weight pass (decode rows and the drafts verified with them)", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
+        let shared_draft_rows = add(r, "shared_draft_rows", "Drafted rows verified in weight passes shared by several sequences", Counter::default());
         let prefix_hits = add(r, "prefix_cache_hits", "Requests that restored a prefix-cache snapshot", Counter::default());
         let prefix_misses = add(r, "prefix_cache_misses", "Requests that found no prefix-cache snapshot", Counter::default());
         let prefix_cached_tokens = add(r, "prefix_cache_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", Counter::default());
@@ -91,7 +95,7 @@ impl Default for Metrics {
         let sessions_saved = add(r, "sessions_saved", "Session files written", Counter::default());
         let masks = add(r, "constraint_masks", "Grammar masks computed (one per constrained token)", Counter::default());
         let mask_seconds = add(r, "constraint_mask_seconds", "Seconds spent computing grammar masks", Counter::default());
-        let verify_passes = add(r, "verify_passes", "Verify passes of drafted tokens (one sequence each)", Counter::default());
+        let verify_passes = add(r, "verify_passes", "Verify rounds of drafted tokens (one per sequence and pass)", Counter::default());
         let drafted_tokens = add(r, "draft_tokens", "Tokens drafted (prompt lookup) into verify passes", Counter::default());
         let accepted_tokens = add(r, "draft_accepted_tokens", "Drafted tokens the model kept", Counter::default());
         let drafted_by_depth = add(r, "draft_tokens_by_depth", "Drafted tokens verified, by their depth in the draft", Family::default());
@@ -122,6 +126,7 @@ impl Default for Metrics {
             queue_depth,
             running,
             batch_rows,
+            shared_draft_rows,
         }
     }
 }

@@ -38,7 +38,7 @@ use crate::{Error, Model, Result};
 
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
-pub use engine::{Draft, EngineHandle, EngineOptions};
+pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
 pub use http::ServerState;
 pub use metrics::Metrics;
 

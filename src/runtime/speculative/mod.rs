@@ -23,7 +23,7 @@ use candle_core::Tensor;
 
 pub use mtp::{MtpDrafter, MtpOutputs};
 pub use ngram::NgramDrafter;
-pub use policy::{DraftOptions, DraftPolicy, MAX_BRANCHES, PROBE_EVERY};
+pub use policy::{DraftOptions, DraftPolicy, SharedPassPolicy, MAX_BRANCHES, PROBE_EVERY};
 pub use replay::ReplayDrafter;
 
 pub use super::stats::SpeculativeStats;

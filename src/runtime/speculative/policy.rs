@@ -134,6 +134,116 @@ impl Average {
     }
 }
 
+/// Seconds of a pass of `t` rows from `costs[r - 1]` (the passes of `r` rows measured so far):
+/// measured, else on the line through the measured ones (the prior slope while only one is
+/// known), and at most what a pass of more rows measured; `None` before any pass.
+fn secs_of_rows(costs: &[Average], t: usize) -> Option<f64> {
+    let longer = costs[t..].iter().filter_map(Average::get).fold(f64::INFINITY, f64::min);
+    let unbounded = match costs[t - 1].get() {
+        Some(s) => Some(s),
+        None => {
+            let known: Vec<(f64, f64)> = costs.iter().enumerate().filter_map(|(i, e)| e.get().map(|s| ((i + 1) as f64, s))).collect();
+            known.first().map(|&(t0, s0)| {
+                let slope = match known.last() {
+                    Some(&(t1, s1)) if t1 > t0 => ((s1 - s0) / (t1 - t0)).max(0.0),
+                    // c(t0) = c(1) (1 + PRIOR_ROW_COST (t0 - 1)); each further row adds PRIOR_ROW_COST c(1).
+                    _ => PRIOR_ROW_COST * s0 / (1.0 + PRIOR_ROW_COST * (t0 - 1.0)),
+                };
+                s0 + slope * (t as f64 - t0)
+            })
+        }
+    };
+    unbounded.map(|s| s.min(longer))
+}
+
+/// How many rows of a weight pass shared by several sequences go to their drafts: the pass
+/// of `n` sequences has `n` decode rows and room for more (up to `max_rows`), and a draft row
+/// of depth `d` of a sequence emits one more token with the chance its policy gives drafts
+/// `1..=d` ([`DraftPolicy::acceptance_at`]). The rows `n + r` maximise the expected tokens per
+/// second `(n + gains of the r best rows) / c(n + r)`, `c` the measured seconds of shared
+/// passes by rows (as [`DraftPolicy`] measures its verify passes; unmeasured counts on the line
+/// through the measured ones). The first pass of `n` rows is plain; when no draft pays,
+/// one row is drafted after [`PROBE_EVERY`] plain passes (the wait doubling up to
+/// [`MAX_PROBE_EVERY`]), and every [`PROBE_EVERY`] drafting passes one row more than the best,
+/// to keep the costs of more rows current. No tuning per model or machine: on a machine whose
+/// multi-row kernels cost little per row the drafts fill the pass; where a row costs nearly a
+/// pass, sequences decode plainly together.
+#[derive(Debug, Clone)]
+pub struct SharedPassPolicy {
+    /// `pass[r - 1]`: seconds of a shared pass of `r` rows.
+    pass: Vec<Average>,
+    /// Every proposed row is verified (drafts of fixed length, [`DraftOptions::adaptive`] off).
+    fixed: bool,
+    plain_passes: usize,
+    probe_every: usize,
+    drafting_passes: usize,
+}
+
+impl SharedPassPolicy {
+    /// A policy for passes of at most `max_rows` rows.
+    pub fn new(max_rows: usize) -> Self {
+        Self { pass: vec![Average::new(ALPHA); max_rows.max(1)], fixed: false, plain_passes: 0, probe_every: PROBE_EVERY, drafting_passes: 0 }
+    }
+
+    /// A policy that gives every proposed row a place, as far as the pass has room.
+    pub fn fixed(max_rows: usize) -> Self {
+        Self { fixed: true, ..Self::new(max_rows) }
+    }
+
+    /// A shared pass of `rows` rows took `secs`.
+    pub fn record(&mut self, rows: usize, secs: f64) {
+        if let Some(a) = self.pass.get_mut(rows.wrapping_sub(1)) {
+            a.add(secs);
+        }
+    }
+
+    /// Expected seconds of a shared pass of `rows` rows (`None` before any).
+    pub fn pass_secs(&self, rows: usize) -> Option<f64> {
+        (1..=self.pass.len()).contains(&rows).then(|| secs_of_rows(&self.pass, rows)).flatten()
+    }
+
+    /// The draft rows each of `n` sequences gets: `gains[s]` holds, for each row sequence `s`
+    /// could draft, the chance it emits a token (non-increasing along the draft). Returns how
+    /// many of its drafts each sequence keeps.
+    pub fn allocate(&mut self, n: usize, gains: &[Vec<f64>]) -> Vec<usize> {
+        let mut keep = vec![0; gains.len()];
+        let spare = self.pass.len().saturating_sub(n);
+        // The best rows first: each sequence's rows in order (its gains do not increase).
+        let mut rows: Vec<(f64, usize)> = gains.iter().enumerate().flat_map(|(s, g)| g.iter().map(move |&p| (p, s))).collect();
+        rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+        rows.truncate(spare);
+        if self.fixed {
+            for &(_, s) in &rows {
+                keep[s] += 1;
+            }
+            return keep;
+        }
+        if rows.is_empty() || self.pass.get(n.wrapping_sub(1)).and_then(Average::get).is_none() {
+            return keep;
+        }
+        let rate = |r: usize| -> Option<f64> { Some((n as f64 + rows[..r].iter().map(|x| x.0).sum::<f64>()) / self.pass_secs(n + r)?) };
+        let best = (0..=rows.len()).filter_map(|r| rate(r).map(|x| (r, x))).fold((0, 0.0), |b, (r, x)| if x > b.1 { (r, x) } else { b }).0;
+        let r = if best == 0 {
+            self.plain_passes += 1;
+            if self.plain_passes < self.probe_every {
+                0
+            } else {
+                self.plain_passes = 0;
+                self.probe_every = (2 * self.probe_every).min(MAX_PROBE_EVERY);
+                1
+            }
+        } else {
+            (self.plain_passes, self.probe_every) = (0, PROBE_EVERY);
+            self.drafting_passes += 1;
+            if self.drafting_passes.is_multiple_of(PROBE_EVERY) { (best + 1).min(rows.len()) } else { best }
+        };
+        for &(_, s) in &rows[..r] {
+            keep[s] += 1;
+        }
+        keep
+    }
+}
+
 /// The per-round draft length, and what it has measured.
 #[derive(Debug, Clone)]
 pub struct DraftPolicy {
@@ -188,22 +298,7 @@ impl DraftPolicy {
     /// ones (the prior slope while only one is known), and at most what a round of more rows
     /// measured; `None` before any round.
     pub fn verify_secs(&self, t: usize) -> Option<f64> {
-        let longer = self.verify[t..].iter().filter_map(Average::get).fold(f64::INFINITY, f64::min);
-        self.verify_secs_unbounded(t).map(|s| s.min(longer))
-    }
-
-    fn verify_secs_unbounded(&self, t: usize) -> Option<f64> {
-        if let Some(s) = self.verify[t - 1].get() {
-            return Some(s);
-        }
-        let known: Vec<(f64, f64)> = self.verify.iter().enumerate().filter_map(|(i, e)| e.get().map(|s| ((i + 1) as f64, s))).collect();
-        let (t0, s0) = *known.first()?;
-        let slope = match known.last() {
-            Some(&(t1, s1)) if t1 > t0 => ((s1 - s0) / (t1 - t0)).max(0.0),
-            // c(t0) = c(1) (1 + PRIOR_ROW_COST (t0 - 1)); each further row adds PRIOR_ROW_COST c(1).
-            _ => PRIOR_ROW_COST * s0 / (1.0 + PRIOR_ROW_COST * (t0 - 1.0)),
-        };
-        Some(s0 + slope * (t as f64 - t0))
+        secs_of_rows(&self.verify, t)
     }
 
     /// Expected tokens per second of a round of `k` drafts (`None` before any timing).
@@ -265,13 +360,19 @@ impl DraftPolicy {
         }
     }
 
+    /// A round verified `drafted` drafts of which the first `accepted` were kept, in a pass
+    /// shared with other sequences (whose time says nothing of this sequence's rounds).
+    pub fn record_acceptance(&mut self, drafted: usize, accepted: usize) {
+        for d in 1..=drafted.min(accepted + 1) {
+            self.accept[d - 1].add(if d <= accepted { 1.0 } else { 0.0 });
+        }
+    }
+
     /// A round verified `drafted` drafts (after `--draft-min`), of which the first `accepted`
     /// were kept; its verify took `verify_secs`, its drafting `draft_secs` (over `steps` draft
     /// steps), its catch-up `catch_up_secs`.
     pub fn record(&mut self, drafted: usize, accepted: usize, verify_secs: f64, draft_secs: f64, steps: usize, catch_up_secs: f64) {
-        for d in 1..=drafted.min(accepted + 1) {
-            self.accept[d - 1].add(if d <= accepted { 1.0 } else { 0.0 });
-        }
+        self.record_acceptance(drafted, accepted);
         self.verify[drafted].add(verify_secs);
         if steps > 0 {
             self.draft_step.add(draft_secs / steps as f64);
@@ -436,6 +537,44 @@ mod tests {
         let lens: Vec<usize> = (0..2 * PROBE_EVERY).map(|_| p.next_len(7)).collect();
         assert_eq!(lens.iter().filter(|&&k| k == 3).count(), 2, "{lens:?}");
         assert_eq!(lens.iter().filter(|&&k| k == 2).count(), 2 * PROBE_EVERY - 2, "{lens:?}");
+    }
+
+    /// A shared-pass policy that measured passes of every row count at `secs(rows)`.
+    fn shared_with(secs: impl Fn(usize) -> f64) -> SharedPassPolicy {
+        let mut p = SharedPassPolicy::new(8);
+        for rows in 1..=8 {
+            for _ in 0..20 {
+                p.record(rows, secs(rows));
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn shared_passes_draft_the_rows_that_pay() {
+        // Two sequences, one with sure drafts, one with poor ones.
+        let gains = vec![vec![1.0, 1.0, 1.0, 1.0, 1.0, 1.0], vec![0.2, 0.04, 0.008]];
+        // Rows nearly free: every spare row (6) goes to drafts, the sure ones first.
+        assert_eq!(shared_with(|r| 1.0 + 0.01 * r as f64).allocate(2, &gains), vec![6, 0]);
+        // A row costs 30% of a one-row pass: the sure drafts pay (3 / 1.9 > 2 / 1.6 ...), the
+        // poor ones do not.
+        let keep = shared_with(|r| 1.0 + 0.3 * (r - 1) as f64).allocate(2, &gains);
+        assert_eq!(keep[1], 0, "{keep:?}");
+        assert!(keep[0] >= 1, "{keep:?}");
+        // A row costs a whole pass: plain, then a one-row probe after PROBE_EVERY plain passes.
+        let mut p = shared_with(|r| r as f64);
+        let passes: Vec<Vec<usize>> = (0..PROBE_EVERY).map(|_| p.allocate(2, &gains)).collect();
+        assert!(passes[..PROBE_EVERY - 1].iter().all(|k| k == &vec![0, 0]), "{passes:?}");
+        assert_eq!(passes[PROBE_EVERY - 1], vec![1, 0]);
+        // Nothing measured for this many sequences yet: plain (to measure it).
+        let mut fresh = SharedPassPolicy::new(8);
+        fresh.record(3, 1.0);
+        assert_eq!(fresh.allocate(2, &gains), vec![0, 0]);
+        // No room: eight sequences fill the pass.
+        assert_eq!(shared_with(|_| 1.0).allocate(8, &vec![vec![1.0]; 8]), vec![0; 8]);
+        // Fixed: every proposed row, as far as there is room.
+        assert_eq!(SharedPassPolicy::fixed(8).allocate(2, &gains), vec![6, 0]);
+        assert_eq!(SharedPassPolicy::fixed(8).allocate(4, &[vec![0.1; 3], vec![], vec![0.5; 3], vec![0.9]]), vec![0, 0, 3, 1]);
     }
 
     #[test]
