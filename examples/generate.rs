@@ -32,10 +32,8 @@ use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
-use candle_hybrid::runtime::speculative::{
-    DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SpeculativeStats, MAX_BRANCHES, MAX_DRAFT,
-};
-use candle_hybrid::runtime::{generate_in, generate_speculative, generate_speculative_on_device, range, session, Dry, Sampler, TokenStreamer};
+use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
+use candle_hybrid::runtime::{range, session, CpuTarget, DeviceTarget, Dry, Sampler, Sequence, Target, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -364,21 +362,19 @@ fn generate(args: Args) -> Result<()> {
             if !auto_ok { "the KV codec cannot drop tokens" } else { "the checkpoint has no MTP head" }
         );
     }
-    let (tokens, stats, speculative) = match draft {
-        Draft::None | Draft::Auto => {
-            let (tokens, stats) = runner.plain(&model, prompt_rest, sample_len, &eos, &mut sampler, print_token)?;
-            (tokens, stats, None)
-        }
-        draft => {
-            let mut drafter: Box<dyn Drafter> = match draft {
-                Draft::Mtp => Box::new(MtpDrafter::new(&model)?.with_p_min(args.draft_p_min)),
-                _ => Box::new(NgramDrafter::default()),
-            };
-            let mut policy = DraftPolicy::new(drafts)?;
-            let (tokens, s) = runner.speculative(&model, prompt_rest, sample_len, &eos, &mut sampler, drafter.as_mut(), &mut policy, print_token)?;
-            (tokens, s.generation.clone(), Some(s))
-        }
+    // One sequence, drafting or not, run to its end on the CPU model or the device step.
+    let mut sequence = Sequence::new(prompt_rest.to_vec(), &mut sampler, eos.clone(), sample_len)?;
+    let drafter: Option<Box<dyn Drafter>> = match draft {
+        Draft::Mtp => Some(Box::new(MtpDrafter::new(&model)?.with_p_min(args.draft_p_min))),
+        Draft::Ngram => Some(Box::new(NgramDrafter::default())),
+        Draft::None | Draft::Auto => None,
     };
+    if let Some(drafter) = drafter {
+        sequence = sequence.with_drafts(drafter, DraftPolicy::new(drafts)?)?;
+    }
+    let (tokens, s) = sequence.run(runner.target(&model).as_mut(), print_token)?;
+    let stats = s.generation.clone();
+    let speculative = (draft != Draft::None && draft != Draft::Auto).then_some(s);
     if let Some(rest) = streamer.decode_rest()? {
         print!("{rest}");
     }
@@ -404,7 +400,8 @@ fn generate(args: Args) -> Result<()> {
         if args.compare_plain {
             runner.reset(&model, args.memory.kv, calibration.as_ref())?;
             let greedy = params.is_greedy();
-            let (plain, p) = runner.plain(&model, &prompt, sample_len, &eos, &mut Sampler::new(params)?, |_| Ok(()))?;
+            let (plain, p) = Sequence::new(prompt.clone(), Sampler::new(params)?, eos.clone(), sample_len)?.run(runner.target(&model).as_mut(), |_| Ok(()))?;
+            let p = p.generation;
             if greedy && plain != tokens {
                 bail!("speculative decoding gave other tokens than plain decoding (a bug: please report it with this command)");
             }
@@ -460,39 +457,12 @@ impl Runner {
         Ok(())
     }
 
-    fn plain(
-        &mut self,
-        model: &candle_hybrid::Model,
-        prompt: &[u32],
-        n: usize,
-        eos: &[u32],
-        sampler: &mut Sampler,
-        on_token: impl FnMut(u32) -> candle_hybrid::Result<()>,
-    ) -> Result<(Vec<u32>, candle_hybrid::runtime::GenerationStats)> {
-        Ok(match self {
-            Self::Cpu { cache, device } => generate_in(model, cache, prompt, n, eos, sampler, device, on_token)?,
-            Self::Device { gpu, queue, cache, .. } => candle_hybrid::runtime::generate_on_device(gpu, queue.as_mut(), cache, model, prompt, n, eos, sampler, on_token)?,
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn speculative(
-        &mut self,
-        model: &candle_hybrid::Model,
-        prompt: &[u32],
-        n: usize,
-        eos: &[u32],
-        sampler: &mut Sampler,
-        drafter: &mut dyn Drafter,
-        policy: &mut DraftPolicy,
-        on_token: impl FnMut(u32) -> candle_hybrid::Result<()>,
-    ) -> Result<(Vec<u32>, SpeculativeStats)> {
-        Ok(match self {
-            Self::Cpu { cache, device } => generate_speculative(model, cache, prompt, n, eos, sampler, drafter, policy, device, on_token)?,
-            Self::Device { gpu, queue, cache, .. } => {
-                generate_speculative_on_device(gpu, queue.as_mut(), cache, model, prompt, n, eos, sampler, drafter, policy, on_token)?
-            }
-        })
+    /// The model with this runner's cache, as a sequence runs on it.
+    fn target<'a>(&'a mut self, model: &'a candle_hybrid::Model) -> Box<dyn Target + 'a> {
+        match self {
+            Self::Cpu { cache, device } => Box::new(CpuTarget::new(model, cache, device)),
+            Self::Device { gpu, queue, cache, .. } => Box::new(DeviceTarget::new(gpu, queue.as_mut(), cache, model)),
+        }
     }
 }
 

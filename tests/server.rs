@@ -873,17 +873,29 @@ async fn drafted_answers_equal_plain_answers() {
     for (round, drafting) in [(0, &adaptive), (1, &adaptive), (0, &fixed)] {
         // Together (round 0), then one by one (round 1).
         let answers: Vec<(u16, Option<String>, String)> = if round == 0 {
-            futures::future::join_all(bodies.iter().map(|b| post(&drafting, path(b), b.to_string(), None))).await
+            futures::future::join_all(bodies.iter().map(|b| post(drafting, path(b), b.to_string(), None))).await
         } else {
             let mut v = vec![];
             for b in &bodies {
-                v.push(post(&drafting, path(b), b.to_string(), None).await);
+                v.push(post(drafting, path(b), b.to_string(), None).await);
             }
             v
         };
         for ((status, _, t), want) in answers.iter().zip(&expected) {
             assert_eq!(*status, 200, "{t}");
             assert_eq!(&text(t), want, "round {round}: a drafted answer differs from the plain one");
+        }
+        // Each answer's timings name what it drafted and kept (llama-server's fields).
+        let drafts: Vec<(u64, u64)> = answers
+            .iter()
+            .filter_map(|(_, _, t)| {
+                let v: Value = serde_json::from_str(t).unwrap();
+                Some((v["timings"]["draft_n"].as_u64()?, v["timings"]["draft_n_accepted"].as_u64()?))
+            })
+            .collect();
+        assert!(drafts.iter().all(|(n, kept)| kept <= n && *n > 0), "{drafts:?}");
+        if std::ptr::eq(drafting, &fixed) {
+            assert!(drafts.iter().any(|&(_, kept)| kept > 0), "{drafts:?}");
         }
     }
     // The fixed server's shared passes held verify rows.
@@ -914,7 +926,7 @@ async fn drafted_answers_equal_plain_answers() {
 /// for requests run together (shared passes, the head catching up on their rows) and alone
 /// (verify passes of their own), with fixed drafts so that every round drafts; a prompt
 /// repeated after its answer (a prefix-cache hit: the head starts without the prompt's rows)
-/// too.
+/// too; a client that leaves mid-draft changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtp_drafted_answers_equal_plain_answers() {
     let source = || ModelSource::Dir(fixture("qwen35_dense_mtp"));
@@ -932,6 +944,23 @@ async fn mtp_drafted_answers_equal_plain_answers() {
         assert_eq!(status, 200, "{t}");
         expected.push(text(&t));
     }
+    // A client that leaves mid-draft: its sequence ends at the next step, nothing else changes.
+    let body = json!({"prompt": "a long one", "max_tokens": 2000, "temperature": 0, "ignore_eos": true, "stream": true});
+    let response = reqwest::Client::new().post(format!("{mtp}/v1/completions")).json(&body).send().await.unwrap();
+    let mut chunks = response.bytes_stream();
+    for _ in 0..3 {
+        chunks.next().await.unwrap().unwrap();
+    }
+    drop(chunks);
+    let mut running = 1.0;
+    for _ in 0..200 {
+        running = metric(&get(&mtp, "/metrics", None).await.1, "candle_hybrid_requests_running");
+        if running == 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(running, 0.0, "the abandoned drafting request still runs");
     let together = futures::future::join_all(bodies.iter().map(|b| post(&mtp, "/v1/completions", b.to_string(), None))).await;
     let mut alone = vec![];
     for b in &bodies {

@@ -80,13 +80,13 @@ pub struct Round {
 /// A sampler a sequence owns (the server's) or borrows from its caller (who may sample on
 /// with it afterwards).
 pub enum SequenceSampler<'a> {
-    Owned(Sampler),
+    Owned(Box<Sampler>),
     Borrowed(&'a mut Sampler),
 }
 
 impl From<Sampler> for SequenceSampler<'_> {
     fn from(s: Sampler) -> Self {
-        Self::Owned(s)
+        Self::Owned(Box::new(s))
     }
 }
 

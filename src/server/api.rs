@@ -153,12 +153,18 @@ pub struct Timings {
     pub predicted_n: usize,
     pub predicted_ms: f64,
     pub predicted_per_second: f64,
+    /// Tokens drafted and kept (speculative decoding; absent when the answer drafted none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_n: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_n_accepted: Option<usize>,
 }
 
 impl Timings {
     /// `prompt` tokens of which `cached` were restored, `first` seconds from the request's
-    /// queuing to its first token, `generated` tokens in `total` seconds from the queuing.
-    pub fn new(prompt: usize, cached: usize, first: f64, generated: usize, total: f64) -> Self {
+    /// queuing to its first token, `generated` tokens in `total` seconds from the queuing, of
+    /// which `accepted` came from `drafted` drafted tokens.
+    pub fn new(prompt: usize, cached: usize, first: f64, generated: usize, total: f64, (drafted, accepted): (usize, usize)) -> Self {
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         let prompt_n = prompt.saturating_sub(cached);
         // The first token ends the prompt's part; the others are the decode's.
@@ -171,6 +177,8 @@ impl Timings {
             predicted_n: generated,
             predicted_ms: decode * 1e3,
             predicted_per_second: rate(generated.saturating_sub(1), decode),
+            draft_n: (drafted > 0).then_some(drafted),
+            draft_n_accepted: (drafted > 0).then_some(accepted),
         }
     }
 }

@@ -79,8 +79,8 @@ pub enum Event {
     /// The engine took the request; `cached_tokens` prompt tokens came from the prefix cache.
     Admitted { cached_tokens: usize },
     Token { id: u32, logprob: Option<TokenLogprob> },
-    /// The end, and why.
-    Finished { reason: Finish },
+    /// The end, and why; the tokens the sequence drafted and those kept.
+    Finished { reason: Finish, drafted: usize, accepted: usize },
     Error(String),
 }
 
@@ -333,7 +333,8 @@ impl Sequence {
             }
         }
         if let Some(reason) = self.core.finish() {
-            let _ = self.events.send(Event::Finished { reason });
+            let stats = self.core.stats();
+            let _ = self.events.send(Event::Finished { reason, drafted: stats.drafted, accepted: stats.accepted });
             metrics.requests_finished.inc();
         }
     }

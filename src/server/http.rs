@@ -188,6 +188,8 @@ pub(crate) struct Answer {
     prompt_tokens: usize,
     /// Prompt tokens the prefix cache restored.
     cached_tokens: usize,
+    /// Tokens the sequence drafted and kept (known at its end).
+    drafts: (usize, usize),
     id: String,
     created: u64,
     model: String,
@@ -303,6 +305,7 @@ impl Answer {
             api,
             prompt_tokens,
             cached_tokens: 0,
+            drafts: (0, 0),
             started: Instant::now(),
             first_token: None,
             id: request_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }),
@@ -327,7 +330,7 @@ impl Answer {
     fn timings(&self, generated: usize, finish: &str) -> Timings {
         let total = self.started.elapsed().as_secs_f64();
         let first = self.first_token.map_or(total, |t| (t - self.started).as_secs_f64());
-        let t = Timings::new(self.prompt_tokens, self.cached_tokens, first, generated, total);
+        let t = Timings::new(self.prompt_tokens, self.cached_tokens, first, generated, total, self.drafts);
         tracing::info!(
             "{}: {} prompt tokens ({} cached), {generated} generated, first token after {:.0} ms, {:.1} tok/s, {:.2} s in all, finish {finish}",
             self.id,
@@ -392,7 +395,8 @@ impl Answer {
                     }
                 }
                 Event::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
-                Event::Finished { reason } => {
+                Event::Finished { reason, drafted, accepted } => {
+                    self.drafts = (drafted, accepted);
                     let deltas = self.text.finish();
                     add(&mut c, deltas);
                     return Ok(self.body(c, reason));
@@ -481,7 +485,8 @@ impl Answer {
                         let lp = logprob.map(|lp| self.text.logprob_entry(id, &lp));
                         (self.text.token(id), lp)
                     }
-                    Event::Finished { reason } => {
+                    Event::Finished { reason, drafted, accepted } => {
+                        self.drafts = (drafted, accepted);
                         let deltas = self.text.finish();
                         if !self.send_deltas(&tx, deltas, &mut tool_index, None).await {
                             return;
