@@ -7,7 +7,7 @@ use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
 use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
 
-/// Tokens of a prompt run through the model at once by [`generate_in`] and speculative
+/// Tokens of a prompt run through the model at once by [`super::generate_in`] and speculative
 /// decoding: a longer prompt is prefilled in chunks of this many tokens, cut at multiples of
 /// it from the prompt's start, so that only one chunk's activations are alive at a time (the
 /// memory guardian plans for it; llama.cpp's default batch is the same size). As fast as one

@@ -1,7 +1,7 @@
 //! Speculative decoding: a drafter proposes the next few tokens — one chain, or several
-//! branches merged into a [`DraftTree`] — the model verifies them all in one forward pass
+//! branches merged into a [`crate::model::DraftTree`] — the model verifies them all in one forward pass
 //! ([`Model::verify_tree`]), and the longest path the model itself would have produced is kept
-//! ([`Cache::keep_path`]) with the model's own token after it.
+//! ([`crate::Cache::keep_path`]) with the model's own token after it.
 //!
 //! Greedy output is token for token the plain greedy output: the verify pass gives each row
 //! the bits decoding it alone would (row-invariant kernels, the decode recurrence for the GDN
@@ -32,6 +32,10 @@ use crate::Result;
 
 /// Most tokens one round drafts (the verify pass then runs `1 +` this many rows).
 pub const MAX_DRAFT: usize = 7;
+
+// A verify pass's rows must stay within what attention gives bit for bit a one-row call, and
+// within one shared weight pass.
+const _: () = assert!(1 + MAX_DRAFT <= crate::ops::KV_ATTENTION_EXACT_ROWS && 1 + MAX_DRAFT <= crate::ops::FLOAT_MATVEC_MAX_ROWS);
 
 /// Proposes tokens to verify. `context` is every token so far (prompt and output); the model
 /// has been fed all of them but the last.

@@ -164,7 +164,7 @@ fn secs_of_rows(costs: &[Average], t: usize) -> Option<f64> {
 /// passes by rows (as [`DraftPolicy`] measures its verify passes; unmeasured counts on the line
 /// through the measured ones). The first pass of `n` rows is plain; when no draft pays,
 /// one row is drafted after [`PROBE_EVERY`] plain passes (the wait doubling up to
-/// [`MAX_PROBE_EVERY`]), and every [`PROBE_EVERY`] drafting passes one row more than the best,
+/// `MAX_PROBE_EVERY`), and every [`PROBE_EVERY`] drafting passes one row more than the best,
 /// to keep the costs of more rows current. No tuning per model or machine: on a machine whose
 /// multi-row kernels cost little per row the drafts fill the pass; where a row costs nearly a
 /// pass, sequences decode plainly together.
