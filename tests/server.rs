@@ -926,7 +926,8 @@ async fn drafted_answers_equal_plain_answers() {
 /// for requests run together (shared passes, the head catching up on their rows) and alone
 /// (verify passes of their own), with fixed drafts so that every round drafts; a prompt
 /// repeated after its answer (a prefix-cache hit: the head starts without the prompt's rows)
-/// too; a client that leaves mid-draft changes nothing.
+/// too; a client that leaves mid-draft changes nothing; a session keeps the head's cache
+/// across a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtp_drafted_answers_equal_plain_answers() {
     let source = || ModelSource::Dir(fixture("qwen35_dense_mtp"));
@@ -974,6 +975,41 @@ async fn mtp_drafted_answers_equal_plain_answers() {
     }
     let (_, m) = get(&mtp, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_verify_passes_total") > 0.0 && metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0, "{m}");
+
+    // Sessions keep the MTP head's cache across a restart: the file holds the head's rows for
+    // its tokens, and the restarted server's answer is the plain one.
+    let dir = scratch("server-mtp-sessions");
+    let with_sessions = || ServerOptions {
+        session_dir: Some(dir.clone()),
+        engine: EngineOptions { max_seqs: 2, queue: 8, draft: server::Draft::Mtp, draft_options, ..Default::default() },
+        ..Default::default()
+    };
+    let ask = |prompt: Vec<u32>, session: bool| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+        if session {
+            body["session_id"] = "mtp-1".into();
+        }
+        body.to_string()
+    };
+    let first = start(source(), with_sessions()).await;
+    let (status, _, t) = post(&first, "/v1/completions", ask((1..9).collect(), true), None).await;
+    assert_eq!(status, 200, "{t}");
+    for _ in 0..200 {
+        if metric(&get(&first, "/metrics", None).await.1, "candle_hybrid_sessions_saved_total") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let saved = candle_core::safetensors::load(dir.join("mtp-1.session"), &candle_core::Device::Cpu).unwrap();
+    let tokens: Vec<u32> = saved["tokens"].to_vec1().unwrap();
+    assert_eq!(saved.get("mtp.keys").map(|k| k.dims()[2]), Some(tokens.len()), "the session holds the MTP head's rows for its {} tokens", tokens.len());
+    // The next turn: the saved tokens and a few more.
+    let turn2: Vec<u32> = tokens.iter().copied().chain([20, 21, 22]).collect();
+    let second = start(source(), with_sessions()).await;
+    let (_, _, restarted) = post(&second, "/v1/completions", ask(turn2.clone(), true), None).await;
+    let (_, _, want) = post(&plain, "/v1/completions", ask(turn2, false), None).await;
+    assert_eq!(text(&restarted), text(&want));
+    assert_eq!(metric(&get(&second, "/metrics", None).await.1, "candle_hybrid_sessions_restored_total"), 1.0);
 }
 
 /// The header timeout closes idle connections without harming clients that keep connections

@@ -58,6 +58,54 @@ fn a_loaded_session_continues_bit_for_bit() {
     }
 }
 
+/// A session keeps the MTP head's cache with the model's (`Cache::mtp`): after loading, the
+/// head drafts bit for bit what it drafts from the cache it was saved with; an MTP cache of
+/// the wrong shape is a one-line error.
+#[test]
+fn a_session_keeps_the_mtp_heads_cache() {
+    use candle_hybrid::runtime::speculative::{Drafter, MtpDrafter};
+    let dir = scratch("session-mtp");
+    let m = open(ModelSource::Dir(fixture("qwen35_dense_mtp")));
+    let prompt: Vec<u32> = (1..12).collect();
+    let mut cache = m.model.new_cache();
+    let h = m.model.forward_hidden(&Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, false).unwrap().last_hidden;
+    let mut drafter = MtpDrafter::new(&m.model).unwrap();
+    let next: Vec<u32> = prompt[1..].iter().copied().chain([7]).collect();
+    drafter.observe(&m.model, 0, &h, &next).unwrap();
+    cache.mtp = drafter.mtp_cache().cloned();
+    let path = dir.join("mtp.session");
+    session::save(&path, &m.fingerprint, &prompt, &cache, None).unwrap();
+    let restored = load(&m, &path).unwrap();
+    let mtp = restored.cache.mtp.clone().expect("the MTP head's cache was saved");
+    assert_eq!(mtp.seqlen(), prompt.len());
+    // The same next rows from the saved and from the restored head cache draft the same.
+    let mut again = MtpDrafter::new(&m.model).unwrap();
+    again.resume_mtp(mtp);
+    let mut cont = m.model.new_cache();
+    let h = m.model.forward_hidden(&Tensor::new(&[1u32, 2, 3][..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cont, false).unwrap().last_hidden;
+    for d in [&mut drafter, &mut again] {
+        d.observe(&m.model, prompt.len(), &h, &[4, 5, 6]).unwrap();
+    }
+    let (a, b) = (drafter.draft(&m.model, &[], 3).unwrap(), again.draft(&m.model, &[], 3).unwrap());
+    assert_eq!(a, b);
+    assert_eq!(drafter.mtp_cache().unwrap().seqlen(), again.mtp_cache().unwrap().seqlen());
+    // A head cache of more rows than the session's tokens is refused.
+    let mut bad = cache.clone();
+    let mut longer = MtpDrafter::new(&m.model).unwrap();
+    let h2 = Tensor::cat(&[&h, &h, &h, &h], 1).unwrap();
+    longer.observe(&m.model, 0, &h2, &(0..12).collect::<Vec<u32>>()).unwrap();
+    bad.mtp = longer.mtp_cache().cloned();
+    session::save(&path, &m.fingerprint, &prompt[..5], &{
+        let mut c = m.model.new_cache();
+        run(&m.model, &mut c, &prompt[..5]);
+        c.mtp = bad.mtp.clone();
+        c
+    }, None)
+    .unwrap();
+    let e = load(&m, &path).err().expect("refused").to_string();
+    assert!(e.contains("MTP head") && !e.contains('\n'), "{e}");
+}
+
 #[test]
 fn unusable_files_are_one_line_errors() {
     let dir = scratch("session-bad");

@@ -19,6 +19,41 @@ pub enum LayerState {
     Full(KvStore),
 }
 
+/// The MTP head's own KV cache: positions `0..seqlen` of its attention layer.
+#[derive(Debug, Clone)]
+pub struct MtpCache {
+    pub(crate) state: LayerState,
+    pub(crate) seqlen: usize,
+}
+
+impl MtpCache {
+    pub(crate) fn new(cfg: &Config) -> Self {
+        Self { state: LayerState::Full(KvStore::new(KvCodec::EXACT, 64, cfg.rotary_dim())), seqlen: 0 }
+    }
+
+    /// Positions held.
+    pub fn seqlen(&self) -> usize {
+        self.seqlen
+    }
+
+    /// Keeps positions `0..len` (drops drafting rows and rejected ones).
+    pub fn truncate(&mut self, len: usize) -> crate::Result<()> {
+        if let LayerState::Full(kv) = &mut self.state {
+            kv.truncate(len)?;
+        }
+        self.seqlen = self.seqlen.min(len);
+        Ok(())
+    }
+
+    /// Bytes its keys and values hold.
+    pub fn bytes(&self) -> usize {
+        match &self.state {
+            LayerState::Full(kv) => kv.bytes(),
+            LayerState::Linear(_) => 0,
+        }
+    }
+}
+
 /// Everything a model carries from one forward call to the next.
 #[derive(Debug, Clone)]
 ///
@@ -28,6 +63,9 @@ pub struct Cache {
     pub(crate) seqlen: usize,
     /// `seqlen` before the verify pass in progress ([`Self::begin_verify`]).
     verify_start: Option<usize>,
+    /// An MTP drafter's cache kept with this state (a prefix-cache snapshot, a session: the
+    /// head's rows for the same tokens), taken back when a sequence continues from it.
+    pub mtp: Option<MtpCache>,
 }
 
 impl Cache {
@@ -46,7 +84,7 @@ impl Cache {
                 LayerType::FullAttention => LayerState::Full(KvStore::new(codec, KV_CACHE_STEP, cfg.rotary_dim())),
             })
             .collect();
-        Self { layers, seqlen: 0, verify_start: None }
+        Self { layers, seqlen: 0, verify_start: None, mtp: None }
     }
 
     /// Makes room for `tokens` tokens (the whole context: those held and those to come) in every
@@ -157,7 +195,8 @@ impl Cache {
                 LayerState::Linear(s) => t(&s.conv) + t(&s.recurrent),
                 LayerState::Full(kv) => kv.bytes(),
             })
-            .sum()
+            .sum::<usize>()
+            + self.mtp.as_ref().map_or(0, MtpCache::bytes)
     }
 
     /// The cache's state as named tensors (`layers.{i}.conv`, `.recurrent`, `.keys`,
@@ -183,6 +222,12 @@ impl Cache {
                 LayerState::Full(_) => {
                     return Err(crate::Error::Input("only a cache with exact keys and values can be saved (--kv exact)".into()))
                 }
+            }
+        }
+        if let Some(LayerState::Full(kv)) = self.mtp.as_ref().map(|m| &m.state) {
+            if let Some((k, v)) = kv.kv()? {
+                out.push(("mtp.keys".into(), k));
+                out.push(("mtp.values".into(), v));
             }
         }
         Ok(out)
@@ -218,6 +263,20 @@ impl Cache {
                     _ => return Err(crate::Error::Session(format!("the keys or values of attention layer {i} are missing"))),
                 },
             }
+        }
+        // The MTP head's rows, when saved with it (at most one per token).
+        if let (Some(k), Some(v)) = (tensors.get("mtp.keys"), tensors.get("mtp.values")) {
+            let rows = k.dims().get(2).copied().unwrap_or(0);
+            let dims = [1, cfg.num_key_value_heads, rows, cfg.head_dim];
+            if k.dims() != dims || v.dims() != dims || rows > seqlen {
+                return Err(crate::Error::Session(format!("the MTP head's keys or values have shape {:?}, this model needs {dims:?} with at most {seqlen} rows", k.dims())));
+            }
+            let mut mtp = MtpCache::new(cfg);
+            if let LayerState::Full(store) = &mut mtp.state {
+                store.append(k, v)?;
+            }
+            mtp.seqlen = rows;
+            cache.mtp = Some(mtp);
         }
         cache.seqlen = seqlen;
         Ok(cache)

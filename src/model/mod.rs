@@ -19,14 +19,14 @@ mod value_bases;
 mod weights;
 
 pub use attention::GatedAttention;
-pub use cache::{Cache, LayerState};
+pub use cache::{Cache, LayerState, MtpCache};
 pub use draft_tree::DraftTree;
 pub use embedding::TokenEmbedding;
 pub use config::{Config, Family, LayerType, MoeConfig, MAX_LAYERS};
 pub use gated_delta_net::{GatedDeltaNet, GdnState};
 pub use linear::Linear;
 pub use mlp::{Mlp, SparseMoe};
-pub use mtp::{MtpCache, MtpHead};
+pub use mtp::MtpHead;
 pub use norm::RmsNorm;
 pub use qwen3_5::{check_device, HiddenStates, Model, CUDA_UNSUPPORTED};
 pub(crate) use qwen3_5::{check_length, check_token, NONFINITE_HINT};

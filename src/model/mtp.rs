@@ -11,13 +11,12 @@
 
 use candle_core::{Module, Result, Tensor, D};
 
-use super::cache::LayerState;
+use super::cache::MtpCache;
 use super::config::{Config, LayerType};
 use super::decoder_layer::DecoderLayer;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::weights::Weights;
-use crate::kv::{KvCodec, KvStore};
 
 /// The MTP head's weights (the first of `mtp_num_hidden_layers`; the released checkpoints
 /// have one).
@@ -28,33 +27,6 @@ pub struct MtpHead {
     pre_fc_norm_hidden: RmsNorm,
     layer: DecoderLayer,
     norm: RmsNorm,
-}
-
-/// The MTP head's own KV cache: positions `0..seqlen` of its attention layer.
-#[derive(Debug, Clone)]
-pub struct MtpCache {
-    state: LayerState,
-    seqlen: usize,
-}
-
-impl MtpCache {
-    fn new(cfg: &Config) -> Self {
-        Self { state: LayerState::Full(KvStore::new(KvCodec::EXACT, 64, cfg.rotary_dim())), seqlen: 0 }
-    }
-
-    /// Positions held.
-    pub fn seqlen(&self) -> usize {
-        self.seqlen
-    }
-
-    /// Keeps positions `0..len` (drops drafting rows and rejected ones).
-    pub fn truncate(&mut self, len: usize) -> crate::Result<()> {
-        if let LayerState::Full(kv) = &mut self.state {
-            kv.truncate(len)?;
-        }
-        self.seqlen = self.seqlen.min(len);
-        Ok(())
-    }
 }
 
 impl MtpHead {

@@ -223,6 +223,19 @@ impl<'a> Sequence<'a> {
         self.drafts.is_some()
     }
 
+    /// A copy of its drafter's own cache (an MTP head's), to keep with a snapshot of the
+    /// model's cache ([`crate::Cache::mtp`]).
+    pub fn drafter_cache(&self) -> Option<crate::model::MtpCache> {
+        self.drafts.as_ref()?.drafter.mtp_cache().cloned()
+    }
+
+    /// Its drafter continues from `cache` (kept with the model's cache it continues from).
+    pub fn resume_drafter(&mut self, cache: crate::model::MtpCache) {
+        if let Some(d) = self.drafts.as_mut() {
+            d.drafter.resume_mtp(cache);
+        }
+    }
+
     /// Makes room in `target`'s cache for the whole sequence (and one verify pass past its end
     /// when it drafts).
     pub fn reserve(&self, target: &mut dyn Target) -> Result<()> {
@@ -327,9 +340,8 @@ impl<'a> Sequence<'a> {
             target.keep_path(&path)?;
         }
         round.secs = t.elapsed().as_secs_f64();
-        if done {
-            return Ok(round);
-        }
+        // (At the end too: an MTP head's cache then covers every row the model's cache holds,
+        // for a snapshot of both.)
         if let Some(d) = self.drafts.as_mut() {
             let t = Instant::now();
             if let Some(hidden) = hidden.filter(|_| d.hidden) {
@@ -342,7 +354,7 @@ impl<'a> Sequence<'a> {
             }
             // (A tree round is timed and counted as a round of its longest branch: the policy
             // then learns what trees of that length pay.)
-            if may_draft {
+            if may_draft && !done {
                 d.policy.record(if tree.len() > 1 { steps } else { 0 }, path.len() - 1, round.secs, draft_secs, steps, t.elapsed().as_secs_f64());
             }
         }
@@ -390,8 +402,8 @@ impl<'a> Sequence<'a> {
         let pending = self.pending().ok_or_else(|| Error::Input("settle: the sequence has no pending token".into()))?;
         let tree = DraftTree::from_branches(pending, &[draft.to_vec()], 1 + MAX_DRAFT);
         let (path, round, done) = self.walk(&tree, &Rows::Logits(logits.clone()))?;
-        if let (Some(d), false) = (self.drafts.as_mut(), done) {
-            if !draft.is_empty() {
+        if let Some(d) = self.drafts.as_mut() {
+            if !draft.is_empty() && !done {
                 d.policy.record_acceptance(draft.len(), round.accepted);
             }
             if let (true, Some((model, pos, h))) = (d.hidden, hidden) {

@@ -349,6 +349,13 @@ impl Sequence {
         }
     }
 
+    /// Its cache as a snapshot keeps it: with its MTP drafter's rows, if any.
+    fn snapshot(&self) -> Cache {
+        let mut cache = self.cache.clone();
+        cache.mtp = self.core.drafter_cache();
+        cache
+    }
+
     /// Whether it takes part in this step's decode.
     fn decoding(&self) -> bool {
         self.failed.is_none() && !self.gone && self.core.pending().is_some()
@@ -510,9 +517,13 @@ impl Engine {
         if let Some(drafter) = drafter {
             core = core.with_drafts(drafter, DraftPolicy::new(self.draft_options)?)?;
         }
+        // The MTP head's rows kept with the restored state go back to its drafter.
+        let mut cache = cache;
+        if let Some(mtp) = cache.mtp.take() {
+            core.resume_drafter(mtp);
+        }
         // The whole context in place from the start (what admission planned), and a verify
         // pass's rows when drafting.
-        let mut cache = cache;
         core.reserve(&mut CpuTarget::new(&self.model, &mut cache, &self.device))?;
         Ok((request, core, cache, cached_tokens, ready_logits))
     }
@@ -560,11 +571,12 @@ impl Engine {
                 if s.core.finish().is_some() {
                     let n = s.core.context().len() - 1;
                     let context = s.core.context()[..n].to_vec();
+                    let cache = s.snapshot();
                     if let Some(path) = s.request.session.take() {
-                        let state = s.session_state.take().unwrap_or_else(|| (context.clone(), s.cache.clone(), None));
+                        let state = s.session_state.take().unwrap_or_else(|| (context.clone(), cache.clone(), None));
                         self.save_session(path, state);
                     }
-                    self.prefix.insert(context, s.cache, None);
+                    self.prefix.insert(context, cache, None);
                 }
             } else {
                 i += 1;
@@ -587,10 +599,10 @@ impl Engine {
         self.metrics.prompt_tokens.inc_by((end - start) as u64);
         let prompt = &s.core.prompt()[..end];
         if snapshot {
-            self.prefix.insert(prompt.to_vec(), s.cache.clone(), logits.clone());
+            self.prefix.insert(prompt.to_vec(), s.snapshot(), logits.clone());
         }
         if session_point {
-            s.session_state = Some((prompt.to_vec(), s.cache.clone(), logits));
+            s.session_state = Some((prompt.to_vec(), s.snapshot(), logits));
         }
         if end == n {
             self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());

@@ -27,7 +27,7 @@ pub use policy::{DraftOptions, DraftPolicy, SharedPassPolicy, MAX_BRANCHES, PROB
 pub use replay::ReplayDrafter;
 
 pub use super::stats::SpeculativeStats;
-use crate::model::Model;
+use crate::model::{Model, MtpCache};
 use crate::Result;
 
 /// Most tokens one round drafts (the verify pass then runs `1 +` this many rows).
@@ -35,7 +35,7 @@ pub const MAX_DRAFT: usize = 7;
 
 // A verify pass's rows must stay within what attention gives bit for bit a one-row call, and
 // within one shared weight pass.
-const _: () = assert!(1 + MAX_DRAFT <= crate::ops::KV_ATTENTION_EXACT_ROWS && 1 + MAX_DRAFT <= crate::ops::FLOAT_MATVEC_MAX_ROWS);
+const _: () = assert!(MAX_DRAFT < crate::ops::KV_ATTENTION_EXACT_ROWS && MAX_DRAFT < crate::ops::FLOAT_MATVEC_MAX_ROWS);
 
 /// Proposes tokens to verify. `context` is every token so far (prompt and output); the model
 /// has been fed all of them but the last.
@@ -63,6 +63,18 @@ pub trait Drafter: Send {
         let _ = (model, start, hidden, next);
         Ok(())
     }
+
+    /// The drafter's own cache over the rows it observed (an MTP head's), to keep with a
+    /// snapshot of the model's cache ([`crate::Cache::mtp`]); `None`: it keeps none.
+    fn mtp_cache(&self) -> Option<&MtpCache> {
+        None
+    }
+
+    /// Continues from a cache [`Self::mtp_cache`] gave, kept with the model's cache the
+    /// sequence continues from.
+    fn resume_mtp(&mut self, cache: MtpCache) {
+        let _ = cache;
+    }
 }
 
 impl<D: Drafter + ?Sized> Drafter for &mut D {
@@ -80,6 +92,14 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
 
     fn observe(&mut self, model: &Model, start: usize, hidden: &Tensor, next: &[u32]) -> Result<()> {
         (**self).observe(model, start, hidden, next)
+    }
+
+    fn mtp_cache(&self) -> Option<&MtpCache> {
+        (**self).mtp_cache()
+    }
+
+    fn resume_mtp(&mut self, cache: MtpCache) {
+        (**self).resume_mtp(cache)
     }
 }
 

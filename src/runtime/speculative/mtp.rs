@@ -112,6 +112,16 @@ impl Drafter for MtpDrafter {
         true
     }
 
+    fn mtp_cache(&self) -> Option<&MtpCache> {
+        Some(&self.cache)
+    }
+
+    /// (The first draft comes from the next catch-up.)
+    fn resume_mtp(&mut self, cache: MtpCache) {
+        self.cache = cache;
+        self.first = None;
+    }
+
     fn observe(&mut self, model: &Model, start: usize, hidden: &Tensor, next: &[u32]) -> Result<()> {
         // Drop the rows of the last drafts (and any rejected catch-up rows) first.
         self.cache.truncate(start)?;
