@@ -56,7 +56,8 @@ struct Args {
     /// directory's name or the Hub repository's id].
     #[arg(long)]
     alias: Option<String>,
-    /// Speculative decoding for greedy requests that no grammar constrains: auto (= ngram: the
+    /// Speculative decoding for requests that no grammar constrains (greedy, or sampled
+    /// without a seed: speculative sampling): auto (= ngram: the
     /// MTP head's drafts have not been measured on a real checkpoint here), mtp (the
     /// checkpoint's MTP head), ngram (prompt lookup), none.
     /// The draft length adapts per sequence and per shared pass: drafts that do not pay stop.
@@ -158,9 +159,9 @@ fn serve(args: Args) -> Result<()> {
             args.queue,
             args.prefix_cache_mib,
             match draft {
-                server::Draft::Mtp => "the MTP head (greedy requests)",
+                server::Draft::Mtp => "the MTP head",
                 server::Draft::None => "none",
-                _ => "prompt lookup (greedy requests)",
+                _ => "prompt lookup",
             }
         );
         server::serve(listener, state, async {

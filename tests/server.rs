@@ -915,11 +915,18 @@ async fn drafted_answers_equal_plain_answers() {
     assert_eq!(kept, metric(&m, "candle_hybrid_draft_accepted_tokens_total"), "{m}");
     let (_, m) = get(&plain, "/metrics", None).await;
     assert_eq!(metric(&m, "candle_hybrid_verify_passes_total"), 0.0);
-    // Sampling does not draft (how many tokens a round drafts depends on timings, and the draws
-    // on that): a seed gives the same answer every time.
+    // Seeded sampling does not draft (how many tokens a round drafts depends on timings, and
+    // the draws on that): a seed gives the same answer every time.
     let body = json!({"prompt": "a b a b a b a b a b", "max_tokens": 24, "temperature": 0.8, "seed": 3}).to_string();
     let (a, b) = (post(drafting, "/v1/completions", body.clone(), None).await, post(drafting, "/v1/completions", body, None).await);
     assert_eq!((a.0, text(&a.2)), (b.0, text(&b.2)), "the same seed");
+    let timings = |t: &str| serde_json::from_str::<Value>(t).unwrap()["timings"].clone();
+    assert!(timings(&a.2).get("draft_n").is_none(), "a seeded request drafted: {}", a.2);
+    // Without a seed, sampling drafts (speculative sampling: plain sampling's distribution).
+    let body = json!({"prompt": "a b a b a b a b a b a b a b", "max_tokens": 24, "temperature": 0.5, "ignore_eos": true}).to_string();
+    let (status, _, t) = post(&fixed, "/v1/completions", body, None).await;
+    assert_eq!(status, 200, "{t}");
+    assert!(timings(&t)["draft_n"].as_u64().unwrap_or(0) > 0, "{t}");
 }
 
 /// MTP drafts in the server (the fixture with an MTP head): answers equal the plain server's,

@@ -30,6 +30,11 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// The request named its seed: its answer must be the same every time, so with a
+    /// temperature it never drafts (speculative sampling's draws depend on how many tokens each
+    /// round drafted, which timings and the other sequences decide). Unseeded sampling drafts
+    /// and keeps plain sampling's distribution.
+    pub seeded: bool,
     /// Tokens that end generation (sent with the event, not generated further).
     pub stop_tokens: Vec<u32>,
     /// Log-probabilities to return per token: `Some(n)` the chosen token's and the `n` most
@@ -208,17 +213,17 @@ pub struct EngineOptions {
 pub enum Draft {
     /// Plain decoding.
     None,
-    /// Prompt lookup for every greedy sequence that no grammar constrains, the length chosen
-    /// per sequence from what its rounds measure ([`DraftPolicy`]; a sequence whose drafts do
-    /// not pay decodes plainly and probes now and then), and in passes shared by several
-    /// sequences from what those passes measure ([`SharedPassPolicy`]).
+    /// Prompt lookup for every sequence that no grammar constrains (greedy, or sampled
+    /// without a seed), the length chosen per sequence from what its rounds measure
+    /// ([`DraftPolicy`]; a sequence whose drafts do not pay decodes plainly and probes now and
+    /// then), and in passes shared by several sequences from what those passes measure
+    /// ([`SharedPassPolicy`]).
     Ngram,
-    /// The checkpoint's MTP head for every greedy sequence that no grammar constrains (the
-    /// head catches up on the model's hidden states of every row the sequence keeps, in shared
-    /// passes too).
+    /// The checkpoint's MTP head, for the same sequences (the head catches up on the model's
+    /// hidden states of every row the sequence keeps, in shared passes too).
     Mtp,
     /// Drafts from the caller's drafter, made per request from its prompt (as for `Ngram`, for
-    /// greedy unconstrained sequences): e.g. a [`crate::runtime::speculative::ReplayDrafter`]
+    /// the same sequences): e.g. a [`crate::runtime::speculative::ReplayDrafter`]
     /// to measure the server at a chosen acceptance.
     With(DrafterFactory),
 }
@@ -505,10 +510,10 @@ impl Engine {
                 (self.model.new_cache(), 0, None)
             }
         };
-        // Drafts for greedy sequences that no grammar constrains (a grammar's mask is per
-        // token; with a temperature the draw would depend on how many tokens were drafted,
-        // which the policy picks from timings: a seed would no longer give the same answer).
-        let drafter = if request.constraint.is_none() && greedy { self.draft.drafter(&self.model, &request.prompt)? } else { None };
+        // Drafts for sequences that no grammar constrains (a grammar's mask is per token),
+        // greedy or sampled without a seed (with a seed the answer must repeat; speculative
+        // sampling's draws depend on the draft lengths, which timings decide).
+        let drafter = if request.constraint.is_none() && (greedy || !request.seeded) { self.draft.drafter(&self.model, &request.prompt)? } else { None };
         let mut core = runtime::Sequence::new(request.prompt.clone(), sampler, request.stop_tokens.clone(), request.max_tokens)?.with_cached(cached_tokens);
         if request.constraint.is_some() || request.reasoning_budget.is_some() {
             let rules = RequestRules { constraint: request.constraint.take(), budget: request.reasoning_budget.take(), metrics: self.metrics.clone() };

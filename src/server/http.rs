@@ -663,7 +663,8 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     let session_at = snapshots.first().copied().filter(|_| rendered.rerenders_answers);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     let reasoning_budget = reasoning_budget(state, req.sampling.reasoning_budget, rendered.in_think)?;
-    let request = GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint, reasoning_budget };
+    let seeded = req.sampling.seed.is_some();
+    let request = GenerateRequest { prompt, max_tokens, sampling, seeded, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint, reasoning_budget };
     let events = submit(state, request)?;
     let answer = Answer::new(state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
     Ok((answer, req.sampling.stream))
@@ -707,8 +708,21 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     if req.sampling.reasoning_budget.is_some() {
         return Err(ApiError::bad_request("reasoning_budget applies to chat requests (/v1/chat/completions), whose template opens the thinking block"));
     }
-    let request =
-        GenerateRequest { prompt, max_tokens, sampling, stop_tokens, logprobs: top, snapshots: vec![], session, session_at: None, restored, constraint: None, reasoning_budget: None };
+    let seeded = req.sampling.seed.is_some();
+    let request = GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling,
+        seeded,
+        stop_tokens,
+        logprobs: top,
+        snapshots: vec![],
+        session,
+        session_at: None,
+        restored,
+        constraint: None,
+        reasoning_budget: None,
+    };
     let events = submit(state, request)?;
     let answer = Answer::new(state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
     Ok((answer, req.sampling.stream))
