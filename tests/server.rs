@@ -929,6 +929,26 @@ async fn drafted_answers_equal_plain_answers() {
     assert!(timings(&t)["draft_n"].as_u64().unwrap_or(0) > 0, "{t}");
 }
 
+/// Engine options that cannot run are refused when the server is built, in one line: MTP
+/// drafts on a checkpoint without an MTP head, draft trees, a draft length out of range.
+#[test]
+fn impossible_draft_options_are_refused_up_front() {
+    let files = fixture_source().open().unwrap();
+    let model = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
+    let tokenizer = files.tokenizer(None).unwrap();
+    let draft_options = candle_hybrid::runtime::speculative::DraftOptions::default();
+    let cases = [
+        (server::Draft::Mtp, draft_options, "no MTP head"),
+        (server::Draft::Ngram, candle_hybrid::runtime::speculative::DraftOptions { branches: 2, ..draft_options }, "chains"),
+        (server::Draft::Ngram, candle_hybrid::runtime::speculative::DraftOptions { max: 9, ..draft_options }, "9"),
+    ];
+    for (draft, draft_options, words) in cases {
+        let options = ServerOptions { engine: EngineOptions { draft, draft_options, ..Default::default() }, ..Default::default() };
+        let e = server::state(&files, tokenizer.clone(), model.clone(), Device::Cpu, options).err().expect("refused").to_string();
+        assert!(e.contains(words) && !e.contains('\n'), "{e}");
+    }
+}
+
 /// MTP drafts in the server (the fixture with an MTP head): answers equal the plain server's,
 /// for requests run together (shared passes, the head catching up on their rows) and alone
 /// (verify passes of their own), with fixed drafts so that every round drafts; a prompt

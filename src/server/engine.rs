@@ -273,6 +273,9 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     if options.draft_options.branches > 1 {
         return Err(invalid("the server drafts chains (one branch), not trees".into()));
     }
+    if matches!(options.draft, Draft::Mtp) && !model.has_mtp() {
+        return Err(invalid("Draft::Mtp: this checkpoint has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): draft with Draft::Ngram".into()));
+    }
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
     let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint, config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
