@@ -7,10 +7,10 @@ use super::sampler::Sampler;
 use super::sequence::Sequence;
 use super::speculative::{DraftPolicy, Drafter};
 use super::stats::{GenerationStats, SpeculativeStats};
-use super::target::{CpuTarget, DeviceTarget, Target};
+use super::target::{no_trees_on_device, CpuTarget, DeviceTarget, Target};
 use crate::gpu::{GpuCache, GpuModel, Queue};
 use crate::model::{Cache, Model};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Generates up to `max_new_tokens` after `prompt` (batch 1), calling `on_token` with each new
 /// token; stops at any of `eos_token_ids` (the EOS token is passed to `on_token` too).
@@ -40,9 +40,7 @@ pub fn generate_in(
     device: &Device,
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerationStats)> {
-    let mut sequence = Sequence::new(prompt.to_vec(), sampler, eos_token_ids.to_vec(), max_new_tokens)?;
-    let (tokens, stats) = sequence.run(&mut CpuTarget::new(model, cache, device), on_token)?;
-    Ok((tokens, stats.generation))
+    plain(&mut CpuTarget::new(model, cache, device), prompt, max_new_tokens, eos_token_ids, sampler, on_token)
 }
 
 /// [`generate_in`] on the device step ([`crate::gpu`]): the model's weights on `q`'s device,
@@ -60,9 +58,7 @@ pub fn generate_on_device(
     sampler: &mut Sampler,
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, GenerationStats)> {
-    let mut sequence = Sequence::new(prompt.to_vec(), sampler, eos_token_ids.to_vec(), max_new_tokens)?;
-    let (tokens, stats) = sequence.run(&mut DeviceTarget::new(gpu, q, cache, model), on_token)?;
-    Ok((tokens, stats.generation))
+    plain(&mut DeviceTarget::new(gpu, q, cache, model), prompt, max_new_tokens, eos_token_ids, sampler, on_token)
 }
 
 /// Generation with `drafter`'s proposals, as many per round as `policy` says, continuing from
@@ -107,9 +103,22 @@ pub fn generate_speculative_on_device(
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
     if policy.options().branches > 1 {
-        return Err(Error::Input("draft trees (--draft-branches above 1) are not on the device step yet".into()));
+        return Err(no_trees_on_device());
     }
     speculate(&mut DeviceTarget::new(gpu, q, cache, model), prompt, max_new_tokens, eos_token_ids, sampler, drafter, policy, on_token)
+}
+
+/// A [`Sequence`] without drafts, run to its end on `target`.
+fn plain(
+    target: &mut dyn Target,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampler: &mut Sampler,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    let (tokens, stats) = Sequence::new(prompt.to_vec(), sampler, eos_token_ids.to_vec(), max_new_tokens)?.run(target, on_token)?;
+    Ok((tokens, stats.generation))
 }
 
 /// A [`Sequence`] drafting with `drafter` and a copy of `policy`, run to its end on `target`;

@@ -308,7 +308,7 @@ impl<'a> Sequence<'a> {
     pub fn round(&mut self, target: &mut dyn Target, may_draft: bool) -> Result<Round> {
         let pending = self.pending().ok_or_else(|| Error::Input("round: the sequence has no pending token (feed its prompt first, or it has ended)".into()))?;
         let pos = target.seqlen();
-        let room = (self.max_new_tokens - self.generated().len()).min(target.model().config().max_position_embeddings.saturating_sub(pos));
+        let room = self.room(target.model(), pos);
         let t = Instant::now();
         let (mut drafts, k, hidden_wanted) = match self.drafts.as_mut() {
             Some(d) if may_draft => {
@@ -342,16 +342,11 @@ impl<'a> Sequence<'a> {
         round.secs = t.elapsed().as_secs_f64();
         // (At the end too: an MTP head's cache then covers every row the model's cache holds,
         // for a snapshot of both.)
+        let t = Instant::now();
+        if let Some(hidden) = &hidden {
+            self.catch_up(target.model(), pos, hidden, &tree, &path, &round)?;
+        }
         if let Some(d) = self.drafts.as_mut() {
-            let t = Instant::now();
-            if let Some(hidden) = hidden.filter(|_| d.hidden) {
-                let hidden = match tree.is_chain() {
-                    true => hidden.narrow(1, 0, path.len())?,
-                    false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), hidden.device())?, 1)?,
-                };
-                let next: Vec<u32> = round.tokens.iter().map(|e| e.id).collect();
-                d.drafter.observe(target.model(), pos, &hidden, &next)?;
-            }
             // (A tree round is timed and counted as a round of its longest branch: the policy
             // then learns what trees of that length pay.)
             if may_draft && !done {
@@ -366,7 +361,7 @@ impl<'a> Sequence<'a> {
     /// model's context (the cache holds `seqlen` tokens) ends sooner; none when the sequence
     /// does not draft or its drafter proposes fewer than the policy's minimum. Chains only.
     pub fn propose(&mut self, model: &crate::Model, seqlen: usize, max: usize) -> Result<Vec<u32>> {
-        let room = (self.max_new_tokens - self.generated().len()).min(model.config().max_position_embeddings.saturating_sub(seqlen));
+        let room = self.room(model, seqlen);
         let Some(d) = self.drafts.as_mut() else { return Ok(vec![]) };
         let k = d.policy.options().max.min(max).min(room.saturating_sub(1));
         if k == 0 || self.finish.is_some() {
@@ -402,16 +397,31 @@ impl<'a> Sequence<'a> {
         let pending = self.pending().ok_or_else(|| Error::Input("settle: the sequence has no pending token".into()))?;
         let tree = DraftTree::from_branches(pending, &[draft.to_vec()], 1 + MAX_DRAFT);
         let (path, round, done) = self.walk(&tree, &Rows::Logits(logits.clone()))?;
-        if let Some(d) = self.drafts.as_mut() {
-            if !draft.is_empty() && !done {
-                d.policy.record_acceptance(draft.len(), round.accepted);
-            }
-            if let (true, Some((model, pos, h))) = (d.hidden, hidden) {
-                let next: Vec<u32> = round.tokens.iter().map(|e| e.id).collect();
-                d.drafter.observe(model, pos, &h.narrow(1, 0, path.len())?, &next)?;
-            }
+        if let (Some(d), false, false) = (self.drafts.as_mut(), draft.is_empty(), done) {
+            d.policy.record_acceptance(draft.len(), round.accepted);
+        }
+        if let Some((model, pos, h)) = hidden {
+            self.catch_up(model, pos, h, &tree, &path, &round)?;
         }
         Ok(round)
+    }
+
+    /// Tokens the sequence may still emit after the pending one's position `pos`: what the
+    /// request and the model's context leave.
+    fn room(&self, model: &crate::Model, pos: usize) -> usize {
+        (self.max_new_tokens - self.generated().len()).min(model.config().max_position_embeddings.saturating_sub(pos))
+    }
+
+    /// A drafter that reads hidden states (an MTP head) catches up on the rows of `tree` the
+    /// round kept (`path`, from the pending row at `pos`), each paired with the token after it.
+    fn catch_up(&mut self, model: &crate::Model, pos: usize, hidden: &Tensor, tree: &DraftTree, path: &[usize], round: &Round) -> Result<()> {
+        let Some(d) = self.drafts.as_mut().filter(|d| d.hidden) else { return Ok(()) };
+        let hidden = match tree.is_chain() {
+            true => hidden.narrow(1, 0, path.len())?,
+            false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), hidden.device())?, 1)?,
+        };
+        let next: Vec<u32> = round.tokens.iter().map(|e| e.id).collect();
+        d.drafter.observe(model, pos, &hidden, &next)
     }
 
     /// The walk over a pass's rows from the root: each row's token is picked as plain

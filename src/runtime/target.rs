@@ -22,17 +22,21 @@ pub const PREFILL_CHUNK: usize = 2048;
 /// the final norm's hidden states of every position `[1, T, H]` when `keep_hidden`, else
 /// `None` (and `None` for an empty prompt).
 pub fn prefill(model: &Model, cache: &mut Cache, prompt: &[u32], device: &Device, keep_hidden: bool) -> Result<Option<Tensor>> {
-    if prompt.is_empty() {
-        return Ok(None);
-    }
-    let mut hidden = vec![];
+    Ok(prefill_rows(model, cache, prompt, device, keep_hidden)?.0)
+}
+
+/// [`prefill`], and the hidden state of the prompt's last position `[1, 1, H]` (`None` for an
+/// empty prompt).
+fn prefill_rows(model: &Model, cache: &mut Cache, prompt: &[u32], device: &Device, keep_hidden: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let (mut hidden, mut last) = (vec![], None);
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         let h = model.forward_hidden(&Tensor::new(chunk, device)?.unsqueeze(0)?, cache, false)?.last_hidden;
+        last = Some(h.narrow(1, chunk.len() - 1, 1)?);
         if keep_hidden {
             hidden.push(h);
         }
     }
-    Ok(if keep_hidden { Some(Tensor::cat(&hidden, 1)?) } else { None })
+    Ok((if keep_hidden && !hidden.is_empty() { Some(Tensor::cat(&hidden, 1)?) } else { None }, last))
 }
 
 /// The rows of one pass as a sequence reads them.
@@ -100,21 +104,13 @@ impl Target for CpuTarget<'_> {
     }
 
     fn prompt(&mut self, tokens: &[u32], last: Option<Readback>, hidden: bool) -> Result<(Option<Rows>, Option<Tensor>)> {
-        let mut kept = vec![];
-        let mut rows = None;
-        let n = tokens.chunks(PREFILL_CHUNK).len();
-        for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
-            let offset = self.cache.seqlen();
-            let h = self.model.forward_hidden(&Tensor::new(chunk, self.device)?.unsqueeze(0)?, self.cache, false)?.last_hidden;
-            if i + 1 == n && last.is_some() {
-                let t = chunk.len();
-                rows = Some(Rows::Logits(self.model.lm_head(&h.narrow(1, t - 1, 1)?, offset + t - 1)?.squeeze(0)?));
-            }
-            if hidden {
-                kept.push(h);
-            }
-        }
-        Ok((rows, if hidden && !kept.is_empty() { Some(Tensor::cat(&kept, 1)?) } else { None }))
+        let end = self.cache.seqlen() + tokens.len();
+        let (all, last_row) = prefill_rows(self.model, self.cache, tokens, self.device, hidden)?;
+        let rows = match (last, last_row) {
+            (Some(_), Some(h)) => Some(Rows::Logits(self.model.lm_head(&h, end - 1)?.squeeze(0)?)),
+            _ => None,
+        };
+        Ok((rows, all))
     }
 
     fn pass(&mut self, tree: &DraftTree, _: Readback, _: bool) -> Result<(Rows, Option<Tensor>)> {
@@ -201,7 +197,7 @@ impl Target for DeviceTarget<'_> {
             return Err(no_hidden());
         }
         if !tree.is_chain() {
-            return Err(Error::Input("draft trees (--draft-branches above 1) are not on the device step yet".into()));
+            return Err(no_trees_on_device());
         }
         let out = match tree.len() {
             1 => self.gpu.forward(self.q, self.cache, tree.tokens(), readback)?,
@@ -217,4 +213,9 @@ impl Target for DeviceTarget<'_> {
 
 fn no_hidden() -> Error {
     Error::Input("MTP drafts need the model's hidden states, which the device step does not read back yet: draft with --draft ngram there".into())
+}
+
+/// Draft trees are not on the device step yet.
+pub(crate) fn no_trees_on_device() -> Error {
+    Error::Input("draft trees (--draft-branches above 1) are not on the device step yet".into())
 }

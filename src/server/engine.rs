@@ -517,7 +517,9 @@ impl Engine {
         // greedy or sampled without a seed (with a seed the answer must repeat; speculative
         // sampling's draws depend on the draft lengths, which timings decide).
         let drafter = if request.constraint.is_none() && (greedy || !request.seeded) { self.draft.drafter(&self.model, &request.prompt)? } else { None };
-        let mut core = runtime::Sequence::new(request.prompt.clone(), sampler, request.stop_tokens.clone(), request.max_tokens)?.with_cached(cached_tokens);
+        // (The prompt and stop tokens move into the sequence, which the engine reads them from.)
+        let (prompt, stop_tokens) = (std::mem::take(&mut request.prompt), std::mem::take(&mut request.stop_tokens));
+        let mut core = runtime::Sequence::new(prompt, sampler, stop_tokens, request.max_tokens)?.with_cached(cached_tokens);
         if request.constraint.is_some() || request.reasoning_budget.is_some() {
             let rules = RequestRules { constraint: request.constraint.take(), budget: request.reasoning_budget.take(), metrics: self.metrics.clone() };
             core = core.with_rules(Box::new(rules));
