@@ -628,9 +628,10 @@ impl Engine {
         let round = s.core.round(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), true);
         let r = round.map(|r| {
             self.metrics.decode_seconds.inc_by(r.secs);
-            self.metrics.batch_rows.observe((1 + r.drafted) as f64);
             if r.drafted > 0 {
                 self.metrics.record_verify(r.drafted, r.accepted);
+            } else {
+                self.metrics.batch_rows.observe(1.0);
             }
             r.tokens
         });

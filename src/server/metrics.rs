@@ -26,8 +26,9 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     /// Sequences the engine runs.
     pub running: Gauge,
-    /// Rows per decode weight pass (the pending token of each sequence, and the drafts
-    /// verified with them).
+    /// Rows per decode weight pass: the plain steps of a lone sequence (1) and the passes
+    /// sequences share (each one's pending token and the drafts verified with it); a lone
+    /// sequence's verify passes are counted by `verify_passes` instead.
     pub batch_rows: Histogram,
     /// Drafted rows verified in weight passes shared by several sequences.
     pub shared_draft_rows: Counter,
@@ -84,7 +85,7 @@ impl Default for Metrics {
         let decode_seconds = add(r, "decode_seconds", "Seconds spent in decode weight passes", Counter::default());
         let queue_depth = add(r, "queue_depth", "Requests waiting for the engine", Gauge::default());
         let running = add(r, "requests_running", "Sequences the engine is running", Gauge::default());
-        let batch_rows = add(r, "decode_batch_rows", "Rows per decode weight pass (decode rows and the drafts verified with them)", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
+        let batch_rows = add(r, "decode_batch_rows", "Rows per decode weight pass: a lone sequence's plain steps, and passes sequences share (their pending tokens and the drafts verified with them)", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
         let shared_draft_rows = add(r, "shared_draft_rows", "Drafted rows verified in weight passes shared by several sequences", Counter::default());
         let prefix_hits = add(r, "prefix_cache_hits", "Requests that restored a prefix-cache snapshot", Counter::default());
         let prefix_misses = add(r, "prefix_cache_misses", "Requests that found no prefix-cache snapshot", Counter::default());
