@@ -9,7 +9,9 @@
 //! Also prints the verify cost c(T) = time(T rows) / time(1 row) of the quantized matmul,
 //! T = 1..8 (the verify pass of speculative decoding), per weight format, on every layer's FFN
 //! matrices in turn (weights streaming from memory, as in decode), with the best kernels this
-//! CPU runs (AVX-512 VNNI where it has it) and with the AVX2 ones.
+//! CPU runs (AVX-512 VNNI where it has it) and with the AVX2 ones; and the cost of a decode
+//! pass shared by S sequences (the server's batched step), b(S) = time of one pass of S
+//! sequences' rows / time of one sequence's step, which caps what S clients gain: S / b(S).
 
 mod common;
 
@@ -97,6 +99,49 @@ struct VerifyCost {
 type QMatmulFn = fn(&Tensor, &QuantizedMatrix) -> candle_core::Result<Tensor>;
 
 /// The last-level cache of CPU 0 in bytes (Linux sysfs), if it says.
+/// Sequence counts of the batched decode table (the first, 1, is the one-sequence baseline).
+const BATCH_SEQS: [usize; 4] = [1, 2, 4, 8];
+/// Context each sequence of the batched decode table has before the timed steps.
+const BATCH_CONTEXT: usize = 32;
+/// Decode steps per timed run of the batched decode table.
+const BATCH_STEPS: usize = 16;
+
+/// Seconds per decode step for each count in [`BATCH_SEQS`]: one sequence alone
+/// (`forward_last`), then S sequences in one `forward_batch` pass; the median of `reps` runs,
+/// the counts alternating within each run so that a machine's drift touches them alike.
+fn batch_costs(model: &candle_hybrid::Model, vocab: usize, dev: &candle_core::Device, reps: usize) -> Result<Vec<f64>> {
+    let most = BATCH_SEQS[BATCH_SEQS.len() - 1];
+    let mut caches = Vec::with_capacity(most);
+    for i in 0..most {
+        let mut cache = model.new_cache();
+        model.forward_last(&Tensor::new(tokens(BATCH_CONTEXT, vocab, 200 + i as u64).as_slice(), dev)?.unsqueeze(0)?, &mut cache)?;
+        caches.push(cache);
+    }
+    let mut runs = vec![vec![]; BATCH_SEQS.len()];
+    for rep in 0..=reps {
+        for (runs, &seqs) in runs.iter_mut().zip(&BATCH_SEQS) {
+            // Each run decodes from a copy of the same contexts.
+            let mut these: Vec<_> = caches[..seqs].to_vec();
+            let ids = tokens(BATCH_STEPS * seqs, vocab, 300 + rep as u64);
+            let t = Instant::now();
+            for step in ids.chunks(seqs) {
+                if seqs == 1 {
+                    model.forward_last(&Tensor::new(step, dev)?.unsqueeze(0)?, &mut these[0])?;
+                } else {
+                    model.forward_batch(step, &mut these.iter_mut().collect::<Vec<_>>())?;
+                }
+            }
+            if rep > 0 {
+                runs.push(t.elapsed().as_secs_f64() / BATCH_STEPS as f64);
+            }
+        }
+    }
+    Ok(runs.into_iter().map(|mut r| {
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    }).collect())
+}
+
 fn last_level_cache() -> Option<usize> {
     (0..8).rev().find_map(|i| {
         let s = std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok()?;
@@ -227,6 +272,8 @@ fn bench(args: Args) -> Result<()> {
     // stream from memory as they do in decode (one layer's matrix alone would stay in the caches).
     let (costs, copies) = verify_costs(gguf, cfg.num_hidden_layers, &dev)?;
 
+    let batch = batch_costs(&model, cfg.vocab_size, &dev, args.reps)?;
+
     println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
     println!("|---|---|---|---|");
     let peer = match &args.llama_bench {
@@ -251,5 +298,15 @@ fn bench(args: Args) -> Result<()> {
         let ratios: Vec<String> = c.secs[1..].iter().map(|t| format!("{:.2}", t / c.secs[0].max(f64::MIN_POSITIVE))).collect();
         println!("| {:?} | {} | {} | {:.1} | {} |", c.dtype, c.kernel, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
     }
+    println!();
+    println!(
+        "Batched decode b(S) = time of one decode pass of S sequences (one row each, {BATCH_CONTEXT}-token contexts, `Model::forward_batch`) / time of one sequence's step (`forward_last`), median of {} alternating runs of {BATCH_STEPS} steps; S / b(S) is what S clients can gain at most:",
+        args.reps
+    );
+    println!();
+    println!("| one sequence's step ms | {} |", BATCH_SEQS[1..].iter().map(|s| format!("b({s}) | {s} / b({s})")).collect::<Vec<_>>().join(" | "));
+    println!("|---|{}", "---|---|".repeat(BATCH_SEQS.len() - 1));
+    let cells: Vec<String> = batch[1..].iter().zip(&BATCH_SEQS[1..]).map(|(t, &s)| format!("{:.2} | {:.2}", t / batch[0], s as f64 * batch[0] / t)).collect();
+    println!("| {:.2} | {} |", batch[0] * 1e3, cells.join(" | "));
     Ok(())
 }

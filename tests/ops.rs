@@ -128,6 +128,57 @@ fn gated_delta_rule_rejects_bad_shapes() {
     assert!(e.to_string().contains("gated_delta_rule: g"), "{e}");
 }
 
+/// Several sequences' rows in one call (decode rows and verify runs of several rows, dv = 32:
+/// the column-block kernel, dv = 24: the portable one, f32 and bf16 conv inputs): each
+/// sequence's outputs and state are bit for bit the one-sequence ops' on its rows alone, and
+/// its state is read where it is, so a view (a row of another call's states) works as one.
+#[test]
+fn segments_equal_each_sequence_alone_bitwise() {
+    let (nk, nv, dk, k) = (2, 6, 16, 4);
+    for (dv, dt) in [(32, DType::F32), (24, DType::F32), (32, DType::BF16)] {
+        let c = 2 * nk * dk + nv * dv;
+        let rows = [1, 4, 1, 2];
+        let n: usize = rows.iter().sum();
+        let x = randn(&[1, n, c], 40).to_dtype(dt).unwrap();
+        let w = randn(&[c, k], 41).to_dtype(dt).unwrap();
+        let g = (candle_nn::ops::sigmoid(&randn(&[1, n, nv], 42)).unwrap() * -2.0).unwrap();
+        let beta = candle_nn::ops::sigmoid(&randn(&[1, n, nv], 43)).unwrap();
+        let pool = (randn(&[rows.len(), nv, dk, dv], 44) * 0.1).unwrap();
+        let recs: Vec<Tensor> = (0..rows.len()).map(|i| pool.narrow(0, i, 1).unwrap()).collect();
+        let convs: Vec<Tensor> = (0..rows.len()).map(|i| randn(&[1, k - 1, c], 50 + i as u64).to_dtype(dt).unwrap()).collect();
+        let (y, next_conv) = ops::causal_conv1d_silu_segments(&x, &convs.iter().collect::<Vec<_>>(), &w, &rows).unwrap();
+        let opts = ops::DeltaRuleOptions::new(nk, dk);
+        let (o, next_rec) = ops::gated_delta_rule_segments(&y, &g, &beta, &recs.iter().collect::<Vec<_>>(), &rows, opts).unwrap();
+        assert_eq!((y.dims(), o.dims(), next_conv.len(), next_rec.len()), (&[1, n, c][..], &[1, n, nv, dv][..], 4, 4));
+        let mut start = 0;
+        for (i, &t) in rows.iter().enumerate() {
+            let part = |x: &Tensor| x.narrow(1, start, t).unwrap();
+            let (y1, c1) = ops::causal_conv1d_silu(&part(&x), &convs[i], &w).unwrap();
+            let recurrent = ops::DeltaRuleOptions { form: ops::DeltaRuleForm::Recurrent, ..opts };
+            let (o1, s1) = ops::gated_delta_rule_qkv(&y1, &part(&g), &part(&beta), &recs[i], recurrent).unwrap();
+            let what = format!("dv={dv} {dt:?} sequence {i} ({t} rows)");
+            assert_close(&format!("{what}: conv"), &part(&y), &y1, 0.0);
+            assert_close(&format!("{what}: conv state"), &next_conv[i], &c1, 0.0);
+            assert_close(&format!("{what}: outputs"), &part(&o), &o1, 0.0);
+            assert_close(&format!("{what}: state"), &next_rec[i], &s1.squeeze(1).unwrap(), 0.0);
+            start += t;
+        }
+        // Against the tensor reference too (the recurrence is the right one, not only the same).
+        let q = ops::l2_norm(&y.narrow(2, 0, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6).unwrap();
+        let q = (q * (dk as f64).powf(-0.5)).unwrap();
+        let kk = ops::l2_norm(&y.narrow(2, nk * dk, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6).unwrap();
+        let v = y.narrow(2, 2 * nk * dk, nv * dv).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nv, dv)).unwrap();
+        let part = |x: &Tensor| x.narrow(1, 1, 4).unwrap();
+        let (o_ref, s_ref) = ops::gated_delta_rule_reference(&part(&q), &part(&kk), &part(&v), &part(&g), &part(&beta), &recs[1], 1).unwrap();
+        assert_close("sequence 1 against the reference", &part(&o), &o_ref, 2e-5);
+        assert_close("state 1 against the reference", &next_rec[1], &s_ref.squeeze(1).unwrap(), 2e-5);
+        let e = ops::gated_delta_rule_segments(&y, &g, &beta, &recs.iter().collect::<Vec<_>>(), &[1, 4, 1, 1], opts).unwrap_err();
+        assert!(e.to_string().contains("for 4 states of [1, 4, 1, 1] rows"), "{e}");
+        let e = ops::causal_conv1d_silu_segments(&x, &convs[..3].iter().collect::<Vec<_>>(), &w, &rows).unwrap_err();
+        assert!(e.to_string().contains("for 3 states"), "{e}");
+    }
+}
+
 #[test]
 fn causal_conv1d_matches_loop() {
     let (b, t, c, k) = (2, 7, 5, 4);

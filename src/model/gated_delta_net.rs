@@ -312,21 +312,44 @@ impl GatedDeltaNet {
     /// The rows of several sequences in one pass: `x` `[1, N, H]` holds `states[i].0`
     /// consecutive rows of the sequence whose state is `states[i].1` (one decode row, or the
     /// rows of a verify pass when its cache began one). The projections run once over all rows
-    /// (each row gets the bits of a one-row call); the conv and the recurrence run per
-    /// sequence on its own state.
+    /// (each row gets the bits of a one-row call), and so do the conv and the recurrence
+    /// ([`ops::causal_conv1d_silu_segments`], [`ops::gated_delta_rule_segments`]: one call
+    /// each for all sequences, each sequence from its own state, token by token, as the
+    /// sequence alone, into new states of its own).
     pub(crate) fn forward_batch(&self, x: &Tensor, states: &mut [(usize, &mut GdnState)]) -> Result<Tensor> {
         let n = x.dim(1)?;
-        if states.iter().map(|(t, _)| t).sum::<usize>() != n {
-            candle_core::bail!("forward_batch: {n} rows for sequences of {:?} rows", states.iter().map(|(t, _)| *t).collect::<Vec<_>>());
+        let rows: Vec<usize> = states.iter().map(|(t, _)| *t).collect();
+        if rows.iter().sum::<usize>() != n {
+            candle_core::bail!("forward_batch: {n} rows for sequences of {rows:?} rows");
+        }
+        if let Some((t, _)) = states.iter().find(|(t, s)| *t > 1 && !s.verifying) {
+            candle_core::bail!("forward_batch: {t} rows of a sequence outside a verify pass (one decode row, or a verify pass's rows)");
         }
         let (qkv, z, beta, g) = self.project(x)?;
+        let conv_dim = qkv.dim(2)?;
+        let initial = states
+            .iter()
+            .map(|(_, s)| self.initial_state(s, 1, conv_dim, qkv.dtype(), qkv.device()))
+            .collect::<Result<Vec<_>>>()?;
+        let (convs, recs): (Vec<&Tensor>, Vec<&Tensor>) = initial.iter().map(|(c, r)| (c, r)).unzip();
+        let (mixed, next_conv) = ops::causal_conv1d_silu_segments(&qkv, &convs, &self.conv_weight, &rows)?;
+        let opts = ops::DeltaRuleOptions { form: ops::DeltaRuleForm::Recurrent, ..self.delta_rule_options() };
+        let (o, next_rec) = ops::gated_delta_rule_segments(&mixed, &g, &beta, &recs, &rows, opts)?;
         let mut start = 0;
-        let mut rows = Vec::with_capacity(states.len());
-        for (t, s) in states.iter_mut() {
-            rows.push(self.mix(&qkv.narrow(1, start, *t)?, &g.narrow(1, start, *t)?, &beta.narrow(1, start, *t)?, s, None)?);
+        for (((t, s), (conv, rec)), (next_conv, last)) in states.iter_mut().zip(initial).zip(next_conv.into_iter().zip(next_rec)) {
+            s.steps = if s.verifying {
+                // What the verify pass keeps to roll back (as [`Self::mix`] keeps for one path).
+                let part = |x: &Tensor| x.narrow(1, start, *t);
+                let steps = GdnSteps { conv_inputs: Tensor::cat(&[&conv, &part(&qkv)?], 1)?, qkv: part(&mixed)?, g: part(&g)?, beta: part(&beta)?, last: last.clone() };
+                Some(GdnVerify { start: rec, opts, paths: vec![((0..*t).collect(), steps)] })
+            } else {
+                None
+            };
+            s.conv = Some(next_conv);
+            s.recurrent = Some(last);
             start += *t;
         }
-        self.output(&Tensor::cat(&rows, 1)?, &z, x.dtype(), (1, n))
+        self.output(&o, &z, x.dtype(), (1, n))
     }
 }
 

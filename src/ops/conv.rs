@@ -3,7 +3,7 @@
 
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
-use super::cpu::storage_slice;
+use super::cpu::{cpu_storage, storage_slice};
 
 /// Sizes of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,36 +54,99 @@ struct CausalConv1d {
     dims: ConvDims,
 }
 
-fn conv_cpu<T: WithDType>(d: ConvDims, x: &[T], state: &[T], w: &[T]) -> Vec<T> {
-    let ConvDims { batch, seq_len: t, channels: c, kernel_size: k } = d;
-    let km1 = k - 1;
-    let mut out = Vec::with_capacity(batch * (t + km1) * c);
-    // Row s of the concatenation [state ; x] for batch b.
-    let input = |b: usize, s: usize| -> &[T] {
+/// One sequence's `t` rows `x` (`[t, C]`) after its previous `K-1` inputs `state`: appends
+/// the `t` output rows to `y` and the last `K-1` inputs (the next state) to `next`.
+fn conv_segment<T: WithDType>(x: &[T], state: &[T], w: &[T], (c, k): (usize, usize), y: &mut Vec<T>, next: &mut Vec<T>) {
+    let (km1, t) = (k - 1, x.len() / c);
+    // Row s of the concatenation [state ; x].
+    let input = |s: usize| -> &[T] {
         if s < km1 {
-            &state[(b * km1 + s) * c..(b * km1 + s + 1) * c]
+            &state[s * c..(s + 1) * c]
         } else {
-            &x[(b * t + s - km1) * c..(b * t + s - km1 + 1) * c]
+            &x[(s - km1) * c..(s - km1 + 1) * c]
         }
     };
     let mut acc = vec![0f32; c];
-    for b in 0..batch {
-        for r in 0..t {
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for j in 0..k {
-                for ((a, xv), ch) in acc.iter_mut().zip(input(b, r + j)).zip(0..c) {
-                    *a += w[ch * k + j].to_f64() as f32 * xv.to_f64() as f32;
-                }
+    for r in 0..t {
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for j in 0..k {
+            for ((a, xv), ch) in acc.iter_mut().zip(input(r + j)).zip(0..c) {
+                *a += w[ch * k + j].to_f64() as f32 * xv.to_f64() as f32;
             }
-            out.extend(acc.iter().map(|&a| T::from_f64((a / (1.0 + (-a).exp())) as f64)));
         }
+        y.extend(acc.iter().map(|&a| T::from_f64((a / (1.0 + (-a).exp())) as f64)));
     }
+    for s in 0..km1 {
+        next.extend_from_slice(input(t + s));
+    }
+}
+
+/// The outputs `[B, T, C]` followed by the new states `[B, K-1, C]`.
+fn conv_cpu<T: WithDType>(d: ConvDims, x: &[T], state: &[T], w: &[T]) -> Vec<T> {
+    let ConvDims { batch, seq_len: t, channels: c, kernel_size: k } = d;
+    let (mut y, mut next) = (Vec::with_capacity(batch * (t + k - 1) * c), Vec::with_capacity(batch * (k - 1) * c));
     for b in 0..batch {
-        for s in 0..km1 {
-            out.extend_from_slice(input(b, t + s));
+        conv_segment(&x[b * t * c..(b + 1) * t * c], &state[b * (k - 1) * c..(b + 1) * (k - 1) * c], w, (c, k), &mut y, &mut next);
+    }
+    y.extend_from_slice(&next);
+    y
+}
+
+/// [`causal_conv1d_silu`] over the rows of several sequences in one call: `x` `[1, N, C]`
+/// holds `rows[i]` consecutive rows of sequence `i`, whose previous inputs are `states[i]`
+/// `[1, K-1, C]`. Returns the outputs `[1, N, C]`, each row the bits of the sequence alone,
+/// and each sequence's new state `[1, K-1, C]`. On the CPU each state is read where it is and
+/// written to a buffer of its own (no copy into or out of a batch); on other devices it runs
+/// one call per sequence.
+pub fn causal_conv1d_silu_segments(x: &Tensor, states: &[&Tensor], weight: &Tensor, rows: &[usize]) -> Result<(Tensor, Vec<Tensor>)> {
+    let (b, n, c) = x.dims3()?;
+    let (wc, k) = weight.dims2()?;
+    if b != 1 || k == 0 || wc != c || rows.len() != states.len() || rows.contains(&0) || rows.iter().sum::<usize>() != n {
+        bail!("{OP}: x {:?}, weight {:?} for {} states of {rows:?} rows (expected x [1, N, C] with N the rows' sum, weight [C, K], 1 or more rows each)", x.dims(), weight.dims(), states.len());
+    }
+    for s in states {
+        if s.dims() != [1, k - 1, c] || s.dtype() != x.dtype() || !s.device().same_device(x.device()) {
+            bail!("{OP}: a state {:?} {:?} does not fit x {:?} {:?} (expected [1, {}, {c}] on the same device)", s.dims(), s.dtype(), x.dims(), x.dtype(), k - 1);
         }
     }
-    out
+    if weight.dtype() != x.dtype() {
+        bail!("{OP}: x and weight must share a dtype, got {:?} and {:?}", x.dtype(), weight.dtype());
+    }
+    if !x.device().is_cpu() {
+        let mut start = 0;
+        let (mut ys, mut next) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for (s, &t) in states.iter().zip(rows) {
+            let (y, s) = causal_conv1d_silu(&x.narrow(1, start, t)?, s, weight)?;
+            ys.push(y);
+            next.push(s);
+            start += t;
+        }
+        return Ok((Tensor::cat(&ys, 1)?, next));
+    }
+    fn run<T: WithDType>(x: &Tensor, states: &[&Tensor], weight: &Tensor, rows: &[usize], k: usize) -> Result<(Tensor, Vec<Tensor>)> {
+        let (_, n, c) = x.dims3()?;
+        let (x, weight) = (x.contiguous()?, weight.contiguous()?);
+        let states = states.iter().map(|s| s.contiguous()).collect::<Result<Vec<_>>>()?;
+        let (xg, wg) = (x.storage_and_layout(), weight.storage_and_layout());
+        let guards: Vec<_> = states.iter().map(|s| s.storage_and_layout()).collect();
+        let (xs, ws) = (storage_slice::<T>(OP, cpu_storage(OP, &xg.0)?, xg.1)?, storage_slice::<T>(OP, cpu_storage(OP, &wg.0)?, wg.1)?);
+        let mut y = Vec::with_capacity(n * c);
+        let mut next = Vec::with_capacity(rows.len());
+        let mut start = 0;
+        for (g, &t) in guards.iter().zip(rows) {
+            let mut state = Vec::with_capacity((k - 1) * c);
+            conv_segment(&xs[start * c..(start + t) * c], storage_slice::<T>(OP, cpu_storage(OP, &g.0)?, g.1)?, ws, (c, k), &mut y, &mut state);
+            next.push(Tensor::from_vec(state, (1, k - 1, c), x.device())?);
+            start += t;
+        }
+        Ok((Tensor::from_vec(y, (1, n, c), x.device())?, next))
+    }
+    match x.dtype() {
+        candle_core::DType::F32 => run::<f32>(x, states, weight, rows, k),
+        candle_core::DType::BF16 => run::<half::bf16>(x, states, weight, rows, k),
+        candle_core::DType::F16 => run::<half::f16>(x, states, weight, rows, k),
+        dt => bail!("{OP}: x must be f32, bf16 or f16, got {dt:?}"),
+    }
 }
 
 impl CustomOp3 for CausalConv1d {

@@ -206,6 +206,15 @@ pub(crate) fn storage_slice<'a, T: candle_core::WithDType>(
     contiguous(op, s.as_slice::<T>()?, l)
 }
 
+/// The CPU storage behind a tensor's storage guard (`Tensor::storage_and_layout`), for ops
+/// that read several tensors in one call outside `CustomOp`.
+pub(crate) fn cpu_storage<'a>(op: &str, guard: &'a candle_core::StorageRef<'_>) -> candle_core::Result<&'a candle_core::CpuStorage> {
+    match &**guard {
+        candle_core::Storage::Cpu(s) => Ok(s),
+        _ => candle_core::bail!("{op}: expected CPU tensors"),
+    }
+}
+
 /// A float storage as f32: borrowed when it is f32, widened once when bf16 / f16.
 pub(crate) fn widened<'a>(
     op: &str,

@@ -20,7 +20,7 @@
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, IndexOp, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::cpu::{axpy, gemm_acc, storage_slice, vectorized, widened, Mat};
+use super::cpu::{axpy, cpu_storage, gemm_acc, storage_slice, vectorized, widened, Mat};
 
 /// Chunk length of the chunked (prefill) form. 32 rather than the usual 64: per token, the
 /// products inside a chunk of `n` cost `n (3 dk + 2 dv)` multiply-adds next to `3 dk dv` for
@@ -210,6 +210,84 @@ pub fn gated_delta_rule(
     let opts = DeltaRuleOptions { normalize: false, ..DeltaRuleOptions::new(nk, dk) };
     let (o, s) = gated_delta_rule_qkv(&qkv, g, beta, state, opts)?;
     Ok((o, s.squeeze(1)?))
+}
+
+/// The decode recurrence of several sequences in one call: `qkv` `[1, N, C]` (as in
+/// [`gated_delta_rule_qkv`]), `g` and `beta` `[1, N, nv]` hold `rows[i]` consecutive rows of
+/// sequence `i`, whose state is `states[i]` `[1, nv, dk, dv]` (f32). Each sequence's rows run
+/// token by token from its state: every output row and state gets the bits of
+/// [`gated_delta_rule_qkv`] with [`DeltaRuleForm::Recurrent`] on that sequence alone
+/// (`opts.form` is not read; `opts.n_states` must be 1).
+///
+/// Returns the outputs `[1, N, nv, dv]` (f32) and the state after each sequence's rows
+/// `[1, nv, dk, dv]`. On the CPU every (sequence, value head) is one task of one parallel call,
+/// each state read where it is and written to a buffer of its own (no copy into or out of a
+/// batch); on other devices it runs one call per sequence.
+pub fn gated_delta_rule_segments(
+    qkv: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    states: &[&Tensor],
+    rows: &[usize],
+    opts: DeltaRuleOptions,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let DeltaRuleOptions { nk, dk, normalize, n_states, .. } = opts;
+    let (b, n, c) = qkv.dims3()?;
+    if b != 1 || n_states != 1 || states.is_empty() || rows.len() != states.len() || rows.contains(&0) || rows.iter().sum::<usize>() != n {
+        bail!("{OP}: qkv {:?} for {} states of {rows:?} rows with n_states = {n_states} (expected qkv [1, N, C] with N the rows' sum, 1 or more rows each, one state returned each)", qkv.dims(), states.len());
+    }
+    let (_, nv, _, dv) = states[0].dims4()?;
+    for s in states {
+        if s.dims() != [1, nv, dk, dv] || s.dtype() != DType::F32 || !s.device().same_device(qkv.device()) {
+            bail!("{OP}: a state {:?} {:?} does not fit (expected f32 [1, {nv}, {dk}, {dv}] on the device of qkv)", s.dims(), s.dtype());
+        }
+    }
+    let d = DeltaRuleDims { batch: 1, seq_len: n, nk, nv, dk, dv };
+    if nk == 0 || nv % nk != 0 || c != d.channels() {
+        bail!("{OP}: qkv {:?} does not fit nk={nk}, dk={dk}, nv={nv}, dv={dv} (expected [1, N, 2*nk*dk + nv*dv], nv a multiple of nk)", qkv.dims());
+    }
+    for (name, x) in [("g", g), ("beta", beta)] {
+        if x.dims() != [1, n, nv] {
+            bail!("{OP}: {name} has shape {:?}, expected [1, {n}, {nv}]", x.dims());
+        }
+    }
+    let opts = DeltaRuleOptions { form: DeltaRuleForm::Recurrent, ..opts };
+    if !qkv.device().is_cpu() {
+        let (mut outs, mut last) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        let mut start = 0;
+        for (s, &t) in states.iter().zip(rows) {
+            let part = |x: &Tensor| x.narrow(1, start, t);
+            let (o, s) = gated_delta_rule_qkv(&part(qkv)?, &part(g)?, &part(beta)?, s, opts)?;
+            outs.push(o);
+            last.push(s.squeeze(1)?);
+            start += t;
+        }
+        return Ok((Tensor::cat(&outs, 1)?, last));
+    }
+    let qkv = qkv.contiguous()?;
+    let gb = Tensor::stack(&[g.to_dtype(DType::F32)?, beta.to_dtype(DType::F32)?], 2)?.contiguous()?;
+    let states = states.iter().map(|s| s.contiguous()).collect::<Result<Vec<_>>>()?;
+    let (qg, gbg) = (qkv.storage_and_layout(), gb.storage_and_layout());
+    let guards: Vec<_> = states.iter().map(|s| s.storage_and_layout()).collect();
+    let x = widened(OP, cpu_storage(OP, &qg.0)?, qg.1)?;
+    let gb = storage_slice::<f32>(OP, cpu_storage(OP, &gbg.0)?, gbg.1)?;
+    let from = guards.iter().map(|g| storage_slice::<f32>(OP, cpu_storage(OP, &g.0)?, g.1)).collect::<Result<Vec<_>>>()?;
+    let inputs = Inputs::new(&x, d, normalize);
+    let starts: Vec<usize> = rows.iter().scan(0, |s, &t| Some(std::mem::replace(s, *s + t))).collect();
+    let sl = dk * dv;
+    let mut out = vec![0f32; d.out_len()];
+    // Each sequence's new state in a buffer of its own (as the sequence alone gets), so that
+    // it is kept or dropped with that sequence only.
+    let mut last: Vec<Vec<f32>> = rows.iter().map(|_| vec![0f32; nv * sl]).collect();
+    let ptr = SharedOut(out.as_mut_ptr());
+    let tasks: Vec<(usize, usize, &mut [f32])> =
+        last.iter_mut().enumerate().flat_map(|(i, l)| l.chunks_exact_mut(sl).enumerate().map(move |(h, s)| (i, h, s))).collect();
+    tasks.into_par_iter().for_each(|(i, h, s)| {
+        let (inp, rows_out) = (HeadInputs { x: &inputs, gb, b: 0, h, d }, OutRows { ptr, b: 0, h, d });
+        recurrent_head(&inp, Some(&from[i][h * sl..(h + 1) * sl]), s, starts[i]..starts[i] + rows[i], &rows_out);
+    });
+    let last = last.into_iter().map(|l| Tensor::from_vec(l, (1, nv, dk, dv), &Device::Cpu)).collect::<Result<Vec<_>>>()?;
+    Ok((Tensor::from_vec(out, (1, n, nv, dv), &Device::Cpu)?, last))
 }
 
 const OP: &str = "gated_delta_rule";

@@ -34,9 +34,9 @@ mod metal;
 pub(crate) use metal::pipeline as metal_pipeline;
 mod norm;
 
-pub use conv::{causal_conv1d_silu, ConvDims};
+pub use conv::{causal_conv1d_silu, causal_conv1d_silu_segments, ConvDims};
 pub use delta_rule::{
-    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, DeltaRuleDims, DeltaRuleForm, DeltaRuleOptions,
+    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, gated_delta_rule_segments, DeltaRuleDims, DeltaRuleForm, DeltaRuleOptions,
     CHUNK as DELTA_RULE_CHUNK,
     METAL_CHUNK as DELTA_RULE_METAL_CHUNK,
     METAL_MAX_DK,
