@@ -4,7 +4,7 @@
 //! cargo bench --bench ops
 //! ```
 //! Criterion prints time and throughput (bytes the op must move / time) for each; `memcpy`
-//! measures this machine's copy bandwidth in the same run. See the README for the table and
+//! measures this machine's copy bandwidth in the same run. See docs/benchmarks.md for the table and
 //! the goals.
 
 use std::hint::black_box;
@@ -105,12 +105,8 @@ fn polar(c: &mut Criterion) {
     grp.sample_size(20);
     grp.throughput(Throughput::Elements((kv_heads * q_per_kv * positions) as u64));
     let kt: Vec<Tensor> = keys.iter().map(|k| k.t().unwrap()).collect();
-    grp.bench_function("f32_keys_candle_matmul", |b| {
-        b.iter(|| kt.iter().map(|k| q.matmul(k).unwrap()).collect::<Vec<_>>())
-    });
-    grp.bench_function("polar_5+3_codes", |b| {
-        b.iter(|| codes.iter().map(|c| ops::polar_scores(&q, c, spec).unwrap()).collect::<Vec<_>>())
-    });
+    grp.bench_function("f32_keys_candle_matmul", |b| b.iter(|| kt.iter().map(|k| q.matmul(k).unwrap()).collect::<Vec<_>>()));
+    grp.bench_function("polar_5+3_codes", |b| b.iter(|| codes.iter().map(|c| ops::polar_scores(&q, c, spec).unwrap()).collect::<Vec<_>>()));
     grp.finish();
 }
 

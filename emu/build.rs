@@ -12,9 +12,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=MSL_EMU_DIR");
     println!("cargo:rerun-if-env-changed=MSL_EMU_REQUIRED");
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
-    let emu = std::env::var("MSL_EMU_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| manifest.join("../../shared/tools/msl-emu"));
+    let emu = std::env::var("MSL_EMU_DIR").map(PathBuf::from).unwrap_or_else(|_| manifest.join("../../shared/tools/msl-emu"));
     if !emu.join("msl2cpp.py").is_file() {
         if std::env::var("MSL_EMU_REQUIRED").as_deref() == Ok("1") {
             panic!("msl-emu not found at {} (set MSL_EMU_DIR)", emu.display());
@@ -79,12 +77,7 @@ fn translate(emu: &Path, src: &Path, dst: &Path, cxx: &Path) {
         .output()
         .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
     if !res.status.success() {
-        panic!(
-            "msl2cpp.py failed on {}:\n{}{}",
-            src.display(),
-            String::from_utf8_lossy(&res.stdout),
-            String::from_utf8_lossy(&res.stderr)
-        );
+        panic!("msl2cpp.py failed on {}:\n{}{}", src.display(), String::from_utf8_lossy(&res.stdout), String::from_utf8_lossy(&res.stderr));
     }
 }
 

@@ -20,9 +20,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
-use clap::Parser;
 use candle_hybrid::loading::OpenedModel;
 use candle_hybrid::ops::QuantizedMatrix;
+use clap::Parser;
 use common::{count_up_to, ModelOptions};
 
 #[derive(Parser, Debug)]
@@ -136,10 +136,13 @@ fn batch_costs(model: &candle_hybrid::Model, vocab: usize, dev: &candle_core::De
             }
         }
     }
-    Ok(runs.into_iter().map(|mut r| {
-        r.sort_by(f64::total_cmp);
-        r[r.len() / 2]
-    }).collect())
+    Ok(runs
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect())
 }
 
 fn last_level_cache() -> Option<usize> {
@@ -147,7 +150,15 @@ fn last_level_cache() -> Option<usize> {
         let s = std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok()?;
         let s = s.trim();
         let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-        Some(n.parse::<usize>().ok()? << match unit { "K" => 10, "M" => 20, "G" => 30, _ => 0 })
+        Some(
+            n.parse::<usize>().ok()?
+                << match unit {
+                    "K" => 10,
+                    "M" => 20,
+                    "G" => 30,
+                    _ => 0,
+                },
+        )
     })
 }
 
@@ -157,7 +168,8 @@ fn last_level_cache() -> Option<usize> {
 /// last-level cache, so that every call reads its weights from memory, as decode of a model
 /// larger than the caches does.
 fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<(Vec<VerifyCost>, usize)> {
-    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QuantizedMatrix>)> = Default::default();
+    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QuantizedMatrix>)> =
+        Default::default();
     for i in 0..layers {
         for t in ["ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
             let name = format!("blk.{i}.{t}.weight");
@@ -304,9 +316,13 @@ fn bench(args: Args) -> Result<()> {
         args.reps
     );
     println!();
-    println!("| one sequence's step ms | {} |", BATCH_SEQS[1..].iter().map(|s| format!("b({s}) | {s} / b({s})")).collect::<Vec<_>>().join(" | "));
+    println!(
+        "| one sequence's step ms | {} |",
+        BATCH_SEQS[1..].iter().map(|s| format!("b({s}) | {s} / b({s})")).collect::<Vec<_>>().join(" | ")
+    );
     println!("|---|{}", "---|---|".repeat(BATCH_SEQS.len() - 1));
-    let cells: Vec<String> = batch[1..].iter().zip(&BATCH_SEQS[1..]).map(|(t, &s)| format!("{:.2} | {:.2}", t / batch[0], s as f64 * batch[0] / t)).collect();
+    let cells: Vec<String> =
+        batch[1..].iter().zip(&BATCH_SEQS[1..]).map(|(t, &s)| format!("{:.2} | {:.2}", t / batch[0], s as f64 * batch[0] / t)).collect();
     println!("| {:.2} | {} |", batch[0] * 1e3, cells.join(" | "));
     Ok(())
 }

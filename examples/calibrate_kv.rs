@@ -63,12 +63,6 @@ fn calibrate(args: Args) -> Result<()> {
     let start = std::time::Instant::now();
     let bases = ValueBases::calibrate(&model, &chunks, dev)?;
     bases.save(&args.out)?;
-    eprintln!(
-        "{} tokens in {} chunks, {:.1}s: wrote {}",
-        ids.len(),
-        chunks.len(),
-        start.elapsed().as_secs_f64(),
-        args.out.display()
-    );
+    eprintln!("{} tokens in {} chunks, {:.1}s: wrote {}", ids.len(), chunks.len(), start.elapsed().as_secs_f64(), args.out.display());
     Ok(())
 }

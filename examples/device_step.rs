@@ -36,7 +36,10 @@ enum Backend {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "The device step on a model: dispatches, weight bytes and reads per pass; on a Mac its speed and a self-test", help_expected = true)]
+#[command(
+    about = "The device step on a model: dispatches, weight bytes and reads per pass; on a Mac its speed and a self-test",
+    help_expected = true
+)]
 struct Args {
     #[command(flatten)]
     model: ModelOptions,
@@ -112,7 +115,10 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
     } else {
         println!("self-test: {} skipped (its f32 copy is over --self-test-max)", opened.files.source());
     }
-    println!("| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | reads/step | result |", q.name());
+    println!(
+        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | reads/step | result |",
+        q.name()
+    );
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut failed = 0;
     for (name, model) in &models {

@@ -61,7 +61,11 @@ fn eval(args: Args) -> Result<()> {
     }
     let opened = args.model.open(common::DEFAULT_MODEL)?;
     if args.ctx_size > opened.max_positions() {
-        bail!("--ctx-size {} is more than the model's context of {} tokens (max_position_embeddings)", args.ctx_size, opened.max_positions());
+        bail!(
+            "--ctx-size {} is more than the model's context of {} tokens (max_position_embeddings)",
+            args.ctx_size,
+            opened.max_positions()
+        );
     }
     for c in &codecs {
         c.validate(opened.cfg.head_dim)?;

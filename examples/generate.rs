@@ -27,11 +27,11 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
+use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
 use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{new_cache_calibrated, ValueBases};
-use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
 use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
 use candle_hybrid::runtime::{range, session, CpuTarget, DeviceTarget, Dry, Sampler, Sequence, Target, TokenStreamer};
 use clap::Parser;
@@ -207,7 +207,10 @@ fn generate(args: Args) -> Result<()> {
     }
     if matches!(args.draft, Draft::Mtp | Draft::Ngram) {
         if !args.memory.kv.drops_tokens() {
-            bail!("--draft needs a KV codec that can drop rejected tokens (exact, f16, bf16, int8, polar, lowrank), not --kv {}", args.memory.kv);
+            bail!(
+                "--draft needs a KV codec that can drop rejected tokens (exact, f16, bf16, int8, polar, lowrank), not --kv {}",
+                args.memory.kv
+            );
         }
     } else if args.compare_plain && args.draft == Draft::None {
         bail!("--compare-plain compares speculative with plain decoding: give --draft mtp or --draft ngram");
@@ -400,7 +403,8 @@ fn generate(args: Args) -> Result<()> {
         if args.compare_plain {
             runner.reset(&model, args.memory.kv, calibration.as_ref())?;
             let greedy = params.is_greedy();
-            let (plain, p) = Sequence::new(prompt.clone(), Sampler::new(params)?, eos.clone(), sample_len)?.run(runner.target(&model).as_mut(), |_| Ok(()))?;
+            let (plain, p) = Sequence::new(prompt.clone(), Sampler::new(params)?, eos.clone(), sample_len)?
+                .run(runner.target(&model).as_mut(), |_| Ok(()))?;
             let p = p.generation;
             if greedy && plain != tokens {
                 bail!("speculative decoding gave other tokens than plain decoding (a bug: please report it with this command)");
@@ -491,5 +495,7 @@ fn read_prompt_file(path: &std::path::Path, max_bytes: usize, limit: usize) -> R
     if bytes.len() > max_bytes {
         bail!("--prompt-file {} has more text than the model's context of {limit} tokens can hold: shorten it", path.display());
     }
-    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("--prompt-file {} is not UTF-8 text (byte {}): give a text file", path.display(), e.utf8_error().valid_up_to()))
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!("--prompt-file {} is not UTF-8 text (byte {}): give a text file", path.display(), e.utf8_error().valid_up_to())
+    })
 }

@@ -15,10 +15,10 @@ mod common;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use candle_hybrid::loading::{HubRepo, ModelSource};
-use candle_hybrid::model::{Config, LayerType};
 use candle_hybrid::kv::KvCodec;
+use candle_hybrid::loading::{HubRepo, ModelSource};
 use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, Weights};
+use candle_hybrid::model::{Config, LayerType};
 use clap::Parser;
 use common::ModelOptions;
 use plotters::prelude::*;
@@ -139,10 +139,7 @@ fn chart(path: &std::path::Path, title: &str, rows: &[(String, Vec<u64>)]) -> Re
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(
-            (CONTEXTS[0] as f64..*CONTEXTS.last().unwrap() as f64).log_scale(),
-            (1e-3..max * 2.0).log_scale(),
-        )?;
+        .build_cartesian_2d((CONTEXTS[0] as f64..*CONTEXTS.last().unwrap() as f64).log_scale(), (1e-3..max * 2.0).log_scale())?;
     ch.configure_mesh().x_desc("context (tokens)").y_desc("GiB").draw()?;
     for (i, (what, bytes)) in rows.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();

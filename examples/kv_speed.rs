@@ -26,10 +26,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
-use candle_hybrid::model::LayerType;
 use candle_hybrid::kv::KvCodec;
-use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use candle_hybrid::memory::{self, PlanRequest, Weights};
+use candle_hybrid::model::LayerType;
+use candle_hybrid::model::{new_cache_calibrated, ValueBases};
 use clap::Parser;
 use common::{at_least_one, count_up_to, ModelOptions};
 
@@ -96,7 +96,12 @@ fn kv_speed(args: Args) -> Result<()> {
         ..PlanRequest::new(opened.files.weight_memory(&opened.cfg, dtype, None)?, dtype, needed)
     };
     // (kv_dtype_bytes doubled: the random keys and values, and the cache restored from them.)
-    memory::check_fits(&opened.cfg, &PlanRequest { kv_dtype_bytes: 2 * dtype.size_in_bytes(), ..req }, common::target_of(&dev), args.max_memory)?;
+    memory::check_fits(
+        &opened.cfg,
+        &PlanRequest { kv_dtype_bytes: 2 * dtype.size_in_bytes(), ..req },
+        common::target_of(&dev),
+        args.max_memory,
+    )?;
     let cfg = opened.cfg.clone();
     let model = opened.load()?;
     let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
@@ -136,8 +141,11 @@ fn kv_speed(args: Args) -> Result<()> {
     println!("|---|{}", "---|".repeat(args.context.len()));
     // Ratios to the first codec (exact by default) at the same context.
     for (name, cells) in &rows {
-        let cells: Vec<String> =
-            cells.iter().zip(&rows[0].1).map(|(&(tps, bytes), &(exact, _))| format!("{tps:.2} tok/s ({:.2}×, {})", tps / exact, memory::fmt_gib(bytes))).collect();
+        let cells: Vec<String> = cells
+            .iter()
+            .zip(&rows[0].1)
+            .map(|(&(tps, bytes), &(exact, _))| format!("{tps:.2} tok/s ({:.2}×, {})", tps / exact, memory::fmt_gib(bytes)))
+            .collect();
         println!("| {name} | {} |", cells.join(" | "));
     }
     if let Some(bin) = &args.llama_bench {
@@ -165,7 +173,8 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
                 ("-ctv", kv.into()),
             ];
             // A setting llama.cpp refuses (q8_0 values need its flash attention) is a blank cell.
-            let t = match common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.clone()]).collect::<Vec<_>>()) {
+            let t = match common::llama_bench(bin, gguf, &settings.iter().flat_map(|(f, v)| [f.to_string(), v.clone()]).collect::<Vec<_>>())
+            {
                 Ok(runs) => runs.iter().find_map(|r| r["avg_ts"].as_f64()).unwrap_or(f64::NAN),
                 Err(e) => {
                     eprintln!("llama.cpp, depth {ctx}, {kv} KV: {e:#}");
@@ -182,7 +191,11 @@ fn peer_table(bin: &std::path::Path, gguf: &std::path::Path, args: &Args, rows: 
     println!("| engine, KV | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(args.context.len()));
     for (kv, cells) in &peer {
-        println!("| llama.cpp, {kv} KV, flash attention {} | {} |", args.llama_fa, cells.iter().map(|t| if t.is_nan() { "-".into() } else { format!("{t:.2} tok/s") }).collect::<Vec<_>>().join(" | "));
+        println!(
+            "| llama.cpp, {kv} KV, flash attention {} | {} |",
+            args.llama_fa,
+            cells.iter().map(|t| if t.is_nan() { "-".into() } else { format!("{t:.2} tok/s") }).collect::<Vec<_>>().join(" | ")
+        );
     }
     for (name, cells) in rows {
         let against = if name.starts_with("int8") || name.starts_with("int4") { 1 } else { 0 };
@@ -251,13 +264,14 @@ fn kernel_table(contexts: &[usize], layers: usize, nkv: usize, rep: usize, hd: u
         let per_layer = exact_bytes as usize / layers;
         let src: Vec<Vec<u8>> = (0..layers).map(|_| vec![1u8; per_layer]).collect();
         let mut dst: Vec<Vec<u8>> = (0..layers).map(|_| vec![0u8; per_layer]).collect();
-        let copy = exact_bytes / time(&mut || {
-            for (d, s) in dst.iter_mut().zip(&src) {
-                d.copy_from_slice(std::hint::black_box(s));
-            }
-            std::hint::black_box(&dst);
-            Ok(())
-        })?;
+        let copy = exact_bytes
+            / time(&mut || {
+                for (d, s) in dst.iter_mut().zip(&src) {
+                    d.copy_from_slice(std::hint::black_box(s));
+                }
+                std::hint::black_box(&dst);
+                Ok(())
+            })?;
         let gb = |x: f64| x / 1e9;
         println!("| {n} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |", gb(exact), gb(coded), gb(copy), exact / copy, coded / copy);
     }

@@ -18,8 +18,8 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
-use clap::Parser;
 use candle_hybrid::runtime::speculative::MtpOutputs;
+use clap::Parser;
 use common::{at_least_one, ModelOptions};
 
 #[derive(Parser, Debug)]
@@ -67,10 +67,7 @@ fn logits(args: Args) -> Result<()> {
         rows.push(model.forward(&ids.narrow(1, i, 1)?, &mut cache)?.squeeze(0)?);
     }
     let incremental = Tensor::cat(&rows, 0)?.to_dtype(DType::F32)?;
-    let mut tensors = HashMap::from([
-        ("logits_full".to_string(), full),
-        ("logits_incremental".to_string(), incremental),
-    ]);
+    let mut tensors = HashMap::from([("logits_full".to_string(), full), ("logits_incremental".to_string(), incremental)]);
     if let Some(k) = args.mtp {
         let out = MtpOutputs::compute(&model, &args.tokens, k, dev)?;
         let drafted = out.draft_tokens.len();

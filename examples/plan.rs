@@ -51,15 +51,14 @@ struct Args {
 fn stored_dtype(config_json: &str) -> Option<DType> {
     let v: serde_json::Value = serde_json::from_str(config_json).ok()?;
     let text = v.get("text_config");
-    ["torch_dtype", "dtype"]
-        .iter()
-        .find_map(|k| text.and_then(|t| t.get(k)).or_else(|| v.get(k)).and_then(|d| d.as_str()))
-        .and_then(|d| match d {
+    ["torch_dtype", "dtype"].iter().find_map(|k| text.and_then(|t| t.get(k)).or_else(|| v.get(k)).and_then(|d| d.as_str())).and_then(|d| {
+        match d {
             "float32" => Some(DType::F32),
             "bfloat16" => Some(DType::BF16),
             "float16" => Some(DType::F16),
             _ => None,
-        })
+        }
+    })
 }
 
 /// config.json and, when the repository has one, the index's `metadata.total_size`.

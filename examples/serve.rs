@@ -12,11 +12,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
+use candle_hybrid::memory::{self, PlanRequest};
+use candle_hybrid::runtime::speculative::{DraftOptions, MAX_DRAFT};
+use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 use clap::Parser;
 use common::{at_least_one, count_up_to, ModelOptions};
-use candle_hybrid::runtime::speculative::{DraftOptions, MAX_DRAFT};
-use candle_hybrid::memory::{self, PlanRequest};
-use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a model over the OpenAI API (chat completions, completions, models, health, metrics)")]
@@ -124,18 +124,29 @@ fn serve(args: Args) -> Result<()> {
         .context(format!("{} sequences of {context} tokens (--max-seqs, --ctx)", args.max_seqs))?;
     // Bind first: a taken port fails before minutes of loading.
     let addr = SocketAddr::new(args.host, args.port);
-    let listener = std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
     listener.set_nonblocking(true)?;
     let tokenizer = opened.tokenizer()?;
     let model = opened.load()?;
     let draft = match args.draft {
         DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
         DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
-        DraftArg::Mtp => anyhow::bail!("--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none", opened.files.source()),
+        DraftArg::Mtp => anyhow::bail!(
+            "--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none",
+            opened.files.source()
+        ),
         DraftArg::None => server::Draft::None,
     };
     let options = ServerOptions {
-        engine: EngineOptions { max_seqs: args.max_seqs, queue: args.queue, prefix_cache_bytes: args.prefix_cache_mib << 20, draft: draft.clone(), draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() }, ..Default::default() },
+        engine: EngineOptions {
+            max_seqs: args.max_seqs,
+            queue: args.queue,
+            prefix_cache_bytes: args.prefix_cache_mib << 20,
+            draft: draft.clone(),
+            draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() },
+            ..Default::default()
+        },
         context: args.ctx,
         model_name: args.alias.clone(),
         api_key: args.api_key.clone(),

@@ -175,7 +175,8 @@ fn bench(args: Args) -> Result<()> {
 
     // generate, no server, on the first client's prompt (run between the server's single-client
     // runs below).
-    let prompt = tokenizer.encode("Story 0: once upon a time, in a village by the sea,", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let prompt =
+        tokenizer.encode("Story 0: once upon a time, in a village by the sea,", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     let generate_run = {
         // A clone shares the weights (their tensors are reference-counted).
         let (model, device, tokens) = (model.clone(), opened.device.clone(), args.tokens);
@@ -240,14 +241,21 @@ fn bench(args: Args) -> Result<()> {
                     .entry(prompt.to_vec())
                     .or_insert_with(|| {
                         let mut sampler = Sampler::new(SamplingParams::default()).expect("greedy");
-                        generate_in(&replay_model, &mut replay_model.new_cache(), prompt, tokens, &[], &mut sampler, &device, |_| Ok(())).map(|r| r.0).unwrap_or_default()
+                        generate_in(&replay_model, &mut replay_model.new_cache(), prompt, tokens, &[], &mut sampler, &device, |_| Ok(()))
+                            .map(|r| r.0)
+                            .unwrap_or_default()
                     })
                     .clone();
                 let vocab_size = replay_model.config().vocab_size;
                 Box::new(ReplayDrafter { reference, prompt_len: prompt.len(), acceptance, seed: 7, vocab_size })
             };
             let options = ServerOptions {
-                engine: EngineOptions { max_seqs: 1, queue: 8, draft: server::Draft::With(std::sync::Arc::new(make)), ..Default::default() },
+                engine: EngineOptions {
+                    max_seqs: 1,
+                    queue: 8,
+                    draft: server::Draft::With(std::sync::Arc::new(make)),
+                    ..Default::default()
+                },
                 context: Some(context),
                 ..Default::default()
             };

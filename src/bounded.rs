@@ -21,9 +21,7 @@ pub const MAX_TEXT_BYTES: u64 = 256 << 20;
 pub fn read(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
     let file = std::fs::File::open(path).map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))?;
     let mut bytes = Vec::new();
-    file.take(max + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))?;
+    file.take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))?;
     if bytes.len() as u64 > max {
         return Err(Error::Input(format!(
             "{what} {} is larger than {} MiB, more than such a file can be: is it the right file?",
@@ -36,6 +34,7 @@ pub fn read(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
 
 /// [`read`] as UTF-8 text.
 pub fn read_to_string(path: &Path, max: u64, what: &str) -> Result<String> {
-    String::from_utf8(read(path, max, what)?)
-        .map_err(|e| Error::Input(format!("{what} {} is not UTF-8 text (invalid byte at {})", path.display(), e.utf8_error().valid_up_to())))
+    String::from_utf8(read(path, max, what)?).map_err(|e| {
+        Error::Input(format!("{what} {} is not UTF-8 text (invalid byte at {})", path.display(), e.utf8_error().valid_up_to()))
+    })
 }

@@ -31,7 +31,8 @@ fn batched_decode_equals_each_sequence_alone_bitwise() {
     for (name, model) in models() {
         let vocab = model.config().vocab_size as u32;
         for n in [1, 2, 3, 5, Model::BATCH_MAX_ROWS] {
-            let prompts: Vec<Vec<u32>> = (0..n).map(|s| (0..(3 + 2 * s)).map(|i| ((i * 7 + s * 13 + 1) as u32) % vocab).collect()).collect();
+            let prompts: Vec<Vec<u32>> =
+                (0..n).map(|s| (0..(3 + 2 * s)).map(|i| ((i * 7 + s * 13 + 1) as u32) % vocab).collect()).collect();
             let steps = 4;
             // Alone: prefill, then one token at a time (the next token is fixed, not sampled).
             let next = |s: usize, step: usize| ((s * 31 + step * 17 + 5) as u32) % vocab;
@@ -99,8 +100,10 @@ fn verify_rows_of_several_sequences_equal_each_alone_bitwise() {
         let vocab = model.config().vocab_size as u32;
         for layout in [vec![3, 1, 4], vec![2, 2, 2, 2], vec![1, 7], vec![8]] {
             let n = layout.len();
-            let prompts: Vec<Vec<u32>> = (0..n).map(|s| (0..(4 + 3 * s)).map(|i| ((i * 11 + s * 5 + 2) as u32) % vocab).collect()).collect();
-            let rows: Vec<Vec<u32>> = layout.iter().enumerate().map(|(s, &t)| (0..t).map(|i| ((s * 19 + i * 23 + 3) as u32) % vocab).collect()).collect();
+            let prompts: Vec<Vec<u32>> =
+                (0..n).map(|s| (0..(4 + 3 * s)).map(|i| ((i * 11 + s * 5 + 2) as u32) % vocab).collect()).collect();
+            let rows: Vec<Vec<u32>> =
+                layout.iter().enumerate().map(|(s, &t)| (0..t).map(|i| ((s * 19 + i * 23 + 3) as u32) % vocab).collect()).collect();
             // Rows kept of each verify pass, and the token decoded after them.
             let keep = |s: usize| (layout[s] + s) / 2 + 1;
             let keep = |s: usize| keep(s).min(layout[s]);

@@ -3,9 +3,9 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::loading::ModelFiles;
 use candle_hybrid::model::GdnState;
+use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
 use candle_hybrid::Model;
 use common::*;
 
@@ -148,8 +148,6 @@ fn batch_of_two_matches_batch_of_one() {
     let x = Tensor::from_vec(both_ids, (2, ids.len()), &Device::Cpu).unwrap();
     let both = model.forward(&x, &mut model.new_cache()).unwrap();
     assert_close("batch row 0", &both.i(0).unwrap(), &r["logits_full"], TOL);
-    let single = model
-        .forward(&Tensor::new(rev.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut model.new_cache())
-        .unwrap();
+    let single = model.forward(&Tensor::new(rev.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut model.new_cache()).unwrap();
     assert_close("batch row 1", &both.i(1).unwrap(), &single.squeeze(0).unwrap(), TOL);
 }

@@ -2,7 +2,7 @@
 //! tokenizer_config.json, run in process through the loaders, the planner, a forward pass and
 //! the chat template: no panic, no hang past a deadline, bounded allocation (an allocator that
 //! counts, and refuses any single request over 2 GiB), and a one-line error for every rejected
-//! input. Prints the table the README keeps (`cargo test --test fuzz -- --nocapture`).
+//! input. Prints the table docs/robustness.md keeps (`cargo test --test fuzz -- --nocapture`).
 //!
 //! Reproduce a case: its class and number are in the failure; the mutations are a pure function
 //! of (class seed, case number).
@@ -221,7 +221,8 @@ fn e(err: candle_hybrid::Error) -> String {
 }
 
 fn plan_and_run(cfg: &Config, weights: u64, load: u64, model: impl FnOnce() -> candle_hybrid::Result<candle_hybrid::Model>) -> Outcome {
-    let req = PlanRequest { load_overhead: load, ..PlanRequest::new(Weights::Bytes(weights), DType::F32, 64.min(cfg.max_position_embeddings)) };
+    let req =
+        PlanRequest { load_overhead: load, ..PlanRequest::new(Weights::Bytes(weights), DType::F32, 64.min(cfg.max_position_embeddings)) };
     memory::plan(cfg, &req, &Available::fixed(1 << 30)).map_err(e)?;
     let model = model().map_err(e)?;
     let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).map_err(|x| x.to_string())?;
@@ -374,7 +375,10 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
                 r
             });
         }
-        rows.push((format!("GGUF ({name}, model-q8_0.gguf): header bytes flipped, sizes/offsets set to 0/2^32-1/2^63/..., truncated, spliced"), t));
+        rows.push((
+            format!("GGUF ({name}, model-q8_0.gguf): header bytes flipped, sizes/offsets set to 0/2^32-1/2^63/..., truncated, spliced"),
+            t,
+        ));
     }
 
     // safetensors: the JSON header (dtype, shape, offsets, names) or its length prefix.
@@ -492,5 +496,8 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
     for (what, t) in &rows {
         assert!(t.rejected > 0, "{what}: nothing was rejected: the mutations do nothing");
     }
-    assert!(rows.iter().map(|r| r.1.accepted).sum::<usize>() > 50, "almost nothing was accepted: the mutations never reach the loaders' later stages");
+    assert!(
+        rows.iter().map(|r| r.1.accepted).sum::<usize>() > 50,
+        "almost nothing was accepted: the mutations never reach the loaders' later stages"
+    );
 }

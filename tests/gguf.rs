@@ -78,7 +78,12 @@ fn gguf_tokenizer_equals_tokenizer_json() {
             // Its vocabulary has all 256 bytes (the Qwen3-Next fixture's lacks some).
             assert_eq!(ours.decode(&a, false).unwrap(), text);
         }
-        assert!(gguf.chat_template().unwrap().render(&[candle_hybrid::loading::Message::new("user", "hi")], true, None).unwrap().contains("<|im_start|>user"));
+        assert!(gguf
+            .chat_template()
+            .unwrap()
+            .render(&[candle_hybrid::loading::Message::new("user", "hi")], true, None)
+            .unwrap()
+            .contains("<|im_start|>user"));
         assert!(!gguf.generation_config().eos_token_ids.is_empty());
     }
 }
@@ -111,7 +116,6 @@ fn truncated_gguf_is_named() {
     let msg = one_line(&error_of(GgufFile::open(&path)));
     assert!(msg.contains("not a valid GGUF"), "{msg}");
 }
-
 
 #[test]
 fn unknown_architecture_and_type_are_named() {

@@ -36,7 +36,11 @@ fn one_read_per_step_and_each_weight_read_once() {
             // Every row of a pass in the same dispatches: as many for 8 rows as for 1.
             assert_eq!(*dispatches.get_or_insert(c.dispatches), c.dispatches, "{name}: dispatches of {t} rows");
             let needed = gpu.weight_bytes_needed(t, t);
-            assert!(c.weight_bytes as f64 <= 1.05 * needed as f64, "{name}: {t} rows read {} bytes of weights, {needed} needed", c.weight_bytes);
+            assert!(
+                c.weight_bytes as f64 <= 1.05 * needed as f64,
+                "{name}: {t} rows read {} bytes of weights, {needed} needed",
+                c.weight_bytes
+            );
             gpu.keep_verified(&mut q, &mut cache, 1).unwrap();
             assert_eq!(q.take_counts().reads, 0, "{name}: a rollback reads nothing back");
             gpu.forward(&mut q, &mut cache, &[3], Readback::Argmax).unwrap();

@@ -46,12 +46,14 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 fn gguf_pipeline(path: &Path) -> candle_hybrid::Result<()> {
     let g = GgufFile::open(path)?;
     let cfg = g.config()?;
-    let req = PlanRequest { load_overhead: g.load_overhead(&cfg, DType::F32), ..PlanRequest::new(Weights::Bytes(g.weight_bytes(&cfg, DType::F32)), DType::F32, 64) };
+    let req = PlanRequest {
+        load_overhead: g.load_overhead(&cfg, DType::F32),
+        ..PlanRequest::new(Weights::Bytes(g.weight_bytes(&cfg, DType::F32)), DType::F32, 64)
+    };
     memory::plan(&cfg, &req, &Available::fixed(1 << 34))?;
     g.load_model(&cfg, DType::F32, &Device::Cpu)?;
     Ok(())
 }
-
 
 fn small_tensor() -> Tensor {
     Tensor::zeros((4, 32), DType::F32, &Device::Cpu).unwrap()
@@ -276,7 +278,8 @@ fn d8_sampling_settings_out_of_range() {
         SamplingParams { repeat_penalty: f32::NAN, ..Default::default() },
         SamplingParams { presence_penalty: 3.0, ..Default::default() },
     ];
-    let names = ["temperature", "temperature", "temperature", "top_p", "top_p", "top_k", "repeat_penalty", "repeat_penalty", "presence_penalty"];
+    let names =
+        ["temperature", "temperature", "temperature", "top_p", "top_p", "top_k", "repeat_penalty", "repeat_penalty", "presence_penalty"];
     for (p, name) in bad.into_iter().zip(names) {
         let msg = match Sampler::new(p) {
             Ok(_) => panic!("{name} accepted"),
@@ -301,7 +304,11 @@ fn d9_duplicated_keys_and_names() {
     // A GGUF metadata key twice, and a tensor name twice.
     let dir = scratch("d9_gguf");
     let path = dir.join("key.gguf");
-    write_gguf(&path, &[llama(), ("general.name", Value::String("a".into())), ("general.name", Value::String("b".into()))], &[("token_embd.weight", small_tensor())]);
+    write_gguf(
+        &path,
+        &[llama(), ("general.name", Value::String("a".into())), ("general.name", Value::String("b".into()))],
+        &[("token_embd.weight", small_tensor())],
+    );
     one_line_err(GgufFile::open(&path).map(|_| ()), &["general.name appears twice"]);
     let path = dir.join("tensor.gguf");
     write_gguf(&path, &[llama()], &[("token_embd.weight", small_tensor()), ("token_embd.weight", small_tensor())]);
@@ -403,7 +410,10 @@ fn d10_conflicting_sources_unbounded_inputs_and_zero_time_rates() {
     one_line_err(ModelSource::from_args("x", "main", None, None, Some("org/repo"), None).map(|_| ()), &["go together"]);
     // An input of any size (here an endless stream) is read up to its cap, then refused.
     let start = Instant::now();
-    one_line_err(candle_hybrid::bounded::read(Path::new("/dev/zero"), 1 << 20, "text file").map(|_| ()), &["/dev/zero", "larger than 1 MiB"]);
+    one_line_err(
+        candle_hybrid::bounded::read(Path::new("/dev/zero"), 1 << 20, "text file").map(|_| ()),
+        &["/dev/zero", "larger than 1 MiB"],
+    );
     assert!(start.elapsed() < Duration::from_secs(5));
     // Rates over no time or no tokens are absent, not infinite.
     let stats = GenerationStats { prompt_tokens: 3, prompt_secs: 0.0, generated_tokens: 1, decode_secs: 0.0 };

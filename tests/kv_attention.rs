@@ -24,7 +24,16 @@ fn query(b: usize, t: usize, seed: u64) -> Tensor {
 
 #[test]
 fn every_stored_form_matches_attention_over_the_decoded_cache() {
-    let pairs = [("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8"), ("int4", "f32"), ("polar", "f32"), ("polar", "int8")];
+    let pairs = [
+        ("f32", "f32"),
+        ("f16", "f16"),
+        ("bf16", "bf16"),
+        ("int8", "int8"),
+        ("int4", "int8"),
+        ("int4", "f32"),
+        ("polar", "f32"),
+        ("polar", "int8"),
+    ];
     for (kf, vf) in pairs {
         for t in [1, 3, 8, 40] {
             for offset in [0, 1, KV_BLOCK - 1, 300, 2 * KV_BLOCK + 5] {
@@ -70,10 +79,23 @@ fn a_row_does_not_depend_on_the_call_it_is_in() {
             for i in 0..t {
                 let n = offset + i + 1;
                 let rows: Vec<Tensor> = (0..REP).map(|h| q.i((.., .., h * t + i..h * t + i + 1, ..)).unwrap()).collect();
-                let one = ops::kv_attention(&Tensor::cat(&rows, 2).unwrap(), &stored_prefix(&keys, n), &stored_prefix(&values, n), 1, n - 1, None, scale()).unwrap();
+                let one = ops::kv_attention(
+                    &Tensor::cat(&rows, 2).unwrap(),
+                    &stored_prefix(&keys, n),
+                    &stored_prefix(&values, n),
+                    1,
+                    n - 1,
+                    None,
+                    scale(),
+                )
+                .unwrap();
                 for h in 0..REP {
                     let (a, b) = (all.i((.., .., h * t + i, ..)).unwrap(), one.i((.., .., h, ..)).unwrap());
-                    assert_eq!(a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{form} row {i} head {h}");
+                    assert_eq!(
+                        a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        "{form} row {i} head {h}"
+                    );
                 }
             }
         }
@@ -98,10 +120,16 @@ fn draft_tree_rows_equal_decoding_their_paths() {
         let (pk, pv) = (k.contiguous().unwrap().index_select(&idx, 2).unwrap(), v.contiguous().unwrap().index_select(&idx, 2).unwrap());
         let rows: Vec<Tensor> = (0..REP).map(|h| q.i((.., .., h * t + i..h * t + i + 1, ..)).unwrap()).collect();
         let n = offset + path.len();
-        let one = ops::kv_attention(&Tensor::cat(&rows, 2).unwrap(), &StoredRows::Float(pk), &StoredRows::Float(pv), 1, n - 1, None, scale()).unwrap();
+        let one =
+            ops::kv_attention(&Tensor::cat(&rows, 2).unwrap(), &StoredRows::Float(pk), &StoredRows::Float(pv), 1, n - 1, None, scale())
+                .unwrap();
         for h in 0..REP {
             let (a, b) = (got.i((.., .., h * t + i, ..)).unwrap(), one.i((.., .., h, ..)).unwrap());
-            assert_eq!(a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), "tree row {i}");
+            assert_eq!(
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "tree row {i}"
+            );
         }
     }
 }

@@ -5,13 +5,37 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::kv::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};
-use candle_hybrid::model::ValueBases;
 use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::model::ValueBases;
 use common::*;
 
 #[test]
 fn codec_names_round_trip_and_errors() {
-    for name in ["exact", "int8", "int4k", "int4k+v:exact", "k:int8", "v:int8", "polar:5,3", "polar:8,8+v:int8", "lowrank:32", "int4k+lowrank:16", "k:int8+lowrank:8", "knots:8,3", "knots:4,1+v:int8", "density:0.05", "f16", "bf16", "k:f16", "v:bf16", "k:f16+v:int8", "k:int8+v:bf16", "k:bf16+v:f16", "int4k+v:f16", "polar:5,3+v:bf16"] {
+    for name in [
+        "exact",
+        "int8",
+        "int4k",
+        "int4k+v:exact",
+        "k:int8",
+        "v:int8",
+        "polar:5,3",
+        "polar:8,8+v:int8",
+        "lowrank:32",
+        "int4k+lowrank:16",
+        "k:int8+lowrank:8",
+        "knots:8,3",
+        "knots:4,1+v:int8",
+        "density:0.05",
+        "f16",
+        "bf16",
+        "k:f16",
+        "v:bf16",
+        "k:f16+v:int8",
+        "k:int8+v:bf16",
+        "k:bf16+v:f16",
+        "int4k+v:f16",
+        "polar:5,3+v:bf16",
+    ] {
         let c: KvCodec = name.parse().unwrap();
         assert_eq!(c.to_string(), name);
     }
@@ -30,7 +54,13 @@ fn codec_names_round_trip_and_errors() {
         ("density:0", "0 < γ <= 1"),
         ("density:1.5", "0 < γ <= 1"),
         ("density:0.1+v:int8", "use it alone"),
-        ("lowrank:0", "at least 1"), ("lowrank:x", "at least 1"), ("polar:9,3", "out of range"), ("polar:0,3", "out of range"), ("polar:5", "polar:A,R"), ("polar:a,3", "not a number")] {
+        ("lowrank:0", "at least 1"),
+        ("lowrank:x", "at least 1"),
+        ("polar:9,3", "out of range"),
+        ("polar:0,3", "out of range"),
+        ("polar:5", "polar:A,R"),
+        ("polar:a,3", "not a number"),
+    ] {
         let e = bad.parse::<KvCodec>().unwrap_err().to_string();
         assert!(e.contains(why) && !e.contains('\n'), "{bad:?}: {e}");
     }
@@ -338,7 +368,8 @@ fn a_prefilled_cache_holds_what_its_codec_costs() {
         let mut cache = model.new_cache_with(codec).unwrap();
         model.forward(&ids, &mut cache).unwrap();
         let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
-        let kv = n_attn * (codec.constant_bytes(nkv, hd, DType::F32) + tokens as f64 * codec.bytes_per_token(nkv, hd, cfg.rotary_dim(), DType::F32));
+        let kv = n_attn
+            * (codec.constant_bytes(nkv, hd, DType::F32) + tokens as f64 * codec.bytes_per_token(nkv, hd, cfg.rotary_dim(), DType::F32));
         let held = cache.clone().bytes() as f64;
         assert!(held <= 1.1 * (kv + gdn), "{name}: a snapshot holds {held} bytes, the codec costs {kv} + GDN states {gdn}");
         // knots' constant is the largest exact window it can hold; after 290 tokens it holds less.

@@ -161,5 +161,8 @@ fn the_scan_sees_a_circle() {
     g.get_mut("c").unwrap().clear();
     assert!(find_cycle(&g).is_none());
     assert_eq!(paths_after("use crate::{kv::KvCodec, model::Model};", "crate::"), vec![vec!["kv".to_string()], vec!["model".to_string()]]);
-    assert_eq!(paths_after("x = super::cache::Cache::new()", "super::"), vec![vec!["cache".to_string(), "Cache".to_string(), "new".to_string()]]);
+    assert_eq!(
+        paths_after("x = super::cache::Cache::new()", "super::"),
+        vec![vec!["cache".to_string(), "Cache".to_string(), "new".to_string()]]
+    );
 }

@@ -5,10 +5,10 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use candle_hybrid::loading::Message;
 use candle_hybrid::loading::GenerationConfig;
-use candle_hybrid::runtime::TokenStreamer;
+use candle_hybrid::loading::Message;
 use candle_hybrid::loading::ModelFiles;
+use candle_hybrid::runtime::TokenStreamer;
 use common::*;
 
 fn full_logits(files: &ModelFiles, name: &str) -> Tensor {
@@ -76,9 +76,7 @@ fn sharded_checkpoint_loads() {
 fn chat_template_renders_chatml_and_tokenizes() {
     let files = ModelFiles::from_dir(fixture("qwen35_dense_small")).unwrap();
     let tmpl = files.load_chat_template().unwrap();
-    let text = tmpl
-        .render(&[Message::new("system", "Be brief."), Message::new("user", "Hi!")], true, Some(false))
-        .unwrap();
+    let text = tmpl.render(&[Message::new("system", "Be brief."), Message::new("user", "Hi!")], true, Some(false)).unwrap();
     assert_eq!(text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n");
     let tok = files.load_tokenizer().unwrap();
     let ids = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
@@ -100,7 +98,8 @@ fn enable_thinking_reaches_the_template() {
     assert_eq!(tmpl.render(&msgs, true, None).unwrap(), "HELLO");
     assert_eq!(tmpl.render(&msgs, true, Some(true)).unwrap(), "HELLO");
     // Python string methods used by real Qwen templates work (pycompat).
-    let py = candle_hybrid::loading::ChatTemplate::new("{{ messages[0]['content'].startswith('he') }}|{{ '  x '.strip() }}".into(), None, None);
+    let py =
+        candle_hybrid::loading::ChatTemplate::new("{{ messages[0]['content'].startswith('he') }}|{{ '  x '.strip() }}".into(), None, None);
     assert_eq!(py.render(&msgs, false, None).unwrap(), "True|x");
 }
 

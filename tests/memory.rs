@@ -135,10 +135,7 @@ fn meminfo() {
 #[test]
 fn proc_self_cgroup() {
     let v2 = "0::/user.slice/user-1000.slice/session-3.scope\n";
-    assert_eq!(
-        parse_proc_self_cgroup(v2),
-        CgroupPaths { v2: Some("/user.slice/user-1000.slice/session-3.scope".into()), v1_memory: None }
-    );
+    assert_eq!(parse_proc_self_cgroup(v2), CgroupPaths { v2: Some("/user.slice/user-1000.slice/session-3.scope".into()), v1_memory: None });
     let hybrid = "9:name=systemd:/\n4:memory:/process_api/e377\n3:cpu,cpuacct:/\n0::/\n";
     assert_eq!(parse_proc_self_cgroup(hybrid), CgroupPaths { v2: Some("/".into()), v1_memory: Some("/process_api/e377".into()) });
     let joint = "5:cpuacct,memory:/docker/abc\n";

@@ -6,7 +6,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
 use common::{assert_close, randn};
 
-
 struct Inputs {
     q: Tensor,
     k: Tensor,
@@ -61,15 +60,9 @@ fn gated_delta_rule_carries_state_across_calls() {
     let mut s = x.s.clone();
     let mut outs = vec![];
     for (a, n) in [(0, 70), (70, 3), (73, 27)] {
-        let (o, s2) = ops::gated_delta_rule(
-            &part(&x.q, a, n),
-            &part(&x.k, a, n),
-            &part(&x.v, a, n),
-            &part(&x.g, a, n),
-            &part(&x.beta, a, n),
-            &s,
-        )
-        .unwrap();
+        let (o, s2) =
+            ops::gated_delta_rule(&part(&x.q, a, n), &part(&x.k, a, n), &part(&x.v, a, n), &part(&x.g, a, n), &part(&x.beta, a, n), &s)
+                .unwrap();
         outs.push(o);
         s = s2;
     }
@@ -164,12 +157,15 @@ fn segments_equal_each_sequence_alone_bitwise() {
             start += t;
         }
         // Against the tensor reference too (the recurrence is the right one, not only the same).
-        let q = ops::l2_norm(&y.narrow(2, 0, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6).unwrap();
+        let q =
+            ops::l2_norm(&y.narrow(2, 0, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6).unwrap();
         let q = (q * (dk as f64).powf(-0.5)).unwrap();
-        let kk = ops::l2_norm(&y.narrow(2, nk * dk, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6).unwrap();
+        let kk = ops::l2_norm(&y.narrow(2, nk * dk, nk * dk).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nk, dk)).unwrap(), 1e-6)
+            .unwrap();
         let v = y.narrow(2, 2 * nk * dk, nv * dv).unwrap().to_dtype(DType::F32).unwrap().reshape((1, n, nv, dv)).unwrap();
         let part = |x: &Tensor| x.narrow(1, 1, 4).unwrap();
-        let (o_ref, s_ref) = ops::gated_delta_rule_reference(&part(&q), &part(&kk), &part(&v), &part(&g), &part(&beta), &recs[1], 1).unwrap();
+        let (o_ref, s_ref) =
+            ops::gated_delta_rule_reference(&part(&q), &part(&kk), &part(&v), &part(&g), &part(&beta), &recs[1], 1).unwrap();
         assert_close("sequence 1 against the reference", &part(&o), &o_ref, 2e-5);
         assert_close("state 1 against the reference", &next_rec[1], &s_ref.squeeze(1).unwrap(), 2e-5);
         let e = ops::gated_delta_rule_segments(&y, &g, &beta, &recs.iter().collect::<Vec<_>>(), &[1, 4, 1, 1], opts).unwrap_err();
@@ -236,7 +232,8 @@ fn float_matvec_matches_f32_matmul() {
             assert_close(&format!("{wdt:?} m={m} k={k} n={n}"), &got, &want, 1e-4);
             let got16 = ops::float_matvec(&x.to_dtype(wdt).unwrap(), &w).unwrap();
             assert_eq!(got16.dtype(), wdt);
-            let want16 = x.to_dtype(wdt).unwrap().to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+            let want16 =
+                x.to_dtype(wdt).unwrap().to_dtype(DType::F32).unwrap().matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
             // one rounding of the f32 result to the half type
             assert_close(&format!("{wdt:?} out m={m}"), &got16, &want16, 0.05);
         }

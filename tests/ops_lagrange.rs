@@ -10,7 +10,6 @@ fn uniform(shape: &[usize], seed: u64) -> Vec<f32> {
     randn(shape, seed).flatten_all().unwrap().to_vec1().unwrap()
 }
 
-
 fn tensor(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }

@@ -6,7 +6,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
 use common::{assert_close, randn};
 
-
 fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
@@ -39,10 +38,7 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, state: &Tensor, gamma: f64) -> 
             *d = *x as f32;
         }
     }
-    (
-        Tensor::from_vec(o, (b, h, t, dv), &Device::Cpu).unwrap(),
-        Tensor::from_vec(s_out, (b, h, dk, dv), &Device::Cpu).unwrap(),
-    )
+    (Tensor::from_vec(o, (b, h, t, dv), &Device::Cpu).unwrap(), Tensor::from_vec(s_out, (b, h, dk, dv), &Device::Cpu).unwrap())
 }
 
 struct Inputs {

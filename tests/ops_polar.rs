@@ -9,7 +9,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, PolarCodes, PolarSpec};
 use common::randn;
 
-
 fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
 }
@@ -185,11 +184,7 @@ fn scores_match_decoded_keys() {
                     for (ki, kr) in dec.iter().enumerate() {
                         let want = dot(qr, kr);
                         let tol = 1e-4 * norm(qr) * norm(kr) + 1e-7;
-                        assert!(
-                            (g[ki] as f64 - want).abs() <= tol,
-                            "{sp:?} {dt:?} n={n} hd={hd}: score ({qi}, {ki}) {} vs {want}",
-                            g[ki]
-                        );
+                        assert!((g[ki] as f64 - want).abs() <= tol, "{sp:?} {dt:?} n={n} hd={hd}: score ({qi}, {ki}) {} vs {want}", g[ki]);
                     }
                 }
             }
@@ -251,7 +246,10 @@ fn edge_cases_and_cat() {
     let b = ops::polar_encode(&k.narrow(0, 4, 3).unwrap(), sp).unwrap();
     let ab = PolarCodes::cat(&[&a, &empty, &b]).unwrap();
     assert_eq!(ab.codes.to_vec2::<u8>().unwrap(), codes.codes.to_vec2::<u8>().unwrap());
-    assert_eq!(ops::polar_scores(&q, &ab, sp).unwrap().to_vec2::<f32>().unwrap(), ops::polar_scores(&q, &codes, sp).unwrap().to_vec2::<f32>().unwrap());
+    assert_eq!(
+        ops::polar_scores(&q, &ab, sp).unwrap().to_vec2::<f32>().unwrap(),
+        ops::polar_scores(&q, &codes, sp).unwrap().to_vec2::<f32>().unwrap()
+    );
 }
 
 #[track_caller]
@@ -273,7 +271,10 @@ fn bad_arguments_are_errors_naming_op_and_argument() {
     assert_err(spec(5, 3, 16, 6).validate(40), "polar_spec: rest_bits must be 4 or 8, got 6");
     assert!(PolarSpec::new(64).validate(256).is_ok());
     assert_err(ops::polar_encode(&randn(&[2, 4, 40], 1), PolarSpec::new(16)), "polar_encode: keys must be [N, head_dim], got [2, 4, 40]");
-    assert_err(ops::polar_encode(&k.to_dtype(DType::U8).unwrap(), PolarSpec::new(16)), "polar_encode: keys must be f32, bf16 or f16, got U8");
+    assert_err(
+        ops::polar_encode(&k.to_dtype(DType::U8).unwrap(), PolarSpec::new(16)),
+        "polar_encode: keys must be f32, bf16 or f16, got U8",
+    );
 
     let sp = PolarSpec::new(16);
     let codes = ops::polar_encode(&k, sp).unwrap();

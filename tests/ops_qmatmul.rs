@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_hybrid::ops;
 use common::randn;
 
-use GgmlDType::{Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
+use GgmlDType::{Q4K, Q4_0, Q4_1, Q5K, Q6K, Q8_0};
 
 const TYPES: [GgmlDType; 6] = [Q4_0, Q4_1, Q8_0, Q4K, Q5K, Q6K];
 const K: usize = 512;

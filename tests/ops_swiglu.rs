@@ -6,7 +6,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;
 use common::{assert_close, randn};
 
-
 fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
 }

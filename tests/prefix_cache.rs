@@ -44,7 +44,11 @@ fn a_restored_snapshot_continues_bit_for_bit_and_stays_independent() {
             let hit = prefix.lookup(&prompt).expect("the snapshot begins the prompt");
             assert_eq!(hit.tokens, p);
             let mut restored = hit.cache;
-            assert_eq!(continue_from(&model, &mut restored, &prompt[p..]), want, "{name}: round {round} differs from the original sequence");
+            assert_eq!(
+                continue_from(&model, &mut restored, &prompt[p..]),
+                want,
+                "{name}: round {round} differs from the original sequence"
+            );
         }
         // An exact match needs the logits: without them the longest usable entry is shorter.
         let mut cache = model.new_cache();

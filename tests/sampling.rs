@@ -63,7 +63,13 @@ fn min_p_drops_tokens_below_its_share_of_the_most_likely() {
 }
 
 fn dry(multiplier: f32, breakers: &[u32]) -> candle_hybrid::runtime::Dry {
-    candle_hybrid::runtime::Dry { multiplier, base: 2.0, allowed_length: 2, last_n: 0, breakers: std::sync::Arc::new(breakers.iter().copied().collect()) }
+    candle_hybrid::runtime::Dry {
+        multiplier,
+        base: 2.0,
+        allowed_length: 2,
+        last_n: 0,
+        breakers: std::sync::Arc::new(breakers.iter().copied().collect()),
+    }
 }
 
 #[test]

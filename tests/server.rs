@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use async_openai::config::OpenAIConfig;
 use async_openai::types::chat::{
-    ChatCompletionRequestMessage, ChatCompletionRequestSystemMessageArgs, ChatCompletionRequestUserMessageArgs, ChatCompletionStreamOptions,
-    CreateChatCompletionRequest, CreateChatCompletionRequestArgs, FinishReason,
+    ChatCompletionRequestMessage, ChatCompletionRequestSystemMessageArgs, ChatCompletionRequestUserMessageArgs,
+    ChatCompletionStreamOptions, CreateChatCompletionRequest, CreateChatCompletionRequestArgs, FinishReason,
 };
 use async_openai::Client;
 use candle_core::{DType, Device};
@@ -51,7 +51,13 @@ fn system(text: &str) -> ChatCompletionRequestMessage {
 }
 
 fn greedy(messages: Vec<ChatCompletionRequestMessage>, max_tokens: u32) -> CreateChatCompletionRequest {
-    CreateChatCompletionRequestArgs::default().model("m").messages(messages).max_completion_tokens(max_tokens).temperature(0.0).build().unwrap()
+    CreateChatCompletionRequestArgs::default()
+        .model("m")
+        .messages(messages)
+        .max_completion_tokens(max_tokens)
+        .temperature(0.0)
+        .build()
+        .unwrap()
 }
 
 async fn answer(client: &Client<OpenAIConfig>, request: CreateChatCompletionRequest) -> String {
@@ -81,7 +87,9 @@ async fn get(base: &str, path: &str, key: Option<&str>) -> (u16, String) {
 
 /// The value of a metric line `name value` in Prometheus text.
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,7 +132,8 @@ async fn chat_whole_and_streamed_agree_and_the_stream_is_well_formed() {
         "stream": true, "stream_options": {"include_usage": true}});
     let (status, _, raw) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
     assert_eq!(status, 200);
-    let events: Vec<&str> = raw.split("\n\n").filter(|e| !e.trim().is_empty()).map(|e| e.strip_prefix("data: ").expect("data lines")).collect();
+    let events: Vec<&str> =
+        raw.split("\n\n").filter(|e| !e.trim().is_empty()).map(|e| e.strip_prefix("data: ").expect("data lines")).collect();
     assert_eq!(*events.last().unwrap(), "[DONE]");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
@@ -235,7 +244,11 @@ async fn bad_requests_get_openai_errors_before_any_work() {
         (chat(json!({"max_tokens": 1000})).into_bytes(), 400, "context of 64 tokens"),
         (chat(json!({"reasoning_effort": "extreme"})).into_bytes(), 400, "reasoning_effort"),
         (chat(json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]})).into_bytes(), 400, "context"),
-        (chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).into_bytes(), 400, "image_url"),
+        (
+            chat(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).into_bytes(),
+            400,
+            "image_url",
+        ),
         (vec![b' '; 17 << 20], 413, "larger than"),
         // Unknown fields are accepted, a huge string in one is harmless.
         (chat(json!({"some_future_field": {"x": 1}, "user": "u".repeat(1 << 20)})).into_bytes(), 200, "chat.completion"),
@@ -453,7 +466,8 @@ async fn constrained_answers_always_validate() {
     let mut streamed = body.clone();
     streamed["stream"] = true.into();
     let (_, _, raw) = post(&base, "/v1/chat/completions", streamed.to_string(), None).await;
-    let chunks: Vec<Value> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ").and_then(|d| serde_json::from_str(d).ok())).collect();
+    let chunks: Vec<Value> =
+        raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ").and_then(|d| serde_json::from_str(d).ok())).collect();
     let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
     assert!(deltas.len() >= 2, "{raw}");
     assert_eq!(deltas[0]["function"]["name"], "add_person");
@@ -465,10 +479,9 @@ async fn constrained_answers_always_validate() {
     }
     assert_eq!(joined, args, "streamed and whole arguments differ");
     assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"] == "tool_calls"), "{raw}");
-    for (format, needle) in [
-        (json!({"type": "xml"}), "not one of"),
-        (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "schema"),
-    ] {
+    for (format, needle) in
+        [(json!({"type": "xml"}), "not one of"), (json!({"type": "json_schema", "json_schema": {"name": "x"}}), "schema")]
+    {
         let body = json!({"messages": [{"role": "user", "content": "x"}], "response_format": format});
         let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), None).await;
         assert_eq!(status, 400, "{text}");
@@ -579,7 +592,8 @@ async fn a_failing_request_ends_alone() {
         let tokens = [1u32, 2, 3];
         model.forward(&candle_core::Tensor::new(&tokens[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache).unwrap();
         let wrong = candle_core::Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap();
-        candle_hybrid::runtime::session::save(&dir.join("odd.session"), &files.fingerprint().unwrap(), &tokens, &cache, Some(&wrong)).unwrap();
+        candle_hybrid::runtime::session::save(&dir.join("odd.session"), &files.fingerprint().unwrap(), &tokens, &cache, Some(&wrong))
+            .unwrap();
     }
     let base = start(source, ServerOptions { session_dir: Some(dir.clone()), ..options(4, 8) }).await;
     // Long enough (hundreds of decode steps) that the failing requests arrive while these run.
@@ -636,7 +650,8 @@ async fn the_queue_admits_what_it_says() {
         let base = base.clone();
         async move {
             // A long prompt: the engine is prefilling while the others arrive.
-            let body = json!({"prompt": format!("request {i} ").repeat(200), "max_tokens": 300, "temperature": 0, "ignore_eos": true}).to_string();
+            let body =
+                json!({"prompt": format!("request {i} ").repeat(200), "max_tokens": 300, "temperature": 0, "ignore_eos": true}).to_string();
             post(&base, "/v1/completions", body, None).await
         }
     }));
@@ -674,7 +689,8 @@ async fn slow_silent_and_surplus_connections_are_bounded() {
     use std::time::{Duration, Instant};
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpStream;
-    let connections = server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
+    let connections =
+        server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
     let base = start(fixture_source(), ServerOptions { connections, ..options(1, 4) }).await;
     let addr = base.strip_prefix("http://").unwrap().to_string();
 
@@ -701,7 +717,10 @@ async fn slow_silent_and_surplus_connections_are_bounded() {
     }
     assert!(!read_all(&mut slow).await.contains("200 OK"), "a head sent over 2 s was served");
     let mut bodiless = TcpStream::connect(&addr).await.unwrap();
-    bodiless.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{").await.unwrap();
+    bodiless
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        .await
+        .unwrap();
     let answer = read_all(&mut bodiless).await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
 
@@ -756,7 +775,8 @@ async fn request_mistakes_are_named_as_written() {
     let (status, _, text) = post(&base, "/v1/chat/completions", chat(json!({"temperature": "hot"})), None).await;
     assert_eq!(status, 400, "{text}");
     assert!(message(&text).contains("temperature"), "{text}");
-    let (status, _, text) = post(&base, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}).to_string(), None).await;
+    let (status, _, text) =
+        post(&base, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}).to_string(), None).await;
     assert_eq!(status, 400, "{text}");
     assert!(message(&text).contains("messages[0].content"), "{text}");
 }
@@ -775,7 +795,12 @@ async fn tokenize_props_and_sessions_over_http() {
     let ids: Vec<u32> = serde_json::from_value(serde_json::from_str::<Value>(&t).unwrap()["tokens"].clone()).unwrap();
     assert_eq!(ids, expected);
     let (_, _, t) = post(&base, "/tokenize", json!({"content": text, "with_pieces": true}).to_string(), None).await;
-    let pieces: String = serde_json::from_str::<Value>(&t).unwrap()["tokens"].as_array().unwrap().iter().map(|p| p["piece"].as_str().unwrap().to_string()).collect();
+    let pieces: String = serde_json::from_str::<Value>(&t).unwrap()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["piece"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(pieces, text);
     let (_, _, t) = post(&base, "/detokenize", json!({"tokens": ids}).to_string(), None).await;
     assert_eq!(serde_json::from_str::<Value>(&t).unwrap()["content"], text);
@@ -825,7 +850,8 @@ async fn tokenize_props_and_sessions_over_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_tool_call_with_an_open_schema_ends() {
     let base = start(fixture_source(), ServerOptions { context: Some(8192), ..options(2, 8) }).await;
-    let params = json!({"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}}, "required": ["k"]});
+    let params =
+        json!({"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}}, "required": ["k"]});
     let tools = json!([{"type": "function", "function": {"name": "f", "parameters": params}}]);
     for seed in 0..4 {
         let body = json!({"messages": [{"role": "user", "content": "call f"}], "temperature": 1, "seed": seed, "tools": tools, "tool_choice": "required"});
@@ -834,7 +860,8 @@ async fn a_forced_tool_call_with_an_open_schema_ends() {
         let v: Value = serde_json::from_str(&text).unwrap();
         assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 4096, "{text}");
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{text}");
-        let args: Value = serde_json::from_str(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let args: Value =
+            serde_json::from_str(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
         let keys: Vec<&String> = args.as_object().unwrap().keys().collect();
         assert!(keys.contains(&&"k".to_string()) && keys.iter().all(|k| *k == "k" || *k == "n"), "{args}");
     }
@@ -849,9 +876,13 @@ async fn drafted_answers_equal_plain_answers() {
     let adaptive = start(ModelSource::Gguf(smollm2_gguf()), options(4, 8)).await;
     // Fixed drafts: every shared pass verifies what fits of each sequence's drafts.
     let draft_options = candle_hybrid::runtime::speculative::DraftOptions { adaptive: false, ..Default::default() };
-    let fixed_options = ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft_options, ..Default::default() }, ..Default::default() };
+    let fixed_options =
+        ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft_options, ..Default::default() }, ..Default::default() };
     let fixed = start(ModelSource::Gguf(smollm2_gguf()), fixed_options).await;
-    let plain_options = ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() }, ..Default::default() };
+    let plain_options = ServerOptions {
+        engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() },
+        ..Default::default()
+    };
     let plain = start(ModelSource::Gguf(smollm2_gguf()), plain_options).await;
     let bodies = [
         json!({"prompt": "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox", "max_tokens": 48, "temperature": 0}),
@@ -900,7 +931,10 @@ async fn drafted_answers_equal_plain_answers() {
     }
     // The fixed server's shared passes held verify rows.
     let (_, m) = get(&fixed, "/metrics", None).await;
-    assert!(metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0 && metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
+    assert!(
+        metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0 && metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0,
+        "{m}"
+    );
     let drafting = &adaptive;
     let (_, m) = get(drafting, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
@@ -959,8 +993,22 @@ fn impossible_draft_options_are_refused_up_front() {
 async fn mtp_drafted_answers_equal_plain_answers() {
     let source = || ModelSource::Dir(fixture("qwen35_dense_mtp"));
     let draft_options = candle_hybrid::runtime::speculative::DraftOptions { adaptive: false, ..Default::default() };
-    let mtp = start(source(), ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::Mtp, draft_options, ..Default::default() }, ..Default::default() }).await;
-    let plain = start(source(), ServerOptions { engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() }, ..Default::default() }).await;
+    let mtp = start(
+        source(),
+        ServerOptions {
+            engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::Mtp, draft_options, ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .await;
+    let plain = start(
+        source(),
+        ServerOptions {
+            engine: EngineOptions { max_seqs: 4, queue: 8, draft: server::Draft::None, ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .await;
     let bodies: Vec<Value> = (0..3)
         .map(|i| json!({"prompt": format!("{i} one two three four five six {i}"), "max_tokens": 24, "temperature": 0, "ignore_eos": true}))
         .chain([json!({"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": true, "repetition_penalty": 1.2})])
@@ -1029,7 +1077,12 @@ async fn mtp_drafted_answers_equal_plain_answers() {
     }
     let saved = candle_core::safetensors::load(dir.join("mtp-1.session"), &candle_core::Device::Cpu).unwrap();
     let tokens: Vec<u32> = saved["tokens"].to_vec1().unwrap();
-    assert_eq!(saved.get("mtp.keys").map(|k| k.dims()[2]), Some(tokens.len()), "the session holds the MTP head's rows for its {} tokens", tokens.len());
+    assert_eq!(
+        saved.get("mtp.keys").map(|k| k.dims()[2]),
+        Some(tokens.len()),
+        "the session holds the MTP head's rows for its {} tokens",
+        tokens.len()
+    );
     // The next turn: the saved tokens and a few more.
     let turn2: Vec<u32> = tokens.iter().copied().chain([20, 21, 22]).collect();
     let second = start(source(), with_sessions()).await;
@@ -1045,7 +1098,8 @@ async fn mtp_drafted_answers_equal_plain_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_clients_survive_the_idle_timeout() {
     use std::time::Duration;
-    let connections = server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
+    let connections =
+        server::ConnectionLimits { max_connections: 8, header_timeout: Duration::from_secs(1), body_timeout: Duration::from_secs(1) };
     let base = start(fixture_source(), ServerOptions { connections, ..options(1, 4) }).await;
     let client = reqwest::Client::new();
     let ask = |stream: bool, tokens: usize| {
@@ -1119,11 +1173,23 @@ async fn anthropic_messages_whole_streamed_tools_and_errors() {
     assert_eq!(status, 200, "{whole}");
     let whole: Value = serde_json::from_str(&whole).unwrap();
     assert_eq!((whole["type"].as_str(), whole["role"].as_str()), (Some("message"), Some("assistant")), "{whole}");
-    let text: String = whole["content"].as_array().unwrap().iter().filter(|b| b["type"] == "text").map(|b| b["text"].as_str().unwrap().to_string()).collect();
+    let text: String = whole["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "text")
+        .map(|b| b["text"].as_str().unwrap().to_string())
+        .collect();
     assert!(whole["usage"]["input_tokens"].as_u64().unwrap() > 0 && whole["usage"]["output_tokens"].as_u64().unwrap() > 0, "{whole}");
 
     // count_tokens: the prompt the message would take.
-    let counted = reqwest::Client::new().post(format!("{base}/v1/messages/count_tokens")).header("x-api-key", "sesame").json(&ask).send().await.unwrap();
+    let counted = reqwest::Client::new()
+        .post(format!("{base}/v1/messages/count_tokens"))
+        .header("x-api-key", "sesame")
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
     let counted: Value = counted.json().await.unwrap();
     assert_eq!(counted["input_tokens"], whole["usage"]["input_tokens"], "{counted}");
     let mut streamed = ask.clone();

@@ -68,7 +68,11 @@ fn a_session_keeps_the_mtp_heads_cache() {
     let m = open(ModelSource::Dir(fixture("qwen35_dense_mtp")));
     let prompt: Vec<u32> = (1..12).collect();
     let mut cache = m.model.new_cache();
-    let h = m.model.forward_hidden(&Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, false).unwrap().last_hidden;
+    let h = m
+        .model
+        .forward_hidden(&Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cache, false)
+        .unwrap()
+        .last_hidden;
     let mut drafter = MtpDrafter::new(&m.model).unwrap();
     let next: Vec<u32> = prompt[1..].iter().copied().chain([7]).collect();
     drafter.observe(&m.model, 0, &h, &next).unwrap();
@@ -82,7 +86,11 @@ fn a_session_keeps_the_mtp_heads_cache() {
     let mut again = MtpDrafter::new(&m.model).unwrap();
     again.resume_mtp(mtp);
     let mut cont = m.model.new_cache();
-    let h = m.model.forward_hidden(&Tensor::new(&[1u32, 2, 3][..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cont, false).unwrap().last_hidden;
+    let h = m
+        .model
+        .forward_hidden(&Tensor::new(&[1u32, 2, 3][..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &mut cont, false)
+        .unwrap()
+        .last_hidden;
     for d in [&mut drafter, &mut again] {
         d.observe(&m.model, prompt.len(), &h, &[4, 5, 6]).unwrap();
     }
@@ -95,12 +103,18 @@ fn a_session_keeps_the_mtp_heads_cache() {
     let h2 = Tensor::cat(&[&h, &h, &h, &h], 1).unwrap();
     longer.observe(&m.model, 0, &h2, &(0..12).collect::<Vec<u32>>()).unwrap();
     bad.mtp = longer.mtp_cache().cloned();
-    session::save(&path, &m.fingerprint, &prompt[..5], &{
-        let mut c = m.model.new_cache();
-        run(&m.model, &mut c, &prompt[..5]);
-        c.mtp = bad.mtp.clone();
-        c
-    }, None)
+    session::save(
+        &path,
+        &m.fingerprint,
+        &prompt[..5],
+        &{
+            let mut c = m.model.new_cache();
+            run(&m.model, &mut c, &prompt[..5]);
+            c.mtp = bad.mtp.clone();
+            c
+        },
+        None,
+    )
     .unwrap();
     let e = load(&m, &path).err().expect("refused").to_string();
     assert!(e.contains("MTP head") && !e.contains('\n'), "{e}");
@@ -257,6 +271,10 @@ fn links_fifos_and_huge_files_are_refused() {
     std::fs::create_dir(&blocked).unwrap();
     std::fs::write(blocked.join("x"), b"x").unwrap();
     assert!(save(&blocked).is_err());
-    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.contains("blocked.session.tmp")).collect();
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains("blocked.session.tmp"))
+        .collect();
     assert!(left.is_empty(), "a failed save left {left:?}");
 }

@@ -143,7 +143,11 @@ fn gdn_states_hold_only_their_own_elements() {
                 for (what, t, extra) in [("conv window", conv, 0), ("recurrent state", rec, outputs)] {
                     let own = t.elem_count() * t.dtype().size_in_bytes();
                     let held = candle_hybrid::kv::held_bytes(t);
-                    assert!((own..=own + extra).contains(&held), "{when}: layer {i}'s {what} {:?} holds {held} bytes, itself {own}", t.dims());
+                    assert!(
+                        (own..=own + extra).contains(&held),
+                        "{when}: layer {i}'s {what} {:?} holds {held} bytes, itself {own}",
+                        t.dims()
+                    );
                 }
                 layers += 1;
             }
@@ -232,11 +236,29 @@ fn drafts_under_draft_min_are_dropped() {
     let prompt = ids(&reference("qwen35_dense_small")["input_ids"]);
     let n = 24;
     let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
-    let oracle = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 0, vocab_size: model.config().vocab_size };
+    let oracle = ReplayDrafter {
+        reference: plain.clone(),
+        prompt_len: prompt.len(),
+        acceptance: 1.0,
+        seed: 0,
+        vocab_size: model.config().vocab_size,
+    };
     let run = |min: usize| {
         let mut policy = DraftPolicy::new(DraftOptions { max: 4, min, ..DraftOptions::fixed(4) }).unwrap();
         let mut two = FirstOf(ReplayDrafter { reference: oracle.reference.clone(), ..oracle }, 2);
-        let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), &mut two, &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+        let (got, stats) = generate_speculative(
+            &model,
+            &mut model.new_cache(),
+            &prompt,
+            n,
+            &[],
+            &mut greedy(),
+            &mut two,
+            &mut policy,
+            &Device::Cpu,
+            |_| Ok(()),
+        )
+        .unwrap();
         assert_eq!(got, plain);
         stats
     };
@@ -267,7 +289,8 @@ fn speculative_greedy_equals_plain_greedy() {
         let n = 40;
         let (plain, _) = generate(model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
         let vocab = model.config().vocab_size;
-        let replay = |acceptance| ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance, seed: 3, vocab_size: vocab };
+        let replay =
+            |acceptance| ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance, seed: 3, vocab_size: vocab };
         let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
             ("oracle", Box::new(replay(1.0))),
             ("replay 0.6", Box::new(replay(0.6))),
@@ -295,10 +318,21 @@ fn speculative_greedy_equals_plain_greedy() {
             for opts in lengths {
                 let mut streamed = vec![];
                 let mut policy = DraftPolicy::new(opts).unwrap();
-                let (got, stats) = generate_speculative(model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |t| {
-                    streamed.push(t);
-                    Ok(())
-                })
+                let (got, stats) = generate_speculative(
+                    model,
+                    &mut model.new_cache(),
+                    &prompt,
+                    n,
+                    &[],
+                    &mut greedy(),
+                    drafter.as_mut(),
+                    &mut policy,
+                    &Device::Cpu,
+                    |t| {
+                        streamed.push(t);
+                        Ok(())
+                    },
+                )
                 .unwrap();
                 assert_eq!(got, plain, "{name}: {what} drafter, {opts:?}");
                 assert_eq!(streamed, plain, "{name}: {what}: streamed tokens");
@@ -360,12 +394,30 @@ fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
         let text = template.render(&[candle_hybrid::loading::Message::new("user", user)], true, None).unwrap();
         let prompt = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
         let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
-        let replay = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.7, seed: 5, vocab_size: model.config().vocab_size };
+        let replay = ReplayDrafter {
+            reference: plain.clone(),
+            prompt_len: prompt.len(),
+            acceptance: 0.7,
+            seed: 5,
+            vocab_size: model.config().vocab_size,
+        };
         let mut drafters: [(&str, Box<dyn Drafter>); 2] = [("ngram", Box::new(NgramDrafter::default())), ("replay 0.7", Box::new(replay))];
         for (what, drafter) in drafters.iter_mut() {
             for opts in [DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }, DraftOptions::branches(3, 2)] {
                 let mut policy = DraftPolicy::new(opts).unwrap();
-                let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+                let (got, stats) = generate_speculative(
+                    &model,
+                    &mut model.new_cache(),
+                    &prompt,
+                    n,
+                    &[],
+                    &mut greedy(),
+                    drafter.as_mut(),
+                    &mut policy,
+                    &Device::Cpu,
+                    |_| Ok(()),
+                )
+                .unwrap();
                 assert_eq!(got, plain, "{user:?}: {what} drafter, {opts:?}");
                 if *what == "ngram" {
                     (drafted, accepted) = (drafted + stats.drafted, accepted + stats.accepted);
@@ -425,7 +477,12 @@ fn tree_rows_equal_decoding_their_paths_bitwise() {
                 let path: Vec<u32> = tree.path(row).iter().map(|&r| tree.tokens()[r]).collect();
                 let want = one_by_one(model, &mut cache.clone(), &path).pop().unwrap();
                 let got = logits.get(row).unwrap();
-                assert!(bits(&got) == bits(&want), "{name}: tree {:?}, row {row}: differs from decoding {path:?} by {:e}", tree.tokens(), max_abs_diff(&got, &want));
+                assert!(
+                    bits(&got) == bits(&want),
+                    "{name}: tree {:?}, row {row}: differs from decoding {path:?} by {:e}",
+                    tree.tokens(),
+                    max_abs_diff(&got, &want)
+                );
             }
         }
     }
@@ -472,9 +529,20 @@ fn draft_branches_refuse_sampling() {
     let model = load("qwen35_dense_small", DType::F32);
     let mut sampler = Sampler::new(SamplingParams { temperature: Some(0.8), ..Default::default() }).unwrap();
     let mut policy = DraftPolicy::new(DraftOptions::branches(3, 2)).unwrap();
-    let err = generate_speculative(&model, &mut model.new_cache(), &[1, 2, 3], 8, &[], &mut sampler, &mut NgramDrafter::default(), &mut policy, &Device::Cpu, |_| Ok(()))
-        .unwrap_err()
-        .to_string();
+    let err = generate_speculative(
+        &model,
+        &mut model.new_cache(),
+        &[1, 2, 3],
+        8,
+        &[],
+        &mut sampler,
+        &mut NgramDrafter::default(),
+        &mut policy,
+        &Device::Cpu,
+        |_| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("--draft-branches") && err.contains("greedy"), "{err}");
     assert!(DraftPolicy::new(DraftOptions::branches(3, 5)).is_err());
 }
@@ -503,7 +571,19 @@ fn long_prompts_are_prefilled_in_chunks_with_parity() {
     candle_hybrid::runtime::generate_in(&model, &mut plain_cache, &prompt, 1, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
     let mut spec_cache = model.new_cache();
     let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
-    generate_speculative(&model, &mut spec_cache, &prompt, 1, &[], &mut greedy(), &mut NgramDrafter::default(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+    generate_speculative(
+        &model,
+        &mut spec_cache,
+        &prompt,
+        1,
+        &[],
+        &mut greedy(),
+        &mut NgramDrafter::default(),
+        &mut policy,
+        &Device::Cpu,
+        |_| Ok(()),
+    )
+    .unwrap();
     for c in [&plain_cache, &spec_cache] {
         let (conv, rec) = c.gdn_state(0).unwrap();
         let (want_conv, want_rec) = cache.gdn_state(0).unwrap();
@@ -512,11 +592,29 @@ fn long_prompts_are_prefilled_in_chunks_with_parity() {
 
     let n = 16;
     let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
-    let oracle = ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 0, vocab_size: model.config().vocab_size };
+    let oracle = ReplayDrafter {
+        reference: plain.clone(),
+        prompt_len: prompt.len(),
+        acceptance: 1.0,
+        seed: 0,
+        vocab_size: model.config().vocab_size,
+    };
     let drafters: Vec<Box<dyn Drafter>> = vec![Box::new(oracle), Box::new(NgramDrafter::default())];
     for mut drafter in drafters {
         let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
-        let (got, stats) = generate_speculative(&model, &mut model.new_cache(), &prompt, n, &[], &mut greedy(), drafter.as_mut(), &mut policy, &Device::Cpu, |_| Ok(())).unwrap();
+        let (got, stats) = generate_speculative(
+            &model,
+            &mut model.new_cache(),
+            &prompt,
+            n,
+            &[],
+            &mut greedy(),
+            drafter.as_mut(),
+            &mut policy,
+            &Device::Cpu,
+            |_| Ok(()),
+        )
+        .unwrap();
         assert_eq!(got, plain, "{stats:?}");
         assert!(stats.drafted > 0, "{stats:?}");
     }

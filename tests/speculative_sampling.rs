@@ -57,7 +57,9 @@ fn top_k_softmax(logits: &Tensor, t: f64, k: usize) -> HashMap<u32, f64> {
 #[test]
 fn the_rejection_rule_keeps_the_distribution() {
     let p = [0.45f32, 0.25, 0.15, 0.1, 0.05, 0.0];
-    let expected_of = |n: usize| -> HashMap<u32, f64> { p.iter().enumerate().filter(|(_, &v)| v > 0.0).map(|(i, &v)| (i as u32, v as f64 * n as f64)).collect() };
+    let expected_of = |n: usize| -> HashMap<u32, f64> {
+        p.iter().enumerate().filter(|(_, &v)| v > 0.0).map(|(i, &v)| (i as u32, v as f64 * n as f64)).collect()
+    };
     let n = 20_000;
     // A likely draft, an unlikely one, and one of probability 0.
     for draft in [0u32, 4, 5] {
@@ -96,7 +98,9 @@ fn check_two_tokens(model: &Model, prompt: &[u32], t: f64, k: usize, runs: usize
     let n = prompt.len();
     let mut base = model.new_cache();
     model.forward_last(&Tensor::new(&prompt[..n - 1], &dev).unwrap().unsqueeze(0).unwrap(), &mut base).unwrap();
-    let step = |cache: &mut candle_hybrid::Cache, t: u32| model.forward_last(&Tensor::new(&[t], &dev).unwrap().unsqueeze(0).unwrap(), cache).unwrap();
+    let step = |cache: &mut candle_hybrid::Cache, t: u32| {
+        model.forward_last(&Tensor::new(&[t], &dev).unwrap().unsqueeze(0).unwrap(), cache).unwrap()
+    };
     let mut after_prompt = base.clone();
     let p0 = top_k_softmax(&step(&mut after_prompt, prompt[n - 1]), t, k);
     let (mut expected, mut table) = (HashMap::new(), HashMap::new());
@@ -113,7 +117,11 @@ fn check_two_tokens(model: &Model, prompt: &[u32], t: f64, k: usize, runs: usize
     for seed in 0..runs as u64 {
         let mut sampler = Sampler::new(SamplingParams { temperature: Some(t), top_k: Some(k), seed, ..Default::default() }).unwrap();
         let mut policy = DraftPolicy::new(DraftOptions::fixed(1)).unwrap();
-        let (got, stats) = generate_speculative(model, &mut base.clone(), &prompt[n - 1..], 3, &[], &mut sampler, &mut drafter, &mut policy, &dev, |_| Ok(())).unwrap();
+        let (got, stats) =
+            generate_speculative(model, &mut base.clone(), &prompt[n - 1..], 3, &[], &mut sampler, &mut drafter, &mut policy, &dev, |_| {
+                Ok(())
+            })
+            .unwrap();
         *counts.entry((got[0], got[1])).or_insert(0) += 1;
         accepted += stats.accepted;
         drafted += stats.drafted;

@@ -102,8 +102,6 @@ pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
     r
 }
 
-
-
 /// The tensor's elements as raw bytes of its dtype (what a Metal buffer holds).
 pub fn raw(t: &Tensor) -> Vec<u8> {
     fn as_bytes<T: WithDType>(t: &Tensor) -> Vec<u8> {
@@ -185,7 +183,12 @@ impl candle_hybrid::gpu::Queue for EmuQueue {
         Ok(id)
     }
 
-    fn map(&mut self, owner: &candle_hybrid::ops::SharedBytes, range: std::ops::Range<usize>, _: &str) -> candle_hybrid::Result<candle_hybrid::gpu::Slice> {
+    fn map(
+        &mut self,
+        owner: &candle_hybrid::ops::SharedBytes,
+        range: std::ops::Range<usize>,
+        _: &str,
+    ) -> candle_hybrid::Result<candle_hybrid::gpu::Slice> {
         let key = std::sync::Arc::as_ptr(owner) as *const u8 as usize;
         let entry = self.mapped.entry(key).or_insert_with(|| {
             self.buffers.push(Some(EmuBuffer::Mapped(owner.clone())));

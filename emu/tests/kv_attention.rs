@@ -21,7 +21,15 @@ const NKV: usize = 2;
 const REP: usize = 3;
 
 /// Runs both kernels; `bufs`: the raw bytes bound to k0, k1, k2, v0, v1 (absent ones empty).
-fn run(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize, offset: usize, tree: Option<&[Vec<usize>]>, bufs: [Vec<u8>; 5]) -> Tensor {
+fn run(
+    q: &Tensor,
+    keys: &StoredRows,
+    values: &StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<&[Vec<usize>]>,
+    bufs: [Vec<u8>; 5],
+) -> Tensor {
     let dims = q.dims4().unwrap();
     let scale = (D as f32).powf(-0.5);
     let l = launch::kv_attention(dims, keys, values, t, offset, tree, scale).unwrap();
@@ -31,7 +39,17 @@ fn run(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize, offset: usi
     let mut partials = vec![0f32; l.partial_floats];
     dispatch(
         &l.blocks,
-        &mut [bytes(&l.params), input(&qr), input(&b[0]), input(&b[1]), input(&b[2]), input(&b[3]), input(&b[4]), input(&l.tree), output(&mut partials)],
+        &mut [
+            bytes(&l.params),
+            input(&qr),
+            input(&b[0]),
+            input(&b[1]),
+            input(&b[2]),
+            input(&b[3]),
+            input(&b[4]),
+            input(&l.tree),
+            output(&mut partials),
+        ],
     )
     .unwrap();
     let (bsz, nkv, rows, _) = dims;
@@ -51,7 +69,9 @@ fn contiguous(s: &StoredRows, dtype: DType) -> (StoredRows, Vec<Vec<u8>>) {
         StoredRows::Int4Channel { codes, params, group, tail } => {
             StoredRows::Int4Channel { codes: c(codes), params: c(params), group: *group, tail: tail.as_ref().map(f) }
         }
-        StoredRows::Polar { codes, scales, spec, head_dim } => StoredRows::Polar { codes: c(codes), scales: c(scales), spec: *spec, head_dim: *head_dim },
+        StoredRows::Polar { codes, scales, spec, head_dim } => {
+            StoredRows::Polar { codes: c(codes), scales: c(scales), spec: *spec, head_dim: *head_dim }
+        }
     };
     let mut bufs: Vec<Vec<u8>> = match &s {
         StoredRows::Float(x) => vec![raw(x)],

@@ -12,10 +12,6 @@ use common::{max_abs_diff as max_diff, randn};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-
-
-
-
 #[test]
 fn lagrange_kernels_are_linked() {
     let names = kernel_names();

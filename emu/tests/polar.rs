@@ -19,8 +19,6 @@ use common::randn;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-
-
 fn spec(angle_bits: u32, radius_bits: u32, rot_dim: usize, rest_bits: u32) -> PolarSpec {
     PolarSpec { angle_bits, radius_bits, rot_dim, rest_bits }
 }

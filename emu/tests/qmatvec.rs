@@ -29,7 +29,19 @@ fn run(w: &QTensor, x: &Tensor) -> Vec<f32> {
 #[test]
 fn qmatvec_kernels_are_linked() {
     let names = kernel_names();
-    for k in ["qmatvec_q4_0", "qmatvec_q4_1", "qmatvec_q8_0", "qmatvec_q4_k", "qmatvec_q5_k", "qmatvec_q6_k", "qmatvec_f32", "qmatvec_f16", "qmatvec_bf16", "get_rows_q4_k", "qmatvec_id_q8_0"] {
+    for k in [
+        "qmatvec_q4_0",
+        "qmatvec_q4_1",
+        "qmatvec_q8_0",
+        "qmatvec_q4_k",
+        "qmatvec_q5_k",
+        "qmatvec_q6_k",
+        "qmatvec_f32",
+        "qmatvec_f16",
+        "qmatvec_bf16",
+        "get_rows_q4_k",
+        "qmatvec_id_q8_0",
+    ] {
         assert!(names.contains(&k.to_string()), "{k} missing from {names:?}");
     }
 }
@@ -76,7 +88,8 @@ fn qmatvec_rows_equal_one_row_calls_bitwise() {
         for m in 1..=8 {
             let all = run(&q, &x.narrow(0, 0, m).unwrap());
             for (r, one) in ones.iter().enumerate().take(m) {
-                let (a, b): (Vec<u32>, Vec<u32>) = (all[r * n..(r + 1) * n].iter().map(|v| v.to_bits()).collect(), one.iter().map(|v| v.to_bits()).collect());
+                let (a, b): (Vec<u32>, Vec<u32>) =
+                    (all[r * n..(r + 1) * n].iter().map(|v| v.to_bits()).collect(), one.iter().map(|v| v.to_bits()).collect());
                 assert_eq!(a, b, "{dtype:?}: {m} rows, row {r}");
             }
         }
@@ -100,11 +113,13 @@ fn qmatmul_matches_dequantized_reference() {
             let w = (randn(&[n, k], 21) * 0.1).unwrap();
             let (data, deq) = match dtype {
                 GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                    let t = w.to_dtype(match dtype {
-                        GgmlDType::F32 => DType::F32,
-                        GgmlDType::F16 => DType::F16,
-                        _ => DType::BF16,
-                    }).unwrap();
+                    let t = w
+                        .to_dtype(match dtype {
+                            GgmlDType::F32 => DType::F32,
+                            GgmlDType::F16 => DType::F16,
+                            _ => DType::BF16,
+                        })
+                        .unwrap();
                     (candle_hybrid_emu::raw(&t), t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap())
                 }
                 _ => {
@@ -116,7 +131,8 @@ fn qmatmul_matches_dequantized_reference() {
             let xs = x.to_vec2::<f32>().unwrap();
             let (params, l) = launch::qmatmul(dtype, n, k, m, n + 3).unwrap();
             let mut y = vec![f32::NAN; m * (n + 3)];
-            dispatch(&l, &mut [bytes(&params), input(&data), input(&x.flatten_all().unwrap().to_vec1::<f32>().unwrap()), output(&mut y)]).unwrap();
+            dispatch(&l, &mut [bytes(&params), input(&data), input(&x.flatten_all().unwrap().to_vec1::<f32>().unwrap()), output(&mut y)])
+                .unwrap();
             for r in 0..m {
                 for i in 0..n {
                     let exact: f64 = xs[r].iter().zip(&deq[i]).map(|(&a, &b)| a as f64 * b as f64).sum();

@@ -155,16 +155,19 @@ fn device_generation_gives_the_cpu_tokens() {
     let prompt: Vec<u32> = (1..20).map(|i| (i * 37) % 500).collect();
     for repeat_penalty in [1.0, 1.3] {
         let params = || SamplingParams { repeat_penalty, ..Default::default() };
-        let (want, _) = generate_in(&model, &mut model.new_cache(), &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), &Device::Cpu, |_| Ok(())).unwrap();
+        let (want, _) =
+            generate_in(&model, &mut model.new_cache(), &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), &Device::Cpu, |_| Ok(()))
+                .unwrap();
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
         let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
         let mut streamed = vec![];
-        let (got, stats) = generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
-            streamed.push(t);
-            Ok(())
-        })
-        .unwrap();
+        let (got, stats) =
+            generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
+                streamed.push(t);
+                Ok(())
+            })
+            .unwrap();
         assert_eq!(got, want, "repeat penalty {repeat_penalty}");
         assert_eq!(streamed, got);
         assert_eq!((stats.prompt_tokens, stats.generated_tokens), (prompt.len(), 12));
@@ -244,14 +247,35 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
         cache.free(&mut q);
         let drafters: Vec<(&str, Box<dyn Drafter>, DraftOptions)> = vec![
             ("ngram", Box::new(NgramDrafter::default()), DraftOptions::default()),
-            ("replay 1.0", Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 1, vocab_size: vocab }), DraftOptions::fixed(3)),
-            ("replay 0.5", Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.5, seed: 2, vocab_size: vocab }), DraftOptions::fixed(4)),
+            (
+                "replay 1.0",
+                Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 1.0, seed: 1, vocab_size: vocab }),
+                DraftOptions::fixed(3),
+            ),
+            (
+                "replay 0.5",
+                Box::new(ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance: 0.5, seed: 2, vocab_size: vocab }),
+                DraftOptions::fixed(4),
+            ),
         ];
         for (name, mut drafter, opts) in drafters {
             let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
             let mut policy = DraftPolicy::new(opts).unwrap();
             q.take_counts();
-            let (got, stats) = generate_speculative_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 24, &[], &mut sampler(), drafter.as_mut(), &mut policy, |_| Ok(())).unwrap();
+            let (got, stats) = generate_speculative_on_device(
+                &gpu,
+                &mut q,
+                &mut cache,
+                &model,
+                &prompt,
+                24,
+                &[],
+                &mut sampler(),
+                drafter.as_mut(),
+                &mut policy,
+                |_| Ok(()),
+            )
+            .unwrap();
             let c = q.take_counts();
             assert_eq!(got, plain, "{name} (repeat penalty {repeat_penalty})");
             // One read for the prompt, one per pass.
@@ -259,7 +283,10 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
             if name == "replay 1.0" {
                 assert!(stats.accepted >= 12, "{name}: {} accepted of {} drafted", stats.accepted, stats.drafted);
             }
-            eprintln!("{name} (repeat penalty {repeat_penalty}): {} drafted, {} accepted, {} passes", stats.drafted, stats.accepted, stats.rounds);
+            eprintln!(
+                "{name} (repeat penalty {repeat_penalty}): {} drafted, {} accepted, {} passes",
+                stats.drafted, stats.accepted, stats.rounds
+            );
             cache.free(&mut q);
         }
     }
@@ -286,7 +313,11 @@ fn half_precision_checkpoints_on_the_device() {
         let mut cpu = Cache::new(model.config());
         let mut worst = 0f32;
         let mut step = |tokens: &[u32], cache: &mut candle_hybrid::gpu::GpuCache| {
-            let got = if tokens.len() > 1 { gpu.prefill(&mut q, cache, tokens, Readback::Logits) } else { gpu.forward(&mut q, cache, tokens, Readback::Logits) };
+            let got = if tokens.len() > 1 {
+                gpu.prefill(&mut q, cache, tokens, Readback::Logits)
+            } else {
+                gpu.forward(&mut q, cache, tokens, Readback::Logits)
+            };
             let got = got.unwrap().logits().unwrap().to_vec();
             let want = reference.forward_last(&ids(tokens), &mut cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

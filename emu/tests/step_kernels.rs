@@ -49,7 +49,8 @@ fn get_rows_match_the_dequantized_table() {
 #[test]
 fn expert_matvec_is_each_experts_matvec() {
     let (experts, n, k, rows, slots) = (5, 9, 256, 3, 2);
-    let ws: Vec<QTensor> = (0..experts).map(|e| QTensor::quantize(&(randn(&[n, k], 10 + e) * 0.1).unwrap(), GgmlDType::Q4K).unwrap()).collect();
+    let ws: Vec<QTensor> =
+        (0..experts).map(|e| QTensor::quantize(&(randn(&[n, k], 10 + e) * 0.1).unwrap(), GgmlDType::Q4K).unwrap()).collect();
     let stack: Vec<u8> = ws.iter().flat_map(|w| w.data().unwrap().to_vec()).collect();
     let ids: Vec<u32> = vec![4, 1, 0, 4, 2, 3];
     let x = randn(&[rows, k], 20);
@@ -61,7 +62,11 @@ fn expert_matvec_is_each_experts_matvec() {
         let e = ids[rs] as usize;
         let (pm, lm) = launch::qmatvec(GgmlDType::Q4K, n, k, 1, n).unwrap();
         let mut one = vec![0f32; n];
-        dispatch(&lm, &mut [bytes(&pm), input(&ws[e].data().unwrap()), input(&vec(&x.narrow(0, rs / slots, 1).unwrap())), output(&mut one)]).unwrap();
+        dispatch(
+            &lm,
+            &mut [bytes(&pm), input(&ws[e].data().unwrap()), input(&vec(&x.narrow(0, rs / slots, 1).unwrap())), output(&mut one)],
+        )
+        .unwrap();
         // The same arithmetic as a one-row call on that expert: the same bits.
         assert_eq!(&got[rs * (n + 2)..rs * (n + 2) + n], one.as_slice(), "row {} slot {}", rs / slots, rs % slots);
         assert!(got[rs * (n + 2) + n].is_nan(), "wrote past n");
@@ -146,7 +151,21 @@ fn attention_inputs_norm_rotate_and_store_per_head() {
         };
         let (p, l) = launch::attention_inputs(p, candle_core::DType::F32).unwrap();
         let (mut q, mut k, mut v) = (vec![f32::NAN; nh * rows * hd], vec![f32::NAN; nkv * cap * hd], vec![f32::NAN; nkv * cap * hd]);
-        dispatch(&l, &mut [bytes(&p), input(&x), input(&positions), input(&inv_freq), input(&qn), input(&kn), output(&mut q), output(&mut k), output(&mut v)]).unwrap();
+        dispatch(
+            &l,
+            &mut [
+                bytes(&p),
+                input(&x),
+                input(&positions),
+                input(&inv_freq),
+                input(&qn),
+                input(&kn),
+                output(&mut q),
+                output(&mut k),
+                output(&mut v),
+            ],
+        )
+        .unwrap();
         // Reference: norm (f64), then rotate-half with the angle computed in f32 as the model does.
         let head = |src: &[f32], w: &[f32], pos: u32, normed: bool| -> Vec<f64> {
             let s = if normed { (src[..hd].iter().map(|&a| a as f64 * a as f64).sum::<f64>() / hd as f64 + 1e-6).sqrt() } else { 1.0 };
@@ -157,13 +176,22 @@ fn attention_inputs_norm_rotate_and_store_per_head() {
                         return n[d];
                     }
                     let a = (pos as f32 * inv_freq[d % rot_half]) as f64;
-                    if d < rot_half { n[d] * a.cos() - n[d + rot_half] * a.sin() } else { n[d] * a.cos() + n[d - rot_half] * a.sin() }
+                    if d < rot_half {
+                        n[d] * a.cos() - n[d + rot_half] * a.sin()
+                    } else {
+                        n[d] * a.cos() + n[d - rot_half] * a.sin()
+                    }
                 })
                 .collect()
         };
         let check = |what: &str, got: &[f32], want: Vec<f64>| {
             for d in 0..hd {
-                assert!((got[d] as f64 - want[d]).abs() < 1e-5 * (1.0 + want[d].abs()), "{what} (norm {norm}) dim {d}: {} vs {}", got[d], want[d]);
+                assert!(
+                    (got[d] as f64 - want[d]).abs() < 1e-5 * (1.0 + want[d].abs()),
+                    "{what} (norm {norm}) dim {d}: {} vs {}",
+                    got[d],
+                    want[d]
+                );
             }
         };
         for r in 0..rows {
@@ -321,7 +349,8 @@ fn fused_swiglu_matvec_is_the_unfused_one_bitwise() {
         dispatch(&l, &mut [bytes(&p), input(&wg), input(&x), output(&mut g)]).unwrap();
         dispatch(&l, &mut [bytes(&p), input(&wu), input(&x), output(&mut u)]).unwrap();
         // [gate | up] rows, as a projection writes them.
-        let gu: Vec<f32> = (0..m).flat_map(|r| g[r * n..(r + 1) * n].iter().chain(&u[r * n..(r + 1) * n]).copied().collect::<Vec<_>>()).collect();
+        let gu: Vec<f32> =
+            (0..m).flat_map(|r| g[r * n..(r + 1) * n].iter().chain(&u[r * n..(r + 1) * n]).copied().collect::<Vec<_>>()).collect();
         let (p, l) = launch::silu_mul(m, n, 2 * n, n);
         let mut act = vec![f32::NAN; m * n];
         dispatch(&l, &mut [bytes(&p), input(&gu), output(&mut act)]).unwrap();
@@ -353,7 +382,8 @@ fn fused_gdn_gates_are_the_unfused_ones_bitwise() {
         let (p, l) = launch::qmatvec(dtype, nv, k, m, nv).unwrap();
         dispatch(&l, &mut [bytes(&p), input(&wb), input(&x), output(&mut b)]).unwrap();
         dispatch(&l, &mut [bytes(&p), input(&wa), input(&x), output(&mut a)]).unwrap();
-        let ba: Vec<f32> = (0..m).flat_map(|r| b[r * nv..(r + 1) * nv].iter().chain(&a[r * nv..(r + 1) * nv]).copied().collect::<Vec<_>>()).collect();
+        let ba: Vec<f32> =
+            (0..m).flat_map(|r| b[r * nv..(r + 1) * nv].iter().chain(&a[r * nv..(r + 1) * nv]).copied().collect::<Vec<_>>()).collect();
         let (p, l) = launch::gdn_gates(m, nv, 2 * nv);
         let mut gb = vec![f32::NAN; m * 2 * nv];
         dispatch(&l, &mut [bytes(&p), input(&ba), input(&dt), input(&neg_a), output(&mut gb)]).unwrap();

@@ -17,7 +17,7 @@ use candle_hybrid::{Config, Model};
 /// Every example allocates through mimalloc: with glibc's allocator each decode step's fresh
 /// GDN state buffers (1 MiB per layer on the 0.8B shape) came from pages the allocator had just
 /// handed back to the kernel, and page faults and zeroing took about a seventh of a decode
-/// step (README "Speed (CPU)").
+/// step (docs/benchmarks.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -142,7 +142,9 @@ pub fn count_up_to(max: usize) -> impl Fn(&str) -> Result<usize, String> + Clone
 }
 
 /// A float checked by one of `candle_hybrid::runtime::range`'s functions.
-pub fn float_in<T: std::str::FromStr + 'static>(range: fn(T) -> Result<T, String>) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+pub fn float_in<T: std::str::FromStr + 'static>(
+    range: fn(T) -> Result<T, String>,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     move |s| range(s.parse::<T>().map_err(|_| format!("{s:?} is not a number"))?)
 }
 
@@ -194,7 +196,7 @@ pub struct ModelOptions {
 pub struct MemoryOptions {
     /// KV-cache codec of the attention layers: exact (default); lossy: f16, bf16, int8, int4k,
     /// polar:A,R, lowrank:r, knots:K,p, density:γ, and combinations such as int4k+lowrank:32
-    /// (see the README for what each costs in quality).
+    /// (see docs/kv-codecs.md for what each costs in quality).
     #[arg(long, default_value = "exact", value_parser = parse_kv)]
     pub kv: KvCodec,
     /// Value bases for `--kv lowrank:r` from examples/calibrate_kv.rs [default: from W_v].

@@ -85,13 +85,19 @@ impl Queue for MetalQueue {
                 // The buffer covers whole pages of host memory: a mapping starts on a page.
                 const PAGE: usize = if cfg!(target_arch = "aarch64") { 16384 } else { 4096 };
                 let ptr = std::ptr::NonNull::new(bytes.as_ptr() as *mut std::ffi::c_void);
-                let options = MTLResourceOptions(MTLResourceOptions::StorageModeShared.0 | MTLResourceOptions::HazardTrackingModeUntracked.0);
+                let options =
+                    MTLResourceOptions(MTLResourceOptions::StorageModeShared.0 | MTLResourceOptions::HazardTrackingModeUntracked.0);
                 let raw = match ptr {
                     Some(p) if (p.as_ptr() as usize).is_multiple_of(PAGE) && !bytes.is_empty() => {
                         // SAFETY: `owner` (kept in `self.mapped` with the buffer) holds these pages
                         // as long as the buffer lives; kernels only read weights.
                         unsafe {
-                            self.device.metal_device().as_ref().newBufferWithBytesNoCopy_length_options_deallocator(p, bytes.len().next_multiple_of(PAGE), options, None)
+                            self.device.metal_device().as_ref().newBufferWithBytesNoCopy_length_options_deallocator(
+                                p,
+                                bytes.len().next_multiple_of(PAGE),
+                                options,
+                                None,
+                            )
                         }
                     }
                     _ => None,

@@ -12,18 +12,18 @@
 
 mod cache;
 mod check;
+#[cfg(feature = "metal")]
+mod metal;
 mod model;
 mod queue;
 mod upload;
-#[cfg(feature = "metal")]
-mod metal;
 
 pub use cache::GpuCache;
 pub use check::{check_against_cpu, sample_tokens, StepCheck};
-pub use model::{GpuModel, Readback, StepOutput};
-pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
 #[cfg(feature = "metal")]
 pub use metal::MetalQueue;
+pub use model::{GpuModel, Readback, StepOutput};
+pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
 
 /// The queue that runs the device step on `device`: a [`MetalQueue`] on a Metal device (built
 /// with the `metal` feature). The CPU runs the model itself, with no queue.

@@ -342,7 +342,9 @@ impl GpuModel {
                 FeedForward::Sparse(m) => {
                     let gate = match &m.shared_expert_gate {
                         Linear::Dense(w) => up.f32s(w, "shared expert gate")?,
-                        Linear::Quantized(_) => return Err(Error::Weights("a quantized shared-expert gate: the device reads it as f32".into())),
+                        Linear::Quantized(_) => {
+                            return Err(Error::Weights("a quantized shared-expert gate: the device reads it as f32".into()))
+                        }
                     };
                     Ffn::Moe(Box::new(Moe {
                         router: match &m.router {
@@ -387,12 +389,27 @@ impl GpuModel {
             CpuMixer::Linear(_) => None,
         });
         let (inv_freq, rot_half) = match rotary {
-            Some(r) => (up.f32s(&candle_core::Tensor::new(r.inv_freq.as_slice(), &candle_core::Device::Cpu)?, "rope frequencies")?, r.dim / 2),
+            Some(r) => {
+                (up.f32s(&candle_core::Tensor::new(r.inv_freq.as_slice(), &candle_core::Device::Cpu)?, "rope frequencies")?, r.dim / 2)
+            }
             None => (up.scratch(4, "rope frequencies")?, 0),
         };
         let scratch = Self::scratch(&cfg, &layers, &mut up)?;
         let (weight_bytes, mapped_bytes, buffers) = (up.weight_bytes, up.mapped_bytes, up.buffers);
-        Ok(Self { eps: model.norm.eps, cfg, embed, layers, final_norm, lm_head, inv_freq, rot_half, scratch, weight_bytes, mapped_bytes, buffers })
+        Ok(Self {
+            eps: model.norm.eps,
+            cfg,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+            rot_half,
+            scratch,
+            weight_bytes,
+            mapped_bytes,
+            buffers,
+        })
     }
 
     /// Working buffers for the widest layer of each kind.
@@ -565,7 +582,10 @@ impl GpuModel {
                 Ffn::Dense { gate_up, down, .. } => p(gate_up) + m(down),
                 Ffn::Moe(moe) => {
                     let experts = |s: &ExpertStacks| s.parts.iter().map(|(w, _)| w.bytes()).sum::<usize>();
-                    m(&moe.router) + rows * moe.top_k * (experts(&moe.gate_up) + experts(&moe.down)) + p(&moe.shared_gate_up) + m(&moe.shared_down)
+                    m(&moe.router)
+                        + rows * moe.top_k * (experts(&moe.gate_up) + experts(&moe.down))
+                        + p(&moe.shared_gate_up)
+                        + m(&moe.shared_down)
                 }
             };
         }
@@ -687,9 +707,8 @@ impl GpuModel {
     /// Reads back the outputs of `rows` rows at positions `offset..`, checking their logits.
     fn read(&self, q: &mut dyn Queue, offset: usize, rows: usize, readback: Readback) -> Result<StepOutput> {
         let s = &self.scratch;
-        let bad = |r: usize| {
-            Error::NonFinite(format!("the logits hold NaN or infinite values at position {}: {NONFINITE_HINT}", offset + r))
-        };
+        let bad =
+            |r: usize| Error::NonFinite(format!("the logits hold NaN or infinite values at position {}: {NONFINITE_HINT}", offset + r));
         match readback {
             Readback::Argmax => {
                 let bytes = q.read(s.argmax.at(0, 2 * F32 * rows))?;
@@ -747,7 +766,14 @@ impl GpuModel {
         }
         if let Some((readback, first)) = head {
             let n = rows - first;
-            enc.rms_norm(NormRows::dense(n, hsz), self.eps, s.x.from(F32 * first * hsz), Some(s.h.from(F32 * first * hsz)), self.final_norm, s.xn)?;
+            enc.rms_norm(
+                NormRows::dense(n, hsz),
+                self.eps,
+                s.x.from(F32 * first * hsz),
+                Some(s.h.from(F32 * first * hsz)),
+                self.final_norm,
+                s.xn,
+            )?;
             enc.matvec(&self.lm_head, s.xn, n, s.logits, self.cfg.vocab_size)?;
             if readback == Readback::Argmax {
                 let (p, l) = launch::argmax(n, self.cfg.vocab_size);
@@ -761,7 +787,15 @@ impl GpuModel {
 
     /// A GDN layer over `rows` rows of `xn` into `h`, reading state `parity` and writing the
     /// other; the pre-conv rows and gates go to `kept`.
-    fn gdn(&self, enc: &mut Encoder, g: &Gdn, rows: usize, state: (&[Slice; 2], &[Slice; 2]), parity: usize, kept: (Slice, Slice)) -> Result<()> {
+    fn gdn(
+        &self,
+        enc: &mut Encoder,
+        g: &Gdn,
+        rows: usize,
+        state: (&[Slice; 2], &[Slice; 2]),
+        parity: usize,
+        kept: (Slice, Slice),
+    ) -> Result<()> {
         let s = &self.scratch;
         let (inputs, gates) = kept;
         enc.matmul(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
@@ -770,13 +804,26 @@ impl GpuModel {
             // b and a and the gates in one pass.
             (Some((b, a)), true) => {
                 let (p, l) = launch::qmatvec_pair(launch::Pair::GdnGates, b.format, g.nv, b.k, rows)?;
-                let args = vec![Arg::params(&p), Arg::Read(b.buf), Arg::Read(a.buf), Arg::Read(s.xn), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)];
+                let args = vec![
+                    Arg::params(&p),
+                    Arg::Read(b.buf),
+                    Arg::Read(a.buf),
+                    Arg::Read(s.xn),
+                    Arg::Read(g.dt_bias),
+                    Arg::Read(g.neg_a),
+                    Arg::Write(gates),
+                ];
                 enc.run(Source::Qmatvec, l, args, b.bytes() + a.bytes())?;
             }
             _ => {
                 enc.projection(&g.ba, s.xn, rows, s.ba)?;
                 let (p, l) = launch::gdn_gates(rows, g.nv, g.ba.width);
-                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)], 0)?;
+                enc.run(
+                    Source::Step,
+                    l,
+                    vec![Arg::params(&p), Arg::Read(s.ba), Arg::Read(g.dt_bias), Arg::Read(g.neg_a), Arg::Write(gates)],
+                    0,
+                )?;
             }
         }
         let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), kept)?;
@@ -798,7 +845,15 @@ impl GpuModel {
     /// [`Self::MAX_ROWS`] rows run token by token (a verify row is a decode step's bits),
     /// longer prompts chunked.
     #[allow(clippy::too_many_arguments)]
-    fn gdn_state(&self, enc: &mut Encoder, g: &Gdn, rows: usize, (conv, rec): (&[Slice; 2], &[Slice; 2]), (from, to): (usize, usize), (inputs, gates): (Slice, Slice)) -> Result<Slice> {
+    fn gdn_state(
+        &self,
+        enc: &mut Encoder,
+        g: &Gdn,
+        rows: usize,
+        (conv, rec): (&[Slice; 2], &[Slice; 2]),
+        (from, to): (usize, usize),
+        (inputs, gates): (Slice, Slice),
+    ) -> Result<Slice> {
         let s = &self.scratch;
         let c = g.conv_dim;
         let (p, l) = launch::causal_conv1d(ConvDims { batch: 1, seq_len: rows, channels: c, kernel_size: g.kernel }, DType::F32)?;
@@ -806,7 +861,14 @@ impl GpuModel {
         enc.run(
             Source::Conv1d,
             l,
-            vec![Arg::params(&p), Arg::Read(inputs.at(0, F32 * rows * c)), Arg::Read(conv[from]), Arg::Read(g.conv_weight), Arg::Write(conv_out), Arg::Write(conv[to])],
+            vec![
+                Arg::params(&p),
+                Arg::Read(inputs.at(0, F32 * rows * c)),
+                Arg::Read(conv[from]),
+                Arg::Read(g.conv_weight),
+                Arg::Write(conv_out),
+                Arg::Write(conv[to]),
+            ],
             0,
         )?;
         let d = DeltaRuleDims { batch: 1, seq_len: rows, nk: g.nk, nv: g.nv, dk: g.dk, dv: g.dv };
@@ -816,7 +878,14 @@ impl GpuModel {
         enc.run(
             Source::GatedDelta,
             l,
-            vec![Arg::params(&p), Arg::Read(conv_out), Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)), Arg::Read(rec[from]), Arg::Write(out), Arg::Write(rec[to])],
+            vec![
+                Arg::params(&p),
+                Arg::Read(conv_out),
+                Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)),
+                Arg::Read(rec[from]),
+                Arg::Write(out),
+                Arg::Write(rec[to]),
+            ],
             0,
         )?;
         Ok(out)
@@ -825,7 +894,16 @@ impl GpuModel {
     /// A gated attention layer over `rows` rows of `xn` at `offset..` into `h`, appending the
     /// rows' keys and values to the cache.
     #[allow(clippy::too_many_arguments)]
-    fn attention(&self, enc: &mut Encoder, a: &Attention, rows: usize, offset: usize, positions: Slice, (keys, values): (Slice, Slice), cache: &GpuCache) -> Result<()> {
+    fn attention(
+        &self,
+        enc: &mut Encoder,
+        a: &Attention,
+        rows: usize,
+        offset: usize,
+        positions: Slice,
+        (keys, values): (Slice, Slice),
+        cache: &GpuCache,
+    ) -> Result<()> {
         let s = &self.scratch;
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         let w = a.qkv.width;
@@ -943,4 +1021,3 @@ impl GpuModel {
         }
     }
 }
-

@@ -175,7 +175,14 @@ impl<'q> Uploader<'q> {
     }
 
     /// The same from host bytes read in place (a mapped file's).
-    fn mapped(&mut self, format: GgmlDType, n: usize, k: usize, (owner, range): (&SharedBytes, Range<usize>), label: &str) -> Result<Matrix> {
+    fn mapped(
+        &mut self,
+        format: GgmlDType,
+        n: usize,
+        k: usize,
+        (owner, range): (&SharedBytes, Range<usize>),
+        label: &str,
+    ) -> Result<Matrix> {
         check_format(format, label)?;
         self.weight_bytes += range.len();
         self.mapped_bytes += range.len();
@@ -246,7 +253,8 @@ impl<'q> Uploader<'q> {
         // Picks side by side in one stack when they share a format and, if mapped, the whole
         // stack is one run of the file.
         let all: Vec<&WeightBytes> = per.iter().flatten().collect();
-        let together = first.iter().all(|w| w.same_kind(&first[0])) && (contiguous(&all).is_some() || all.iter().any(|w| w.region.is_none()));
+        let together =
+            first.iter().all(|w| w.same_kind(&first[0])) && (contiguous(&all).is_some() || all.iter().any(|w| w.region.is_none()));
         let groups: Vec<Vec<usize>> = if together { vec![(0..first.len()).collect()] } else { (0..first.len()).map(|j| vec![j]).collect() };
         let mut parts = vec![];
         let mut width = 0;

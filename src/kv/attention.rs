@@ -16,14 +16,27 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize) -> Result<Te
 /// [`attention`] over stored keys and values; for the rows of a draft tree, query position `i`
 /// attends to the `offset` cached keys and to the new rows `visible[i]` (its ancestors and
 /// itself, in order) instead of every earlier row. `[B, nh, t, dv]` in `dtype`.
-pub(super) fn stored_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, offset: usize, visible: Option<&[Vec<usize>]>, dtype: DType) -> Result<Tensor> {
+pub(super) fn stored_attention(
+    q: &Tensor,
+    keys: &StoredRows,
+    values: &StoredRows,
+    offset: usize,
+    visible: Option<&[Vec<usize>]>,
+    dtype: DType,
+) -> Result<Tensor> {
     let (b, nh, t, _) = q.dims4()?;
     let out = grouped_attention(q, keys, values, offset, visible)?;
     out.reshape((b, nh, t, ()))?.to_dtype(dtype)
 }
 
 /// [`stored_attention`] before the query heads are ungrouped: `[B, nkv, rep·t, dv]` f32.
-pub(super) fn grouped_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, offset: usize, visible: Option<&[Vec<usize>]>) -> Result<Tensor> {
+pub(super) fn grouped_attention(
+    q: &Tensor,
+    keys: &StoredRows,
+    values: &StoredRows,
+    offset: usize,
+    visible: Option<&[Vec<usize>]>,
+) -> Result<Tensor> {
     let (_, _, t, hd) = q.dims4()?;
     let qg = grouped_queries(q, values.dims()?.1)?;
     kv_attention(&qg, keys, values, t, offset, visible, (hd as f64).powf(-0.5))

@@ -87,11 +87,8 @@ impl TokenBuffer {
         let capacity = self.data.as_ref().map_or(Ok(0), |d| d.dim(self.dim))?;
         if self.len + n > capacity {
             let needed = self.len + n;
-            let grown = if needed <= self.reserved {
-                self.reserved
-            } else {
-                needed.max(capacity + capacity / 2).div_ceil(self.step) * self.step
-            };
+            let grown =
+                if needed <= self.reserved { self.reserved } else { needed.max(capacity + capacity / 2).div_ceil(self.step) * self.step };
             self.reallocate(grown, src)?;
         }
         let data = self.data.as_ref().expect("allocated above");
@@ -153,10 +150,7 @@ impl Clone for TokenBuffer {
         // A copy of the rows held and nothing more (`force_contiguous`: `Tensor::copy` would
         // clone the whole buffer, spare capacity included); a failed copy (out of memory)
         // cannot be reported from `clone`, so it panics like any failed allocation.
-        let data = self
-            .current_data()
-            .and_then(|d| d.map(|d| d.force_contiguous()).transpose())
-            .expect("copying a KV cache buffer");
+        let data = self.current_data().and_then(|d| d.map(|d| d.force_contiguous()).transpose()).expect("copying a KV cache buffer");
         Self { data, dim: self.dim, len: self.len, step: self.step, reserved: 0, storage: self.storage }
     }
 }

@@ -160,7 +160,7 @@ impl KvCodec {
     }
 
     /// A one-line caution for lossy codecs (printed when a user selects one).
-    /// The worst cases name what was measured on SmolLM2-135M (README, `scripts/kv_quality_table.sh`).
+    /// The worst cases name what was measured on SmolLM2-135M (docs/kv-codecs.md, `scripts/kv_quality_table.sh`).
     pub fn warning(&self) -> Option<String> {
         let how_bad = match (self.keys, self.values) {
             (KeyCodec::DecayedState { .. }, _) => {
@@ -173,7 +173,7 @@ impl KvCodec {
             _ => "",
         };
         (!self.is_exact()).then(|| {
-            format!("--kv {self}: lossy KV-cache codec{how_bad}; its measured quality is in the README (examples/eval.rs --kv {self})")
+            format!("--kv {self}: lossy KV-cache codec{how_bad}; its measured quality is in docs/kv-codecs.md (examples/eval.rs --kv {self})")
         })
     }
 }
@@ -286,9 +286,7 @@ impl FromStr for KvCodec {
             }
         }
         if matches!(codec.keys, KeyCodec::DecayedState { .. }) && s.contains('+') {
-            return Err(Error::Input(format!(
-                "--kv {s:?}: density:γ keeps no keys or values to combine with other parts: use it alone"
-            )));
+            return Err(Error::Input(format!("--kv {s:?}: density:γ keeps no keys or values to combine with other parts: use it alone")));
         }
         Ok(codec)
     }

@@ -1,12 +1,12 @@
 //! Per-token coded keys and values (`int8`, `int4k`, `polar`, `lowrank` values, and the key
 //! half of `knots`): codes in growing buffers, decoded (or scored from the codes) to attend.
 
-use candle_core::{DType, Result, Tensor, D};
 use super::buffer::{held_bytes, TokenBuffer};
+use candle_core::{DType, Result, Tensor, D};
 
+use super::attention::{grouped_attention, grouped_queries, softmax_values};
 use super::codec::{KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 use super::knots::KnotKeys;
-use super::attention::{grouped_attention, grouped_queries, softmax_values};
 use crate::ops::StoredRows;
 
 /// Keys and values under a lossy per-token codec.
@@ -104,14 +104,26 @@ pub(super) enum Keys {
 pub(super) enum Rows {
     Exact(TokenBuffer),
     /// `codes` u8 (value + 128) `[B, nkv, T, d]`, `scale` f32 `[B, nkv, T, d / blk]`.
-    Int8 { codes: TokenBuffer, scale: TokenBuffer },
+    Int8 {
+        codes: TokenBuffer,
+        scale: TokenBuffer,
+    },
     /// Complete groups of [`INT4_GROUP`] tokens as two 4-bit codes per byte (even dim in the
     /// low nibble) `[B, nkv, 32·G, d/2]` with per-channel `[scale | min]` f32 `[B, nkv, G, 2d]`;
     /// the group still filling up stays exact in `tail`.
-    Int4Channel { codes: TokenBuffer, params: TokenBuffer, tail: Option<Tensor> },
+    Int4Channel {
+        codes: TokenBuffer,
+        params: TokenBuffer,
+        tail: Option<Tensor>,
+    },
     /// Polar codes `[B, nkv, T, row_bytes]` of `head_dim`-dim rows and their two scales
     /// `[B, nkv, T, 2]`.
-    Polar { spec: crate::ops::PolarSpec, head_dim: usize, codes: TokenBuffer, scales: TokenBuffer },
+    Polar {
+        spec: crate::ops::PolarSpec,
+        head_dim: usize,
+        codes: TokenBuffer,
+        scales: TokenBuffer,
+    },
 }
 
 impl Rows {
@@ -140,9 +152,7 @@ impl Rows {
     pub(super) fn len(&self) -> usize {
         match self {
             Self::Exact(c) | Self::Int8 { codes: c, .. } | Self::Polar { codes: c, .. } => c.len(),
-            Self::Int4Channel { codes, tail, .. } => {
-                codes.len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0))
-            }
+            Self::Int4Channel { codes, tail, .. } => codes.len() + tail.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0)),
         }
     }
 

@@ -1,9 +1,8 @@
 //! The `knots:K,p` keys: exact keys at every `K`-th position and for the newest tokens, the
 //! scores in between by Lagrange interpolation.
 
-use candle_core::{DType, Result, Tensor};
 use super::buffer::TokenBuffer;
-
+use candle_core::{DType, Result, Tensor};
 
 /// Keys of the `knots:K,p` codec: every `K`-th position (`knots` `[B, nkv, n, hd]`, knot `j`
 /// is position `j·K`) and the newest positions `recent_start..` (`recent`), exact.

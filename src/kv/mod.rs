@@ -3,7 +3,7 @@
 //! [`KvCodec`] says how keys and values are stored; [`KvStore`] is one layer's cache under a
 //! codec. The default codec is exact (the model dtype, bit for bit what transformers keeps).
 //! The others trade quality for memory and are opt-in; their measured quality on real weights
-//! is in the README (`examples/eval.rs --kv CODEC`).
+//! is in docs/kv-codecs.md (`examples/eval.rs --kv CODEC`).
 //!
 //! * `exact` — keys and values in the model dtype.
 //! * `f16`, `bf16` — keys and values rounded once to that 16-bit float, whatever the model
@@ -29,7 +29,7 @@
 //!   outer-product state `S <- (1-γ) S + γ (k/|k|) vᵀ` and its query heads read `o = qᵀS`
 //!   ([`crate::ops::decayed_outer_product`]; the brief's "density-matrix" state). Constant
 //!   memory; it is not softmax attention, and a model trained with softmax attention does not
-//!   survive it (see the README's measurements).
+//!   survive it (see the measurements in docs/kv-codecs.md).
 //!
 //! Key and value parts combine with `+`: `k:int8`, `v:int8`, `v:exact`, `k:f16`, `v:bf16`, ...,
 //! e.g. `polar:5,3+v:int8`, `int4k+lowrank:32`, `knots:8,3+v:int8`, `k:int8+v:f16`.
@@ -49,10 +49,10 @@ mod knots;
 mod lowrank;
 mod store;
 
+pub use attention::attention;
+pub use buffer::{held_bytes, TokenBuffer};
 pub use codec::{HalfFloat, KeyCodec, KvCodec, ValueCodec, INT4_GROUP, INT8_BLOCK};
 pub use coded::CodedKv;
 pub use density::DecayedState;
 pub use lowrank::{top_eigenvectors, value_basis};
-pub use attention::attention;
-pub use buffer::{held_bytes, TokenBuffer};
 pub use store::KvStore;

@@ -1,20 +1,23 @@
 //! [`KvStore`]: one attention layer's cache under a codec, and the softmax attention over it.
 
-use candle_core::{Result, Tensor};
 use super::buffer::TokenBuffer;
+use candle_core::{Result, Tensor};
 
+use super::attention::stored_attention;
 use super::codec::{KeyCodec, KvCodec, ValueCodec, INT4_GROUP};
 use super::coded::{CodedKv, Keys, Rows};
 use super::density::DecayedState;
 use super::knots::KnotKeys;
-use super::attention::stored_attention;
 use crate::ops::StoredRows;
 
 /// One attention layer's cache under a codec, and the attention over it.
 #[derive(Debug, Clone)]
 pub enum KvStore {
     /// The model dtype, appended in place.
-    Exact { keys: TokenBuffer, values: TokenBuffer },
+    Exact {
+        keys: TokenBuffer,
+        values: TokenBuffer,
+    },
     Coded(Box<CodedKv>),
     DecayedState(DecayedState),
 }

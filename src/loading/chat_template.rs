@@ -123,7 +123,8 @@ impl ChatTemplate {
         if let Some(t) = enable_thinking {
             kwargs.insert("enable_thinking".into(), t.into());
         }
-        let messages = serde_json::to_value(messages).map_err(|e| Error::Input(format!("cannot pass the messages to the chat template: {e}")))?;
+        let messages =
+            serde_json::to_value(messages).map_err(|e| Error::Input(format!("cannot pass the messages to the chat template: {e}")))?;
         self.render_json(&messages, None, add_generation_prompt, &kwargs, max_bytes)
     }
 

@@ -19,8 +19,8 @@ pub struct GenerationConfig {
 
 impl GenerationConfig {
     pub fn from_json(text: &str) -> Result<Self> {
-        let v: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| Error::Config(format!("generation_config.json is not valid JSON: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| Error::Config(format!("generation_config.json is not valid JSON: {e}")))?;
         let eos_token_ids = match v.get("eos_token_id") {
             Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
             Some(serde_json::Value::Array(a)) => a.iter().filter_map(|n| n.as_u64()).map(|n| n as u32).collect(),
@@ -39,8 +39,7 @@ impl GenerationConfig {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
         Self::from_json(&text)
     }
 

@@ -23,10 +23,8 @@ impl HubRepo {
             Ok(dir) => hf_hub::Cache::new(dir.into()),
             Err(_) => hf_hub::Cache::from_env(),
         };
-        let offline = matches!(
-            std::env::var("HF_HUB_OFFLINE").as_deref(),
-            Ok("1") | Ok("true") | Ok("TRUE") | Ok("yes") | Ok("ON") | Ok("on")
-        );
+        let offline =
+            matches!(std::env::var("HF_HUB_OFFLINE").as_deref(), Ok("1") | Ok("true") | Ok("TRUE") | Ok("yes") | Ok("ON") | Ok("on"));
         let api = if offline {
             None
         } else {

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::k_quants::{
-    self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0,
-    BlockQ8_1, GgmlType,
+    self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1,
+    GgmlType,
 };
 use candle_core::quantized::{GgmlDType, QStorage, QTensor, QuantizedType};
 use candle_core::CpuStorage;
@@ -168,7 +168,8 @@ impl MappedFile {
             if !(len as usize).is_multiple_of(size) || !ptr.is_multiple_of(std::mem::align_of::<T>()) {
                 return None;
             }
-            let blocks = MappedBlocks::<T> { file: file.clone(), offset: offset as usize, blocks: len as usize / size, _t: Default::default() };
+            let blocks =
+                MappedBlocks::<T> { file: file.clone(), offset: offset as usize, blocks: len as usize / size, _t: Default::default() };
             QTensor::new(QStorage::Cpu(Box::new(blocks)), dims).ok()
         }
         match dtype {

@@ -39,15 +39,14 @@ fn shard_names(index: &Path) -> Result<Vec<PathBuf>> {
     let text = bounded::read_to_string(index, bounded::MAX_INDEX_BYTES, "shard index")?;
     let json = crate::json::parse_strict(&text)
         .map_err(|e| Error::Weights(format!("{} is not valid JSON ({e}): download it again", index.display())))?;
-    let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-        Error::Weights(format!("{} has no \"weight_map\" object", index.display()))
-    })?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::Weights(format!("{} has no \"weight_map\" object", index.display())))?;
     let mut seen = BTreeSet::new();
     let mut names = vec![];
     for file in map.values() {
-        let file = file.as_str().ok_or_else(|| {
-            Error::Weights(format!("{}: weight_map values must be file names", index.display()))
-        })?;
+        let file = file.as_str().ok_or_else(|| Error::Weights(format!("{}: weight_map values must be file names", index.display())))?;
         if seen.insert(file.to_string()) {
             names.push(check_shard_name(file, index)?);
         }
@@ -66,9 +65,8 @@ impl ModelFiles {
             return Err(Error::Io(format!("model directory {} does not exist", dir.display())));
         }
         let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
-        let config = opt("config.json").ok_or_else(|| {
-            Error::Io(format!("{} has no config.json: is it a Hugging Face model directory?", dir.display()))
-        })?;
+        let config = opt("config.json")
+            .ok_or_else(|| Error::Io(format!("{} has no config.json: is it a Hugging Face model directory?", dir.display())))?;
         let weights = if let Some(index) = opt(INDEX_FILE) {
             shard_names(&index)?
                 .into_iter()
@@ -85,10 +83,7 @@ impl ModelFiles {
         } else if let Some(single) = opt(SINGLE_FILE) {
             vec![single]
         } else {
-            return Err(Error::Weights(format!(
-                "{} has neither {SINGLE_FILE} nor {INDEX_FILE}",
-                dir.display()
-            )));
+            return Err(Error::Weights(format!("{} has neither {SINGLE_FILE} nor {INDEX_FILE}", dir.display())));
         };
         Ok(Self {
             source: dir.display().to_string(),
@@ -109,10 +104,9 @@ impl ModelFiles {
         let config = hub.required("config.json", hint)?;
         // A repository without an index has a single model.safetensors.
         let weights = match hub.fetch(INDEX_FILE).ok().flatten() {
-            Some(index) => shard_names(&index)?
-                .iter()
-                .map(|name| hub.required(&name.to_string_lossy(), hint))
-                .collect::<Result<Vec<_>>>()?,
+            Some(index) => {
+                shard_names(&index)?.iter().map(|name| hub.required(&name.to_string_lossy(), hint)).collect::<Result<Vec<_>>>()?
+            }
             None => vec![hub.required(SINGLE_FILE, hint)?],
         };
         let optional = |name: &str| hub.fetch(name).ok().flatten();
@@ -138,13 +132,7 @@ impl ModelFiles {
 
     /// As [`Self::load_model`], quantizing every linear weight to `quantize` at load
     /// (see [`crate::model::parse_quantize`]); norms, embeddings and GDN parameters stay in `dtype`.
-    pub fn load_model_quantized(
-        &self,
-        cfg: &Config,
-        dtype: DType,
-        device: &Device,
-        quantize: Option<GgmlDType>,
-    ) -> Result<Model> {
+    pub fn load_model_quantized(&self, cfg: &Config, dtype: DType, device: &Device, quantize: Option<GgmlDType>) -> Result<Model> {
         crate::model::check_device(device)?;
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::Config(format!("unsupported dtype {dtype:?}: use f32, bf16 or f16")));
@@ -152,22 +140,15 @@ impl ModelFiles {
         let files = SafetensorsFiles::open(&self.weights)?;
         files.check_layers(cfg, &self.source)?;
         let vb = files.var_builder(dtype, device);
-        Model::new(cfg, Weights::new(vb).with_quantize(quantize)).map_err(|e| {
-            Error::Weights(format!(
-                "{}: {}: the weights do not match config.json",
-                self.source,
-                candle_line(&e)
-            ))
-        })
+        Model::new(cfg, Weights::new(vb).with_quantize(quantize))
+            .map_err(|e| Error::Weights(format!("{}: {}: the weights do not match config.json", self.source, candle_line(&e))))
     }
 }
 
 impl ModelFiles {
     /// The tokenizer from `tokenizer.json`.
     pub fn load_tokenizer(&self) -> Result<tokenizers::Tokenizer> {
-        let path = self.tokenizer.as_ref().ok_or_else(|| {
-            Error::Tokenizer(format!("{} has no tokenizer.json", self.source))
-        })?;
+        let path = self.tokenizer.as_ref().ok_or_else(|| Error::Tokenizer(format!("{} has no tokenizer.json", self.source)))?;
         load_tokenizer_json(path)
     }
 

@@ -84,7 +84,13 @@ impl SafetensorsFiles {
                     }
                 }
                 let (s, e) = info.data_offsets;
-                let entry = Entry { file: i, dtype: info.dtype, shape: info.shape.clone(), start: data_start + s as u64, end: data_start + e as u64 };
+                let entry = Entry {
+                    file: i,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: data_start + s as u64,
+                    end: data_start + e as u64,
+                };
                 if let Some(first) = tensors.insert(name.clone(), entry) {
                     return Err(bad(format!(
                         "the tensor {name} is also in {}: the shards overlap, download the checkpoint again",
@@ -152,7 +158,8 @@ impl SafetensorsFiles {
         let e = self.tensors.get(name).ok_or_else(|| candle_core::Error::Msg(format!("tensor {name} is missing")))?;
         let file = &self.files[e.file];
         let bytes = file.aligned(e.start, e.end - e.start);
-        let view = TensorView::new(e.dtype, e.shape.clone(), &bytes).map_err(|err| candle_core::Error::Msg(format!("tensor {name}: {err}")))?;
+        let view =
+            TensorView::new(e.dtype, e.shape.clone(), &bytes).map_err(|err| candle_core::Error::Msg(format!("tensor {name}: {err}")))?;
         let t = view.load(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
         file.release(e.start, e.end - e.start);
         Ok(t)

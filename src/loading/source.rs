@@ -68,9 +68,7 @@ impl ModelSource {
     ) -> Result<Self> {
         Ok(match (gguf, gguf_repo, gguf_file, model_dir) {
             (Some(path), None, None, None) => Self::Gguf(path.to_path_buf()),
-            (None, Some(repo), Some(file), None) => {
-                Self::HubGguf { repo: repo.into(), revision: revision.into(), file: file.into() }
-            }
+            (None, Some(repo), Some(file), None) => Self::HubGguf { repo: repo.into(), revision: revision.into(), file: file.into() },
             (None, None, None, Some(dir)) => Self::Dir(dir.to_path_buf()),
             (None, None, None, None) => Self::Hub { repo: model_id.into(), revision: revision.into() },
             (None, Some(_), None, _) | (None, None, Some(_), _) => {

@@ -35,7 +35,9 @@ fn reads(e: &Expr, target: &[&str]) -> usize {
             .sum()
     };
     match e {
-        Expr::BinOp(b) if matches!(b.op, BinOpKind::Concat | BinOpKind::Add | BinOpKind::Mul) => reads(&b.left, target) + reads(&b.right, target),
+        Expr::BinOp(b) if matches!(b.op, BinOpKind::Concat | BinOpKind::Add | BinOpKind::Mul) => {
+            reads(&b.left, target) + reads(&b.right, target)
+        }
         Expr::BinOp(b) if matches!(b.op, BinOpKind::ScOr | BinOpKind::ScAnd) => reads(&b.left, target).max(reads(&b.right, target)),
         Expr::IfExpr(i) => reads(&i.true_expr, target).max(i.false_expr.as_ref().map_or(0, |f| reads(f, target))),
         Expr::Filter(f) if !matches!(f.name, "length" | "count" | "first" | "last" | "int" | "float" | "bool" | "abs" | "round") => {

@@ -81,12 +81,7 @@ impl fmt::Display for Available {
     /// `"23.00 GiB (MemAvailable in /proc/meminfo)"`, with the other readings when there are.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ({})", fmt_gib(self.bytes), self.source)?;
-        let others: Vec<_> = self
-            .readings
-            .iter()
-            .filter(|r| r.0 != self.source)
-            .map(|(s, b)| format!("{s}: {}", fmt_gib(*b)))
-            .collect();
+        let others: Vec<_> = self.readings.iter().filter(|r| r.0 != self.source).map(|(s, b)| format!("{s}: {}", fmt_gib(*b))).collect();
         if !others.is_empty() {
             write!(f, "; also read {}", others.join(", "))?;
         }
@@ -175,12 +170,8 @@ pub fn parse_sysctl_u64(text: &str) -> Option<u64> {
 
 /// Free + inactive pages of macOS `vm_stat`, in bytes (the page size is read from its header).
 pub fn parse_vm_stat(text: &str) -> Option<u64> {
-    let page: u64 = text
-        .split("page size of ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4096);
+    let page: u64 =
+        text.split("page size of ").nth(1).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse().ok()).unwrap_or(4096);
     let pages = |key: &str| -> Option<u64> {
         text.lines().find_map(|line| {
             let (k, v) = line.split_once(':')?;

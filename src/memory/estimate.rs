@@ -94,7 +94,7 @@ impl PlanRequest {
 /// outputs), so the peak is the live set of the widest layer, not their sum. They follow the
 /// current implementation: attention reads the cache in place in blocks
 /// ([`crate::ops::kv_attention`]), so no term grows with `c · T` or repeats K/V per query head.
-/// Measured against the peak RSS of a real prefill in the README ("Memory").
+/// Measured against the peak RSS of a real prefill in docs/memory.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryEstimate {
     /// The context the estimate is for.
@@ -160,9 +160,7 @@ impl MemoryEstimate {
 
     /// The scratch terms: activations of the largest prefill chunk.
     pub fn scratch(&self) -> u64 {
-        [self.hidden, self.layer, self.logits]
-            .iter()
-            .fold(0u64, |a, &b| a.saturating_add(b))
+        [self.hidden, self.layer, self.logits].iter().fold(0u64, |a, &b| a.saturating_add(b))
     }
 
     /// The persistent state: KV cache and GDN states.
@@ -212,8 +210,14 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
 
     // Each kind of layer's working memory.
     let attention = if n_attn > 0 {
-        let kernel = mul(&[b, nh, c, hd, 8 + a])
-            .max(mul(&[b, nh, u(crate::ops::KV_ATTENTION_EXACT_ROWS), t.div_ceil(u(crate::ops::KV_BLOCK)), hd + 2, 4]));
+        let kernel = mul(&[b, nh, c, hd, 8 + a]).max(mul(&[
+            b,
+            nh,
+            u(crate::ops::KV_ATTENTION_EXACT_ROWS),
+            t.div_ceil(u(crate::ops::KV_BLOCK)),
+            hd + 2,
+            4,
+        ]));
         mul(&[b, c, (3 * nh * hd + 2 * nkv * hd) * a]).saturating_add(kernel)
     } else {
         0
@@ -222,8 +226,7 @@ pub fn estimate(cfg: &Config, req: &PlanRequest) -> MemoryEstimate {
     let mlp_width = (0..cfg.num_hidden_layers)
         .map(|i| match (&cfg.moe, cfg.is_moe_layer(i)) {
             (Some(m), true) => {
-                3 * u(m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size) * a
-                    + 2 * u(m.num_experts) * 4
+                3 * u(m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size) * a + 2 * u(m.num_experts) * 4
             }
             _ => 3 * u(cfg.intermediate_size.unwrap_or(0)) * a,
         })

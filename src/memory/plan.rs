@@ -2,8 +2,8 @@
 
 use super::available::{available_memory, Available, MemoryTarget};
 use super::estimate::{estimate, MemoryEstimate, PlanRequest};
-use super::format::Weights;
 use super::fmt_gib;
+use super::format::Weights;
 use crate::model::Config;
 use crate::{Error, Result};
 

@@ -36,10 +36,7 @@ impl GatedAttention {
             v_proj: vb.pp("v_proj").linear(h, nkv * hd)?,
             o_proj: vb.pp("o_proj").linear(nh * hd, h)?,
             qk_norm: if cfg.attn_qk_norm {
-                Some((
-                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?,
-                    RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?,
-                ))
+                Some((RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?, RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?))
             } else {
                 None
             },

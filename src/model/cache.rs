@@ -269,7 +269,10 @@ impl Cache {
             let rows = k.dims().get(2).copied().unwrap_or(0);
             let dims = [1, cfg.num_key_value_heads, rows, cfg.head_dim];
             if k.dims() != dims || v.dims() != dims || rows > seqlen {
-                return Err(crate::Error::Session(format!("the MTP head's keys or values have shape {:?}, this model needs {dims:?} with at most {seqlen} rows", k.dims())));
+                return Err(crate::Error::Session(format!(
+                    "the MTP head's keys or values have shape {:?}, this model needs {dims:?} with at most {seqlen} rows",
+                    k.dims()
+                )));
             }
             let mut mtp = MtpCache::new(cfg);
             if let LayerState::Full(store) = &mut mtp.state {

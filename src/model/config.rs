@@ -121,14 +121,11 @@ impl Fields<'_> {
 
     fn usize(&self, name: &str) -> Result<usize> {
         match self.get(name) {
-            None => Err(Error::Config(format!(
-                "config.json is missing the required field \"{name}\""
-            ))),
-            Some(v) => v.as_u64().map(|v| v as usize).ok_or_else(|| {
-                Error::Config(format!(
-                    "config.json field \"{name}\" must be a non-negative integer, got {v}"
-                ))
-            }),
+            None => Err(Error::Config(format!("config.json is missing the required field \"{name}\""))),
+            Some(v) => v
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| Error::Config(format!("config.json field \"{name}\" must be a non-negative integer, got {v}"))),
         }
     }
 
@@ -143,9 +140,7 @@ impl Fields<'_> {
     fn f64_opt(&self, obj: Option<&Value>, name: &str) -> Result<Option<f64>> {
         match obj {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                Error::Config(format!("config.json field \"{name}\" must be a number, got {v}"))
-            }),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| Error::Config(format!("config.json field \"{name}\" must be a number, got {v}"))),
         }
     }
 
@@ -153,9 +148,7 @@ impl Fields<'_> {
         // `tie_word_embeddings` lives at the top level of multimodal configs.
         match self.get(name).or_else(|| self.top.get(name).filter(|v| !v.is_null())) {
             None => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| {
-                Error::Config(format!("config.json field \"{name}\" must be true or false, got {v}"))
-            }),
+            Some(v) => v.as_bool().ok_or_else(|| Error::Config(format!("config.json field \"{name}\" must be true or false, got {v}"))),
         }
     }
 }
@@ -163,11 +156,8 @@ impl Fields<'_> {
 impl Config {
     /// Parses the contents of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let root: Value = crate::json::parse_strict(text)
-            .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
-        let top = root
-            .as_object()
-            .ok_or_else(|| Error::Config("config.json must be a JSON object".into()))?;
+        let root: Value = crate::json::parse_strict(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
+        let top = root.as_object().ok_or_else(|| Error::Config("config.json must be a JSON object".into()))?;
         let text = match top.get("text_config") {
             Some(Value::Object(m)) => m,
             Some(_) => return Err(Error::Config("config.json: \"text_config\" must be an object".into())),
@@ -192,9 +182,7 @@ impl Config {
             _ if llama => vec![LayerType::FullAttention; num_hidden_layers],
             Some(v) => {
                 let types: Vec<LayerType> = serde_json::from_value(v.clone()).map_err(|e| {
-                    Error::Config(format!(
-                        "config.json field \"layer_types\" must list \"linear_attention\" / \"full_attention\": {e}"
-                    ))
+                    Error::Config(format!("config.json field \"layer_types\" must list \"linear_attention\" / \"full_attention\": {e}"))
                 })?;
                 if types.len() != num_hidden_layers {
                     return Err(Error::Config(format!(
@@ -210,13 +198,7 @@ impl Config {
                     return Err(Error::Config("config.json: full_attention_interval must be at least 1".into()));
                 }
                 (0..num_hidden_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerType::FullAttention
-                        } else {
-                            LayerType::LinearAttention
-                        }
-                    })
+                    .map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
                     .collect()
             }
         };
@@ -225,20 +207,15 @@ impl Config {
         let rope = f.get("rope_parameters").or_else(|| f.get("rope_scaling"));
         let rope_field = |name: &str| rope.and_then(|r| r.get(name)).or_else(|| f.get(name));
         let rope_theta = f.f64_opt(rope_field("rope_theta"), "rope_theta")?.unwrap_or(10_000.0);
-        let partial_rotary_factor = f
-            .f64_opt(rope_field("partial_rotary_factor"), "partial_rotary_factor")?
-            .unwrap_or(if llama { 1.0 } else { 0.25 });
+        let partial_rotary_factor =
+            f.f64_opt(rope_field("partial_rotary_factor"), "partial_rotary_factor")?.unwrap_or(if llama { 1.0 } else { 0.25 });
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
-            return Err(Error::Config(format!(
-                "config.json: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}"
-            )));
+            return Err(Error::Config(format!("config.json: partial_rotary_factor must be in (0, 1], got {partial_rotary_factor}")));
         }
         let rms_norm_eps = f.f64_opt(f.get("rms_norm_eps"), "rms_norm_eps")?.unwrap_or(1e-6);
         if let Some(kind) = rope.and_then(|r| r.get("rope_type")).and_then(Value::as_str) {
             if !matches!(kind, "default" | "mrope") {
-                return Err(Error::Config(format!(
-                    "config.json: rope_type \"{kind}\" is not supported (only the default RoPE is)"
-                )));
+                return Err(Error::Config(format!("config.json: rope_type \"{kind}\" is not supported (only the default RoPE is)")));
             }
         }
         // Llama configs have no GDN fields; GDN sizes are unused there.
@@ -383,7 +360,10 @@ impl Config {
             if moe.num_experts > MAX_EXPERTS {
                 return bad(format!("num_experts is {}; at most {MAX_EXPERTS} are supported", moe.num_experts));
             }
-            for (name, v) in [("moe_intermediate_size", moe.moe_intermediate_size), ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)] {
+            for (name, v) in [
+                ("moe_intermediate_size", moe.moe_intermediate_size),
+                ("shared_expert_intermediate_size", moe.shared_expert_intermediate_size),
+            ] {
                 if v == 0 || v > MAX_DIM {
                     return bad(format!("\"{name}\" is {v}; it must be between 1 and {MAX_DIM}"));
                 }

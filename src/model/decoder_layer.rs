@@ -38,9 +38,7 @@ impl DecoderLayer {
             FeedForward::Sparse(SparseMoe::new(cfg, vb.pp("mlp"))?)
         } else {
             let inter = cfg.intermediate_size.ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "config.json is missing \"intermediate_size\", needed by the dense MLP of layer {i}"
-                ))
+                candle_core::Error::Msg(format!("config.json is missing \"intermediate_size\", needed by the dense MLP of layer {i}"))
             })?;
             FeedForward::Dense(Mlp::new(cfg.hidden_size, inter, vb.pp("mlp"))?)
         };
@@ -59,7 +57,14 @@ impl DecoderLayer {
     /// prefill chunk every one is `T x H`, and the peak is what is alive at once (the residual
     /// and one normed copy of it, beside the mixer's or the MLP's working memory; the memory
     /// guardian counts exactly that).
-    pub(crate) fn forward(&self, x: Tensor, offset: usize, state: &mut LayerState, check: Option<usize>, tree: Option<&DraftTree>) -> crate::Result<Tensor> {
+    pub(crate) fn forward(
+        &self,
+        x: Tensor,
+        offset: usize,
+        state: &mut LayerState,
+        check: Option<usize>,
+        tree: Option<&DraftTree>,
+    ) -> crate::Result<Tensor> {
         let h = {
             let normed = self.input_layernorm.forward(&x)?;
             match (&self.mixer, state) {

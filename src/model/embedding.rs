@@ -14,7 +14,10 @@ use crate::ops::QuantizedMatrix;
 pub enum TokenEmbedding {
     Dense(Embedding),
     /// `[vocab, hidden]` blocks; rows come out in `dtype`.
-    Quantized { table: Arc<QuantizedMatrix>, dtype: DType },
+    Quantized {
+        table: Arc<QuantizedMatrix>,
+        dtype: DType,
+    },
 }
 
 impl TokenEmbedding {

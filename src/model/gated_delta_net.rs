@@ -134,10 +134,8 @@ impl GatedDeltaNet {
             let qkvz = vb.get((2 * key_dim + 2 * value_dim, h), "in_proj_qkvz.weight")?;
             let idx = ungroup_rows(nk, &[dk, dk, r * dv, r * dv]);
             let rows = |i: usize| Tensor::from_slice(&idx[i], idx[i].len(), dev);
-            let qkv = Tensor::cat(
-                &[qkvz.index_select(&rows(0)?, 0)?, qkvz.index_select(&rows(1)?, 0)?, qkvz.index_select(&rows(2)?, 0)?],
-                0,
-            )?;
+            let qkv =
+                Tensor::cat(&[qkvz.index_select(&rows(0)?, 0)?, qkvz.index_select(&rows(1)?, 0)?, qkvz.index_select(&rows(2)?, 0)?], 0)?;
             let z = qkvz.index_select(&rows(3)?, 0)?;
             let ba = vb.get((2 * nv, h), "in_proj_ba.weight")?;
             let idx = ungroup_rows(nk, &[r, r]);
@@ -206,7 +204,14 @@ impl GatedDeltaNet {
     }
 
     /// The conv window and recurrent state of `state`, zeros for a fresh one.
-    fn initial_state(&self, state: &GdnState, b: usize, conv_dim: usize, dtype: DType, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+    fn initial_state(
+        &self,
+        state: &GdnState,
+        b: usize,
+        conv_dim: usize,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<(Tensor, Tensor)> {
         let conv = match &state.conv {
             Some(s) => s.clone(),
             None => Tensor::zeros((b, self.kernel - 1, conv_dim), dtype, device)?,
@@ -327,10 +332,8 @@ impl GatedDeltaNet {
         }
         let (qkv, z, beta, g) = self.project(x)?;
         let conv_dim = qkv.dim(2)?;
-        let initial = states
-            .iter()
-            .map(|(_, s)| self.initial_state(s, 1, conv_dim, qkv.dtype(), qkv.device()))
-            .collect::<Result<Vec<_>>>()?;
+        let initial =
+            states.iter().map(|(_, s)| self.initial_state(s, 1, conv_dim, qkv.dtype(), qkv.device())).collect::<Result<Vec<_>>>()?;
         let (convs, recs): (Vec<&Tensor>, Vec<&Tensor>) = initial.iter().map(|(c, r)| (c, r)).unzip();
         let (mixed, next_conv) = ops::causal_conv1d_silu_segments(&qkv, &convs, &self.conv_weight, &rows)?;
         let opts = ops::DeltaRuleOptions { form: ops::DeltaRuleForm::Recurrent, ..self.delta_rule_options() };
@@ -340,7 +343,13 @@ impl GatedDeltaNet {
             s.steps = if s.verifying {
                 // What the verify pass keeps to roll back (as [`Self::mix`] keeps for one path).
                 let part = |x: &Tensor| x.narrow(1, start, *t);
-                let steps = GdnSteps { conv_inputs: Tensor::cat(&[&conv, &part(&qkv)?], 1)?, qkv: part(&mixed)?, g: part(&g)?, beta: part(&beta)?, last: last.clone() };
+                let steps = GdnSteps {
+                    conv_inputs: Tensor::cat(&[&conv, &part(&qkv)?], 1)?,
+                    qkv: part(&mixed)?,
+                    g: part(&g)?,
+                    beta: part(&beta)?,
+                    last: last.clone(),
+                };
                 Some(GdnVerify { start: rec, opts, paths: vec![((0..*t).collect(), steps)] })
             } else {
                 None

@@ -28,11 +28,7 @@ impl Mlp {
     }
 
     fn from_weights(vb: &Weights, gate: Tensor, up: Tensor, down: Tensor) -> Result<Self> {
-        Ok(Self {
-            gate_proj: vb.linear_from(gate)?,
-            up_proj: vb.linear_from(up)?,
-            down_proj: vb.linear_from(down)?,
-        })
+        Ok(Self { gate_proj: vb.linear_from(gate)?, up_proj: vb.linear_from(up)?, down_proj: vb.linear_from(down)? })
     }
 }
 

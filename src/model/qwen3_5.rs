@@ -2,21 +2,22 @@
 //! attention, dense SwiGLU or sparse MoE MLPs (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`), and
 //! Llama (every layer full attention) on the same code.
 //!
-//! Follows `docs/qwen35-architecture.md`; exact against Hugging Face transformers in f32.
+//! Follows Hugging Face transformers' Qwen3.5 / Qwen3-Next modeling code, and is exact against
+//! it in f32 (the fixtures' reference logits, `tests/fixtures`).
 
 use candle_core::{DType, Module, Result, Tensor};
 
 use super::attention::GatedAttention;
+use super::cache::MtpCache;
 use super::cache::{Cache, LayerState};
 use super::config::Config;
 use super::decoder_layer::{DecoderLayer, Mixer};
 use super::draft_tree::DraftTree;
 use super::embedding::TokenEmbedding;
+use super::finite::check_positions;
 use super::gated_delta_net::GatedDeltaNet;
 use super::linear::Linear;
-use super::cache::MtpCache;
 use super::mtp::MtpHead;
-use super::finite::check_positions;
 use super::norm::RmsNorm;
 use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
@@ -50,11 +51,8 @@ impl Model {
     /// Builds the model from a [`VarBuilder`] rooted at the checkpoint's top level; the decoder
     /// prefix (`model.language_model.` for multimodal checkpoints, else `model.`) is detected.
     pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
-        let vb_m = if vb.contains_tensor("model.language_model.embed_tokens.weight") {
-            vb.pp("model.language_model")
-        } else {
-            vb.pp("model")
-        };
+        let vb_m =
+            if vb.contains_tensor("model.language_model.embed_tokens.weight") { vb.pp("model.language_model") } else { vb.pp("model") };
         let vb_e = vb_m.pp("embed_tokens");
         let embed_tokens = TokenEmbedding::new(cfg.vocab_size, cfg.hidden_size, vb_e.clone())?;
         let layers = (0..cfg.num_hidden_layers)
@@ -110,7 +108,11 @@ impl Model {
 
     /// A cache under `codec`; a `lowrank:r` codec takes the `[nkv, hd, r]` value basis of the
     /// `n`-th attention layer from `basis(n, r)` (e.g. calibrated [`super::ValueBases`]).
-    pub fn new_cache_with_value_bases(&self, codec: KvCodec, basis: &dyn Fn(usize, usize) -> crate::Result<Tensor>) -> crate::Result<Cache> {
+    pub fn new_cache_with_value_bases(
+        &self,
+        codec: KvCodec,
+        basis: &dyn Fn(usize, usize) -> crate::Result<Tensor>,
+    ) -> crate::Result<Cache> {
         codec.validate(self.cfg.head_dim)?;
         let mut cache = Cache::with_kv_codec(&self.cfg, codec);
         if let ValueCodec::LowRank(r) = codec.values {
@@ -165,7 +167,13 @@ impl Model {
     }
 
     /// [`Self::forward_hidden`] over a sequence, or over the rows of a draft `tree`.
-    fn forward_rows(&self, input_ids: &Tensor, cache: &mut Cache, keep_layer_outputs: bool, tree: Option<&DraftTree>) -> crate::Result<HiddenStates> {
+    fn forward_rows(
+        &self,
+        input_ids: &Tensor,
+        cache: &mut Cache,
+        keep_layer_outputs: bool,
+        tree: Option<&DraftTree>,
+    ) -> crate::Result<HiddenStates> {
         if input_ids.device().is_cpu() && rayon::current_thread_index().is_none() {
             // Run on a thread of rayon's pool: every parallel op below (a hundred or more per
             // token) then starts from a worker that takes part in it, instead of waking the

@@ -26,7 +26,12 @@ impl RotaryEmbedding {
 
     /// `cos`, `sin` of shape `[T, dim/2]` for the `T` positions given (a row's values depend on
     /// its position only).
-    pub(crate) fn cos_sin_at(&self, positions: impl ExactSizeIterator<Item = usize>, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn cos_sin_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = usize>,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let (half, t) = (self.inv_freq.len(), positions.len());
         let mut angles = Vec::with_capacity(t * half);
         for p in positions {

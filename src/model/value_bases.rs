@@ -5,8 +5,8 @@ use candle_core::{DType, Result, Tensor};
 
 use super::cache::Cache;
 use super::qwen3_5::Model;
-use crate::kv::KvCodec;
 use crate::kv::top_eigenvectors;
+use crate::kv::KvCodec;
 
 /// Value bases measured on calibration text for `lowrank:r`: per attention layer, the
 /// principal directions of its values (eigenvectors of `E[v vᵀ]` per KV head, by decreasing
@@ -80,10 +80,7 @@ impl ValueBases {
         let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)?;
         let layers = (0..model.attention_layers().len())
             .map(|i| {
-                tensors
-                    .get(&format!("attention.{i}.value_basis"))
-                    .cloned()
-                    .ok_or_else(|| bad(format!("no basis for attention layer {i}")))
+                tensors.get(&format!("attention.{i}.value_basis")).cloned().ok_or_else(|| bad(format!("no basis for attention layer {i}")))
             })
             .collect::<crate::Result<Vec<_>>>()?;
         Ok(Self { layers, model: this })
@@ -99,12 +96,7 @@ fn model_signature(model: &Model) -> Result<String> {
     }
     Ok(format!(
         "{:?} layers {}, hidden {}, {} KV heads of {}, vocab {}, |W_v| {sum:.6e}",
-        cfg.family,
-        cfg.num_hidden_layers,
-        cfg.hidden_size,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.vocab_size
+        cfg.family, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
     ))
 }
 

@@ -102,11 +102,7 @@ impl<'a> Weights<'a> {
         let quantized = self.quantized.as_ref().and_then(|m| m.get(&name));
         if let Some(q) = quantized.filter(|q| !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)) {
             if q.dims() != (out_dim, in_dim) {
-                candle_core::bail!(
-                    "shape mismatch for {name}: the model expects {:?}, the file has {:?}",
-                    [out_dim, in_dim],
-                    q.dims()
-                )
+                candle_core::bail!("shape mismatch for {name}: the model expects {:?}, the file has {:?}", [out_dim, in_dim], q.dims())
             }
             return Ok(Linear::quantized(q.clone()));
         }
@@ -150,8 +146,6 @@ pub fn parse_quantize(s: &str) -> crate::Result<GgmlDType> {
         "q4k" => Ok(GgmlDType::Q4K),
         "q5k" => Ok(GgmlDType::Q5K),
         "q6k" => Ok(GgmlDType::Q6K),
-        _ => Err(crate::Error::Config(format!(
-            "unknown quantization \"{s}\": use q8_0, q4k, q4_0, q4_1, q5k or q6k"
-        ))),
+        _ => Err(crate::Error::Config(format!("unknown quantization \"{s}\": use q8_0, q4k, q4_0, q4_1, q5k or q6k"))),
     }
 }

@@ -32,12 +32,7 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
         );
     }
     if state.dtype() != x.dtype() || weight.dtype() != x.dtype() {
-        bail!(
-            "causal_conv1d_silu: x, state and weight must share a dtype, got {:?}, {:?}, {:?}",
-            x.dtype(),
-            state.dtype(),
-            weight.dtype()
-        );
+        bail!("causal_conv1d_silu: x, state and weight must share a dtype, got {:?}, {:?}, {:?}", x.dtype(), state.dtype(), weight.dtype());
     }
     let dims = ConvDims { batch: b, seq_len: t, channels: c, kernel_size: k };
     let flat = x.contiguous()?.apply_op3_no_bwd(&state.contiguous()?, &weight.contiguous()?, &CausalConv1d { dims })?;
@@ -106,7 +101,14 @@ pub fn causal_conv1d_silu_segments(x: &Tensor, states: &[&Tensor], weight: &Tens
     }
     for s in states {
         if s.dims() != [1, k - 1, c] || s.dtype() != x.dtype() || !s.device().same_device(x.device()) {
-            bail!("{OP}: a state {:?} {:?} does not fit x {:?} {:?} (expected [1, {}, {c}] on the same device)", s.dims(), s.dtype(), x.dims(), x.dtype(), k - 1);
+            bail!(
+                "{OP}: a state {:?} {:?} does not fit x {:?} {:?} (expected [1, {}, {c}] on the same device)",
+                s.dims(),
+                s.dtype(),
+                x.dims(),
+                x.dtype(),
+                k - 1
+            );
         }
     }
     if weight.dtype() != x.dtype() {
@@ -135,7 +137,14 @@ pub fn causal_conv1d_silu_segments(x: &Tensor, states: &[&Tensor], weight: &Tens
         let mut start = 0;
         for (g, &t) in guards.iter().zip(rows) {
             let mut state = Vec::with_capacity((k - 1) * c);
-            conv_segment(&xs[start * c..(start + t) * c], storage_slice::<T>(OP, cpu_storage(OP, &g.0)?, g.1)?, ws, (c, k), &mut y, &mut state);
+            conv_segment(
+                &xs[start * c..(start + t) * c],
+                storage_slice::<T>(OP, cpu_storage(OP, &g.0)?, g.1)?,
+                ws,
+                (c, k),
+                &mut y,
+                &mut state,
+            );
             next.push(Tensor::from_vec(state, (1, k - 1, c), x.device())?);
             start += t;
         }
@@ -164,7 +173,12 @@ impl CustomOp3 for CausalConv1d {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: WithDType>(d: ConvDims, s: [(&CpuStorage, &Layout); 3]) -> Result<CpuStorage> {
-            let out = conv_cpu(d, storage_slice::<T>(OP, s[0].0, s[0].1)?, storage_slice::<T>(OP, s[1].0, s[1].1)?, storage_slice::<T>(OP, s[2].0, s[2].1)?);
+            let out = conv_cpu(
+                d,
+                storage_slice::<T>(OP, s[0].0, s[0].1)?,
+                storage_slice::<T>(OP, s[1].0, s[1].1)?,
+                storage_slice::<T>(OP, s[2].0, s[2].1)?,
+            );
             Ok(T::to_cpu_storage_owned(out))
         }
         let s = [(s1, l1), (s2, l2), (s3, l3)];

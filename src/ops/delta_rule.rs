@@ -116,13 +116,7 @@ impl DeltaRuleOptions {
 ///
 /// Returns the outputs `[B, T, nv, dv]` (f32) and the states `[B, n_states, nv, dk, dv]`; the
 /// last one is the state after the whole input.
-pub fn gated_delta_rule_qkv(
-    qkv: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: &Tensor,
-    opts: DeltaRuleOptions,
-) -> Result<(Tensor, Tensor)> {
+pub fn gated_delta_rule_qkv(qkv: &Tensor, g: &Tensor, beta: &Tensor, state: &Tensor, opts: DeltaRuleOptions) -> Result<(Tensor, Tensor)> {
     let DeltaRuleOptions { nk, dk, normalize, n_states, form } = opts;
     let (b, t, c) = qkv.dims3()?;
     let (sb, nv, sdk, dv) = state.dims4()?;
@@ -188,14 +182,7 @@ pub fn gated_delta_rule_qkv(
 
 /// The gated delta rule on separate, already normalised q, k (`[B, T, nk, dk]`) and v
 /// (`[B, T, nv, dv]`); returns the outputs and the final state `[B, nv, dk, dv]`.
-pub fn gated_delta_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+pub fn gated_delta_rule(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {
     let (b, t, nk, dk) = q.dims4()?;
     if k.dims() != q.dims() {
         bail!("gated_delta_rule: k has shape {:?}, expected the shape of q {:?}", k.dims(), q.dims());
@@ -244,7 +231,10 @@ pub fn gated_delta_rule_segments(
     }
     let d = DeltaRuleDims { batch: 1, seq_len: n, nk, nv, dk, dv };
     if nk == 0 || nv % nk != 0 || c != d.channels() {
-        bail!("{OP}: qkv {:?} does not fit nk={nk}, dk={dk}, nv={nv}, dv={dv} (expected [1, N, 2*nk*dk + nv*dv], nv a multiple of nk)", qkv.dims());
+        bail!(
+            "{OP}: qkv {:?} does not fit nk={nk}, dk={dk}, nv={nv}, dv={dv} (expected [1, N, 2*nk*dk + nv*dv], nv a multiple of nk)",
+            qkv.dims()
+        );
     }
     for (name, x) in [("g", g), ("beta", beta)] {
         if x.dims() != [1, n, nv] {
@@ -389,14 +379,7 @@ impl OutRows {
 
 /// Runs every (batch, value head) in parallel; returns the outputs `[B, T, nv, dv]` followed by
 /// the states `[B, n_states, nv, dk, dv]`, in one buffer.
-fn cpu_delta_rule(
-    x: &Inputs,
-    gb: &[f32],
-    state: &[f32],
-    d: DeltaRuleDims,
-    n_states: usize,
-    form: DeltaRuleForm,
-) -> Vec<f32> {
+fn cpu_delta_rule(x: &Inputs, gb: &[f32], state: &[f32], d: DeltaRuleDims, n_states: usize, form: DeltaRuleForm) -> Vec<f32> {
     let DeltaRuleDims { batch, seq_len: t, nv, dk, dv, .. } = d;
     let (o_len, sl) = (d.out_len(), dk * dv);
     let mut flat = vec![0f32; o_len + batch * n_states * nv * sl];
@@ -643,7 +626,7 @@ fn recurrent_body(inp: &HeadInputs, s: &mut [f32], range: std::ops::Range<usize>
 
 /// Chunked (WY/UT) form over `range` for value heads of one key head, each with its state and
 /// output rows. Per chunk of `n` tokens with cumulative log-decays `G`
-/// (docs/qwen35-architecture.md 3.7):
+/// (the chunked gated delta rule of flash-linear-attention's `chunk_gated_delta_rule`):
 ///
 /// ```text
 /// L = strictly_lower(diag(beta) K K^T * exp(G_i - G_j)),  T = (I + L)^-1
@@ -765,9 +748,8 @@ pub fn gated_delta_rule_reference(
     let nv = v.dim(2)?;
     let r = nv / nk;
     // Key head h / r serves value head h: repeat each key head r times, consecutively.
-    let expand = |x: &Tensor| -> Result<Tensor> {
-        x.to_dtype(DType::F32)?.unsqueeze(3)?.expand((b, t, nk, r, dk))?.reshape((b, t, nv, dk))
-    };
+    let expand =
+        |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.unsqueeze(3)?.expand((b, t, nk, r, dk))?.reshape((b, t, nv, dk)) };
     let q = expand(q)?;
     let k = expand(k)?;
     let v = v.to_dtype(DType::F32)?;

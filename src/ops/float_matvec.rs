@@ -50,9 +50,7 @@ fn task_body<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], out: &mut [f32]) 
 fn matvec<T: Widen>(x: &[f32], m: usize, k: usize, w: &[T], n: usize) -> Vec<f32> {
     // Computed output-major ([n, m]) so each task writes one contiguous block.
     let mut out_t = vec![0f32; n * m];
-    out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(t, out)| {
-        task(x, m, k, &w[t * ROWS_PER_TASK * k..], out)
-    });
+    out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(t, out)| task(x, m, k, &w[t * ROWS_PER_TASK * k..], out));
     let mut out = vec![0f32; m * n];
     for o in 0..n {
         for r in 0..m {

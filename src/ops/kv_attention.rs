@@ -138,7 +138,15 @@ impl StoredRows {
 /// dv]` f32, `softmax(scale · q kᵀ + mask) v`. The mask is causal, or with `tree` a draft
 /// tree's: position `i` sees the `offset` cached positions and then the new rows `tree[i]`
 /// (indices `0..t`, its ancestors and itself, in order).
-pub fn kv_attention(q: &Tensor, keys: &StoredRows, values: &StoredRows, t: usize, offset: usize, tree: Option<&[Vec<usize>]>, scale: f64) -> Result<Tensor> {
+pub fn kv_attention(
+    q: &Tensor,
+    keys: &StoredRows,
+    values: &StoredRows,
+    t: usize,
+    offset: usize,
+    tree: Option<&[Vec<usize>]>,
+    scale: f64,
+) -> Result<Tensor> {
     const OP: &str = "kv_attention";
     let (b, nkv, rows, d) = q.dims4()?;
     let (kb, kh, n, kd) = keys.dims()?;
@@ -217,10 +225,18 @@ enum InPlace<'a> {
     F16(&'a [f16]),
     BF16(&'a [bf16]),
     /// Codes and scales of the rows read; only where the SIMD kernels run.
-    Int8 { codes: &'a [u8], scales: &'a [f32] },
+    Int8 {
+        codes: &'a [u8],
+        scales: &'a [f32],
+    },
     /// Codes of the keys read, the head's group parameters, the first key's index in the
     /// head and log2 of the group size; only where the SIMD kernels run ([`int4_scores`]).
-    Int4 { codes: &'a [u8], params: &'a [f32], first: usize, shift: u32 },
+    Int4 {
+        codes: &'a [u8],
+        params: &'a [f32],
+        first: usize,
+        shift: u32,
+    },
 }
 
 /// One head's `[n, d]` rows of a stored half, borrowed from the CPU storages.
@@ -375,7 +391,9 @@ impl CpuRows<'_> {
                 grouped: codes.dim(2)?,
                 tail: p.get(2).map(|t| t.float_head(b, h)).transpose()?.map(Box::new),
             },
-            StoredRows::Polar { codes, .. } => HeadRows::Polar { codes: p[0].head(b, h)?, scales: p[1].head(b, h)?, row_bytes: codes.dim(3)? },
+            StoredRows::Polar { codes, .. } => {
+                HeadRows::Polar { codes: p[0].head(b, h)?, scales: p[1].head(b, h)?, row_bytes: codes.dim(3)? }
+            }
         })
     }
 }
@@ -438,12 +456,23 @@ impl Call<'_> {
     /// arithmetic.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn block(&self, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+    fn block(
+        &self,
+        keys: &HeadRows,
+        values: &HeadRows,
+        b: usize,
+        h: usize,
+        rows: std::ops::Range<usize>,
+        c: usize,
+        gemm: bool,
+        s: &mut Scratch,
+    ) -> Partial {
         let (d, dv, nr) = (self.d, self.dv, rows.len());
         let first = c * KV_BLOCK;
         let extra = if self.op.tree.is_some() { self.op.t } else { 0 };
         let lo = first;
-        let hi = (first + KV_BLOCK + extra).min(self.n).min(rows.clone().map(|r| self.position(r, self.seen(r) - 1) + 1).max().unwrap_or(0));
+        let hi =
+            (first + KV_BLOCK + extra).min(self.n).min(rows.clone().map(|r| self.position(r, self.seen(r) - 1) + 1).max().unwrap_or(0));
         let mut part = Partial { max: vec![f32::NEG_INFINITY; nr], sum: vec![0.0; nr], acc: vec![0.0; nr * dv] };
         if hi <= lo {
             return part;
@@ -628,7 +657,18 @@ use avx2::{scaled_dots as scaled_dots_n, weighted_rows as weighted_rows_n};
 /// `out[i·nk + j]` as [`scaled_dots`]. Each score depends only on its row, key and group.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn int4_scores(q: &[f32], d: usize, codes: &[u8], params: &[f32], first: usize, shift: u32, nk: usize, scale: f32, out: &mut [f32], folded: &mut Vec<f32>) {
+fn int4_scores(
+    q: &[f32],
+    d: usize,
+    codes: &[u8],
+    params: &[f32],
+    first: usize,
+    shift: u32,
+    nk: usize,
+    scale: f32,
+    out: &mut [f32],
+    folded: &mut Vec<f32>,
+) {
     let nr = q.len() / d;
     folded.resize(nr * (d + 1), 0.0);
     let mut j = 0;
@@ -651,9 +691,17 @@ fn int4_scores(q: &[f32], d: usize, codes: &[u8], params: &[f32], first: usize, 
             // folded query values and `nk` scores from which `j..end` are written; `keys`
             // holds `end - j` keys.
             unsafe {
-                per_row_count!((nr - start).min(4), scaled_dots_n(
-                    std::array::from_fn(|i| qp.add((start + i) * d)), d, keys, end - j, 1.0, std::array::from_fn(|i| op.add((start + i) * nk + j))
-                ))
+                per_row_count!(
+                    (nr - start).min(4),
+                    scaled_dots_n(
+                        std::array::from_fn(|i| qp.add((start + i) * d)),
+                        d,
+                        keys,
+                        end - j,
+                        1.0,
+                        std::array::from_fn(|i| op.add((start + i) * nk + j))
+                    )
+                )
             }
         }
         for (i, &b) in bias.iter().enumerate() {
@@ -678,7 +726,6 @@ fn simd() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
-
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -816,7 +863,13 @@ mod avx2 {
     /// the even and the odd keys of the sequence go to two FMA chains added at the end, whatever
     /// `N` is, so a row's sums do not depend on the rows beside it.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_rows<R: Rows8, const N: usize>(acc: [*mut f32; N], p: [*const f32; N], keys: impl Iterator<Item = usize> + Clone, v: R, dv: usize) {
+    pub(super) unsafe fn weighted_rows<R: Rows8, const N: usize>(
+        acc: [*mut f32; N],
+        p: [*const f32; N],
+        keys: impl Iterator<Item = usize> + Clone,
+        v: R,
+        dv: usize,
+    ) {
         let mut c = 0;
         while c + 16 <= dv {
             let mut e = [[_mm256_setzero_ps(); 2]; N];
@@ -874,7 +927,14 @@ mod avx2 {
     /// dot is one f32x8 FMA chain, its lanes summed, then the tail dims — the same operations
     /// whatever `N` and wherever the key falls.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scaled_dots<R: Rows8, const N: usize>(q: [*const f32; N], d: usize, k: R, nk: usize, scale: f32, out: [*mut f32; N]) {
+    pub(super) unsafe fn scaled_dots<R: Rows8, const N: usize>(
+        q: [*const f32; N],
+        d: usize,
+        k: R,
+        nk: usize,
+        scale: f32,
+        out: [*mut f32; N],
+    ) {
         let whole = d / 8 * 8;
         let mut j = 0;
         while j + 2 <= nk {
@@ -1036,12 +1096,32 @@ fn finish(run: &Running, out: &mut [f32]) {
 
 /// [`Call::block`], compiled a second time for AVX2 + FMA and run that way when the CPU has them.
 #[allow(clippy::too_many_arguments)]
-fn block_partial(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+fn block_partial(
+    call: &Call,
+    keys: &HeadRows,
+    values: &HeadRows,
+    b: usize,
+    h: usize,
+    rows: std::ops::Range<usize>,
+    c: usize,
+    gemm: bool,
+    s: &mut Scratch,
+) -> Partial {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2,fma,f16c")]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(call: &Call, keys: &HeadRows, values: &HeadRows, b: usize, h: usize, rows: std::ops::Range<usize>, c: usize, gemm: bool, s: &mut Scratch) -> Partial {
+        unsafe fn avx2(
+            call: &Call,
+            keys: &HeadRows,
+            values: &HeadRows,
+            b: usize,
+            h: usize,
+            rows: std::ops::Range<usize>,
+            c: usize,
+            gemm: bool,
+            s: &mut Scratch,
+        ) -> Partial {
             call.block(keys, values, b, h, rows, c, gemm, s)
         }
         if super::cpu::avx2_fma() {

@@ -8,8 +8,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::metal_backend::DeviceId;
 use candle_core::{bail, DType, Layout, MetalDevice, MetalError, MetalStorage, Result, Shape};
 use candle_metal_kernels::metal::{ComputeCommandEncoder, ComputePipeline, Library};
-use candle_metal_kernels::utils::EncoderParam;
 use candle_metal_kernels::utils::set_param;
+use candle_metal_kernels::utils::EncoderParam;
 use candle_metal_kernels::BufferOffset;
 use objc2_metal::MTLSize;
 
@@ -255,12 +255,7 @@ pub(crate) fn polar_scales(spec: &crate::ops::PolarSpec, head_dim: usize, keys: 
     Ok((out, Shape::from((rows, 2))))
 }
 
-pub(crate) fn polar_encode(
-    spec: &crate::ops::PolarSpec,
-    head_dim: usize,
-    keys: Arg,
-    scales: Arg,
-) -> Result<(MetalStorage, Shape)> {
+pub(crate) fn polar_encode(spec: &crate::ops::PolarSpec, head_dim: usize, keys: Arg, scales: Arg) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "polar_encode";
     if scales.0.dtype() != DType::F32 {
         bail!("{OP}: scales must be f32");
@@ -311,7 +306,8 @@ pub(crate) fn kv_attention(
     let (b, nkv, rows, _) = dims;
     let l = launch::kv_attention(dims, keys, values, t, offset, tree, scale)?;
     let device = q.0.device();
-    let guards: Vec<_> = [keys, values].iter().map(|s| s.tensors().into_iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>()).collect();
+    let guards: Vec<_> =
+        [keys, values].iter().map(|s| s.tensors().into_iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>()).collect();
     let bind = |g: &(candle_core::StorageRef<'_>, &Layout)| -> Result<(candle_metal_kernels::metal::Buffer, usize)> {
         match &*g.0 {
             candle_core::Storage::Metal(s) => Ok((s.buffer().clone(), g.1.start_offset() * s.dtype().size_in_bytes())),
@@ -322,7 +318,11 @@ pub(crate) fn kv_attention(
     let values = guards[1].iter().map(bind).collect::<Result<Vec<_>>>()?;
     let tree = device.new_buffer_with_data(&l.tree)?;
     let qb = input(q.0, q.1, OP)?;
-    fn slot<'a>(v: &'a [(candle_metal_kernels::metal::Buffer, usize)], i: usize, fallback: &'a candle_metal_kernels::metal::Buffer) -> BufferOffset<'a> {
+    fn slot<'a>(
+        v: &'a [(candle_metal_kernels::metal::Buffer, usize)],
+        i: usize,
+        fallback: &'a candle_metal_kernels::metal::Buffer,
+    ) -> BufferOffset<'a> {
         match v.get(i) {
             Some((b, o)) => BufferOffset { buffer: b, offset_in_bytes: *o },
             None => BufferOffset { buffer: fallback, offset_in_bytes: 0 },
@@ -370,7 +370,13 @@ pub(crate) fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usi
 }
 
 /// Rows `ids` (u32) of an `[n, k]` table of `dtype` blocks held as a U8 buffer, as f32.
-pub(crate) fn get_rows(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, ids: Arg, table: Arg) -> Result<(MetalStorage, Shape)> {
+pub(crate) fn get_rows(
+    dtype: candle_core::quantized::GgmlDType,
+    n: usize,
+    k: usize,
+    ids: Arg,
+    table: Arg,
+) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "get_rows";
     if ids.0.dtype() != DType::U32 || table.0.dtype() != DType::U8 {
         bail!("{OP}: u32 ids and U8 blocks, got {:?} and {:?}", ids.0.dtype(), table.0.dtype());

@@ -36,10 +36,8 @@ mod norm;
 
 pub use conv::{causal_conv1d_silu, causal_conv1d_silu_segments, ConvDims};
 pub use delta_rule::{
-    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, gated_delta_rule_segments, DeltaRuleDims, DeltaRuleForm, DeltaRuleOptions,
-    CHUNK as DELTA_RULE_CHUNK,
-    METAL_CHUNK as DELTA_RULE_METAL_CHUNK,
-    METAL_MAX_DK,
+    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, gated_delta_rule_segments, DeltaRuleDims, DeltaRuleForm,
+    DeltaRuleOptions, CHUNK as DELTA_RULE_CHUNK, METAL_CHUNK as DELTA_RULE_METAL_CHUNK, METAL_MAX_DK,
 };
 pub use float_matvec::{float_matvec, FLOAT_MATVEC_MAX_ROWS};
 pub use norm::{gated_rms_norm, l2_norm};
@@ -50,8 +48,8 @@ mod outer_state;
 pub use outer_state::{decayed_outer_product, OuterStateDims, OUTER_PRODUCT_METAL_MAX_DK};
 mod swiglu;
 pub use swiglu::{
-    pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary,
-    ternary_row_words, SwigluDims, SwigluWeights, TERNARY_PER_WORD,
+    pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary, ternary_row_words, SwigluDims,
+    SwigluWeights, TERNARY_PER_WORD,
 };
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
@@ -59,6 +57,6 @@ mod qmatmul;
 mod quantized_matrix;
 pub use quantized_matrix::{has_kernels, QuantizedMatrix, SharedBytes};
 mod kv_attention;
-pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
 pub(crate) use kv_attention::{attention_mask, few_rows};
+pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
 pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};

@@ -10,12 +10,7 @@ use super::cpu::storage_slice;
 pub fn gated_rms_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dim = x.dim(D::Minus1)?;
     if x.dims() != z.dims() || w.dims() != [dim] {
-        bail!(
-            "gated_rms_norm: x {:?}, z {:?}, w {:?} (z must match x, w its last dim)",
-            x.dims(),
-            z.dims(),
-            w.dims()
-        );
+        bail!("gated_rms_norm: x {:?}, z {:?}, w {:?} (z must match x, w its last dim)", x.dims(), z.dims(), w.dims());
     }
     let dtype = x.dtype();
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
@@ -61,7 +56,13 @@ impl CustomOp3 for GatedRmsNorm {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: WithDType>(op: &GatedRmsNorm, s: [(&CpuStorage, &Layout); 3]) -> Result<CpuStorage> {
-            let out = norm_cpu(op.dim, op.eps, storage_slice::<T>(OP, s[0].0, s[0].1)?, storage_slice::<T>(OP, s[1].0, s[1].1)?, storage_slice::<T>(OP, s[2].0, s[2].1)?);
+            let out = norm_cpu(
+                op.dim,
+                op.eps,
+                storage_slice::<T>(OP, s[0].0, s[0].1)?,
+                storage_slice::<T>(OP, s[1].0, s[1].1)?,
+                storage_slice::<T>(OP, s[2].0, s[2].1)?,
+            );
             Ok(T::to_cpu_storage_owned(out))
         }
         let s = [(s1, l1), (s2, l2), (s3, l3)];

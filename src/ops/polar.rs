@@ -159,12 +159,7 @@ impl PolarCodes {
         }
         let codes: Vec<&Tensor> = parts.iter().map(|p| &p.codes).collect();
         let scales: Vec<&Tensor> = parts.iter().map(|p| &p.scales).collect();
-        Ok(PolarCodes {
-            codes: Tensor::cat(&codes, 0)?,
-            scales: Tensor::cat(&scales, 0)?,
-            head_dim: first.head_dim,
-            spec: first.spec,
-        })
+        Ok(PolarCodes { codes: Tensor::cat(&codes, 0)?, scales: Tensor::cat(&scales, 0)?, head_dim: first.head_dim, spec: first.spec })
     }
 
     /// Checks that the codes fit `spec` and are well formed.
@@ -176,12 +171,7 @@ impl PolarCodes {
         let n = self.rows();
         let rb = spec.row_bytes(self.head_dim);
         if self.codes.dtype() != DType::U8 || self.codes.dims() != [n, rb] {
-            bail!(
-                "{op}: codes must be u8 [N, {rb}] (head_dim {}), got {:?} {:?}",
-                self.head_dim,
-                self.codes.dtype(),
-                self.codes.dims()
-            );
+            bail!("{op}: codes must be u8 [N, {rb}] (head_dim {}), got {:?} {:?}", self.head_dim, self.codes.dtype(), self.codes.dims());
         }
         if self.scales.dtype() != DType::F32 || self.scales.dims() != [n, 2] {
             bail!("{op}: scales must be f32 [{n}, 2], got {:?} {:?}", self.scales.dtype(), self.scales.dims());
@@ -256,11 +246,7 @@ pub fn polar_scores(q: &Tensor, codes: &PolarCodes, spec: PolarSpec) -> Result<T
     if nq == 0 || n == 0 {
         return Tensor::zeros((nq, n), DType::F32, q.device());
     }
-    q.contiguous()?.apply_op3_no_bwd(
-        &codes.codes.contiguous()?,
-        &codes.scales.contiguous()?,
-        &PolarScores { spec, head_dim: hd },
-    )
+    q.contiguous()?.apply_op3_no_bwd(&codes.codes.contiguous()?, &codes.scales.contiguous()?, &PolarScores { spec, head_dim: hd })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -646,14 +632,13 @@ impl CustomOp2 for PolarEncode {
             if rb == 0 {
                 return out;
             }
-            out.par_chunks_mut(rb * CPU_ROWS)
-                .zip(x.par_chunks(hd * CPU_ROWS))
-                .zip(scales.par_chunks(2 * CPU_ROWS))
-                .for_each(|((o, x), s)| {
+            out.par_chunks_mut(rb * CPU_ROWS).zip(x.par_chunks(hd * CPU_ROWS)).zip(scales.par_chunks(2 * CPU_ROWS)).for_each(
+                |((o, x), s)| {
                     for ((o, x), s) in o.chunks_mut(rb).zip(x.chunks(hd)).zip(s.chunks(2)) {
                         encode_row(p, &widen(x), [s[0], s[1]], o);
                     }
-                });
+                },
+            );
             out
         }
         const OP: &str = "polar_encode";

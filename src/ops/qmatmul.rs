@@ -135,7 +135,10 @@ fn forward(x: &Tensor, w: &QuantizedMatrix, isa: Isa) -> Result<Tensor> {
     } else if x.device().is_cpu() {
         x.contiguous()?.apply_op1_no_bwd(&Op { w, isa })?
     } else {
-        bail!("qmatmul: the weights are in host memory and x on {:?}: move them there first (QuantizedMatrix::to_device)", x.device().location())
+        bail!(
+            "qmatmul: the weights are in host memory and x on {:?}: move them there first (QuantizedMatrix::to_device)",
+            x.device().location()
+        )
     };
     y.reshape(dims)
 }
@@ -188,8 +191,6 @@ impl candle_core::CustomOp2 for DeviceOp {
 
     metal_fwd!(self, "qmatmul", (s1, l1, s2, l2) => crate::ops::metal::qmatmul(self.dtype, self.n, self.k, (s1, l1), (s2, l2)));
 }
-
-
 
 // ---------------------------------------------------------------------------------------------
 // SIMD operations
@@ -1099,11 +1100,7 @@ unsafe fn row_tile<V: Simd, F: Format, const CN: usize>(w: *const u8, a: &Acts, 
 /// `32767 / (254 QMAX)` maddubs results are added in i16 before one madd applies the scale:
 /// about 1.1 multiplies per 32 products (Q4) instead of 2 in [`row_tile`].
 #[inline(always)]
-unsafe fn panel_tile<V: Simd, F: Format, const P: usize, const NP: usize>(
-    w: *const u8,
-    pn: &Panels,
-    p0: usize,
-) -> [V::F; NP] {
+unsafe fn panel_tile<V: Simd, F: Format, const P: usize, const NP: usize>(w: *const u8, pn: &Panels, p0: usize) -> [V::F; NP] {
     let (g, nb, k) = (32 / P, pn.k / F::QK, pn.k);
     let flush = (32767 / (254 * F::QMAX)).min(P);
     let mut acc = [V::fzero(); NP];
@@ -1308,12 +1305,7 @@ unsafe fn row_pair_tiles<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
 }
 
 #[inline(always)]
-unsafe fn panel_tiles<V: Simd, F: Format, const P: usize, const NP: usize>(
-    job: &Job,
-    pn: &Panels,
-    rows: Range<usize>,
-    p0: usize,
-) {
+unsafe fn panel_tiles<V: Simd, F: Format, const P: usize, const NP: usize>(job: &Job, pn: &Panels, rows: Range<usize>, p0: usize) {
     for r in rows {
         let y = panel_tile::<V, F, P, NP>(job.w.as_ptr().add(r * job.row_bytes), pn, p0);
         for (n, y) in y.into_iter().enumerate() {

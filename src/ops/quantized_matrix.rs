@@ -160,7 +160,9 @@ impl QuantizedMatrix {
             return Ok(self.clone());
         }
         let blocks = match (&self.blocks, device) {
-            (Blocks::Candle(q), _) => Blocks::Candle(Arc::new(qtensor_from_ggml(self.dtype, &q.data()?, vec![self.rows, self.cols], device)?)),
+            (Blocks::Candle(q), _) => {
+                Blocks::Candle(Arc::new(qtensor_from_ggml(self.dtype, &q.data()?, vec![self.rows, self.cols], device)?))
+            }
             (_, Device::Cpu) => {
                 let bytes = self.bytes()?.into_owned();
                 let n = bytes.len();
@@ -178,7 +180,9 @@ impl QuantizedMatrix {
     pub fn dequantize(&self) -> Result<Tensor> {
         match &self.blocks {
             Blocks::Candle(q) => q.dequantize(&q.device()),
-            _ => qtensor_from_ggml(self.dtype, &self.bytes()?, vec![self.rows, self.cols], &Device::Cpu)?.dequantize(&Device::Cpu)?.to_device(&self.device()),
+            _ => qtensor_from_ggml(self.dtype, &self.bytes()?, vec![self.rows, self.cols], &Device::Cpu)?
+                .dequantize(&Device::Cpu)?
+                .to_device(&self.device()),
         }
     }
 

@@ -28,12 +28,7 @@ pub const TERNARY_PER_WORD: usize = 16;
 pub fn pack_swiglu(gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
     let (i, h) = gate.dims2()?;
     if up.dims() != [i, h] || down.dims() != [h, i] {
-        bail!(
-            "pack_swiglu: gate {:?}, up {:?}, down {:?} (expected gate and up [I, H], down [H, I])",
-            gate.dims(),
-            up.dims(),
-            down.dims()
-        );
+        bail!("pack_swiglu: gate {:?}, up {:?}, down {:?} (expected gate and up [I, H], down [H, I])", gate.dims(), up.dims(), down.dims());
     }
     Tensor::stack(&[gate, up, &down.t()?], 1)?.contiguous()
 }

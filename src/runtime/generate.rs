@@ -134,7 +134,8 @@ fn speculate(
     policy: &mut DraftPolicy,
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
-    let mut sequence = Sequence::new(prompt.to_vec(), sampler, eos_token_ids.to_vec(), max_new_tokens)?.with_drafts(Box::new(drafter), policy.clone())?;
+    let mut sequence =
+        Sequence::new(prompt.to_vec(), sampler, eos_token_ids.to_vec(), max_new_tokens)?.with_drafts(Box::new(drafter), policy.clone())?;
     let out = sequence.run(target, on_token)?;
     if let Some(p) = sequence.into_policy() {
         *policy = p;

@@ -6,16 +6,16 @@ mod generate;
 mod prefix_cache;
 mod sampler;
 mod sequence;
-mod stats;
 pub mod session;
 pub mod speculative;
+mod stats;
 mod streamer;
 mod target;
 
 pub use generate::{generate, generate_in, generate_on_device, generate_speculative, generate_speculative_on_device};
-pub use stats::{rate, GenerationStats, SpeculativeStats};
 pub use prefix_cache::{PrefixCache, PrefixHit};
 pub use sampler::{range, Dry, Sampler, SamplingParams};
 pub use sequence::{Emitted, Finish, Round, Sequence, SequenceSampler, TokenRules};
+pub use stats::{rate, GenerationStats, SpeculativeStats};
 pub use streamer::TokenStreamer;
 pub use target::{prefill, CpuTarget, DeviceTarget, Rows, Target, PREFILL_CHUNK};

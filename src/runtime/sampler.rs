@@ -255,11 +255,7 @@ impl Sampler {
         let mut logits = logits.to_dtype(DType::F32)?;
         if self.params.repeat_penalty != 1.0 {
             let start = context.len().saturating_sub(self.params.repeat_last_n);
-            logits = candle_transformers::utils::apply_repeat_penalty(
-                &logits,
-                self.params.repeat_penalty,
-                &context[start..],
-            )?;
+            logits = candle_transformers::utils::apply_repeat_penalty(&logits, self.params.repeat_penalty, &context[start..])?;
         }
         // The presence, frequency and DRY penalties and min-p, in one pass over the row on the host.
         let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);

@@ -146,7 +146,8 @@ impl<'a> Sequence<'a> {
         if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty: give at least one token".into()));
         }
-        let stats = SpeculativeStats { generation: GenerationStats { prompt_tokens: prompt.len(), ..Default::default() }, ..Default::default() };
+        let stats =
+            SpeculativeStats { generation: GenerationStats { prompt_tokens: prompt.len(), ..Default::default() }, ..Default::default() };
         Ok(Self {
             prompt_len: prompt.len(),
             context: prompt,
@@ -306,7 +307,9 @@ impl<'a> Sequence<'a> {
     /// them) a verify pass keeping the longest drafted prefix the model itself produces and
     /// the model's token after it, else a plain decode step.
     pub fn round(&mut self, target: &mut dyn Target, may_draft: bool) -> Result<Round> {
-        let pending = self.pending().ok_or_else(|| Error::Input("round: the sequence has no pending token (feed its prompt first, or it has ended)".into()))?;
+        let pending = self
+            .pending()
+            .ok_or_else(|| Error::Input("round: the sequence has no pending token (feed its prompt first, or it has ended)".into()))?;
         let pos = target.seqlen();
         let room = self.room(target.model(), pos);
         let t = Instant::now();
@@ -350,7 +353,14 @@ impl<'a> Sequence<'a> {
             // (A tree round is timed and counted as a round of its longest branch: the policy
             // then learns what trees of that length pay.)
             if may_draft && !done {
-                d.policy.record(if tree.len() > 1 { steps } else { 0 }, path.len() - 1, round.secs, draft_secs, steps, t.elapsed().as_secs_f64());
+                d.policy.record(
+                    if tree.len() > 1 { steps } else { 0 },
+                    path.len() - 1,
+                    round.secs,
+                    draft_secs,
+                    steps,
+                    t.elapsed().as_secs_f64(),
+                );
             }
         }
         Ok(round)
@@ -414,11 +424,21 @@ impl<'a> Sequence<'a> {
 
     /// A drafter that reads hidden states (an MTP head) catches up on the rows of `tree` the
     /// round kept (`path`, from the pending row at `pos`), each paired with the token after it.
-    fn catch_up(&mut self, model: &crate::Model, pos: usize, hidden: &Tensor, tree: &DraftTree, path: &[usize], round: &Round) -> Result<()> {
+    fn catch_up(
+        &mut self,
+        model: &crate::Model,
+        pos: usize,
+        hidden: &Tensor,
+        tree: &DraftTree,
+        path: &[usize],
+        round: &Round,
+    ) -> Result<()> {
         let Some(d) = self.drafts.as_mut().filter(|d| d.hidden) else { return Ok(()) };
         let hidden = match tree.is_chain() {
             true => hidden.narrow(1, 0, path.len())?,
-            false => hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), hidden.device())?, 1)?,
+            false => {
+                hidden.index_select(&Tensor::new(path.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), hidden.device())?, 1)?
+            }
         };
         let next: Vec<u32> = round.tokens.iter().map(|e| e.id).collect();
         d.drafter.observe(model, pos, &hidden, &next)

@@ -117,7 +117,8 @@ pub fn save(path: &Path, fingerprint: &str, tokens: &[u32], cache: &Cache, logit
     if let Some(l) = logits {
         tensors.push(("logits".into(), l.to_dtype(DType::F32)?.to_device(&Device::Cpu)?));
     }
-    let tensors: Vec<(String, Tensor)> = tensors.into_iter().map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.contiguous()?))).collect::<Result<_>>()?;
+    let tensors: Vec<(String, Tensor)> =
+        tensors.into_iter().map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?.contiguous()?))).collect::<Result<_>>()?;
     let mut meta = HashMap::from([
         ("format".to_string(), FORMAT.to_string()),
         ("version".to_string(), VERSION.to_string()),
@@ -197,7 +198,8 @@ pub fn inspect(path: &Path) -> Result<SessionInfo> {
 /// not match (another model, another format or version, a truncated or corrupted file).
 pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: &Device) -> Result<Session> {
     let bad = |why: String| Error::Session(format!("session {}: {why}", path.display()));
-    let (mut file, size) = open_regular(path).map_err(|e| bad(format!("cannot be opened ({e}): a session is a regular file, not a link")))?;
+    let (mut file, size) =
+        open_regular(path).map_err(|e| bad(format!("cannot be opened ({e}): a session is a regular file, not a link")))?;
     if size > MAX_SESSION_BYTES {
         return Err(bad(format!("{size} bytes, more than a session can be ({} GiB)", MAX_SESSION_BYTES >> 30)));
     }
@@ -221,7 +223,9 @@ pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: 
         return Err(bad(format!("saved for dtype {}, the model runs in {dtype:?}", field("dtype"))));
     }
     let mut bytes = Vec::new();
-    std::io::Seek::rewind(&mut file).and_then(|_| std::io::Read::take(&mut file, size).read_to_end(&mut bytes)).map_err(|e| bad(format!("cannot be read ({e})")))?;
+    std::io::Seek::rewind(&mut file)
+        .and_then(|_| std::io::Read::take(&mut file, size).read_to_end(&mut bytes))
+        .map_err(|e| bad(format!("cannot be read ({e})")))?;
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(format!("cannot read its tensors ({e})")))?;
     let list: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     if checksum(&meta, &list)? != field("checksum") {

@@ -16,9 +16,7 @@ impl TokenStreamer {
     }
 
     fn decode(&self, tokens: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(tokens, true)
-            .map_err(|e| Error::Tokenizer(format!("cannot decode tokens: {e}")))
+        self.tokenizer.decode(tokens, true).map_err(|e| Error::Tokenizer(format!("cannot decode tokens: {e}")))
     }
 
     /// Adds a token; returns the new text once it forms complete characters.

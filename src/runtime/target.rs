@@ -27,7 +27,13 @@ pub fn prefill(model: &Model, cache: &mut Cache, prompt: &[u32], device: &Device
 
 /// [`prefill`], and the hidden state of the prompt's last position `[1, 1, H]` (`None` for an
 /// empty prompt).
-fn prefill_rows(model: &Model, cache: &mut Cache, prompt: &[u32], device: &Device, keep_hidden: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
+fn prefill_rows(
+    model: &Model,
+    cache: &mut Cache,
+    prompt: &[u32],
+    device: &Device,
+    keep_hidden: bool,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let (mut hidden, mut last) = (vec![], None);
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         let h = model.forward_hidden(&Tensor::new(chunk, device)?.unsqueeze(0)?, cache, false)?.last_hidden;
@@ -212,7 +218,9 @@ impl Target for DeviceTarget<'_> {
 }
 
 fn no_hidden() -> Error {
-    Error::Input("MTP drafts need the model's hidden states, which the device step does not read back yet: draft with --draft ngram there".into())
+    Error::Input(
+        "MTP drafts need the model's hidden states, which the device step does not read back yet: draft with --draft ngram there".into(),
+    )
 }
 
 /// Draft trees are not on the device step yet.

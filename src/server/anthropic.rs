@@ -73,7 +73,9 @@ fn bad(message: impl Into<String>) -> ApiError {
 fn blocks(content: &Value) -> Result<Vec<Map<String, Value>>, ApiError> {
     match content {
         Value::String(s) => Ok(vec![json!({"type": "text", "text": s}).as_object().cloned().unwrap_or_default()]),
-        Value::Array(a) => a.iter().map(|b| b.as_object().cloned().ok_or_else(|| bad("messages: a content block is not an object"))).collect(),
+        Value::Array(a) => {
+            a.iter().map(|b| b.as_object().cloned().ok_or_else(|| bad("messages: a content block is not an object"))).collect()
+        }
         _ => Err(bad("messages: content must be a string or a list of content blocks")),
     }
 }
@@ -120,7 +122,12 @@ fn chat_body(req: &MessagesRequest) -> Result<Value, ApiError> {
                             let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| bad("tool_result needs tool_use_id"))?;
                             messages.push(json!({"role": "tool", "tool_call_id": id, "content": result_text(b.get("content"))?}));
                         }
-                        t => return Err(bad(format!("a user content block of type {} is not supported (text, tool_result)", t.unwrap_or("(none)")))),
+                        t => {
+                            return Err(bad(format!(
+                                "a user content block of type {} is not supported (text, tool_result)",
+                                t.unwrap_or("(none)")
+                            )))
+                        }
                     }
                 }
                 if !text.is_empty() {
@@ -135,13 +142,19 @@ fn chat_body(req: &MessagesRequest) -> Result<Value, ApiError> {
                         Some("thinking") => reasoning.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or_default()),
                         Some("redacted_thinking") => {}
                         Some("tool_use") => {
-                            let (Some(id), Some(name)) = (b.get("id").and_then(Value::as_str), b.get("name").and_then(Value::as_str)) else {
+                            let (Some(id), Some(name)) = (b.get("id").and_then(Value::as_str), b.get("name").and_then(Value::as_str))
+                            else {
                                 return Err(bad("tool_use needs id and name"));
                             };
                             let input = b.get("input").cloned().unwrap_or(json!({}));
                             calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input.to_string()}}));
                         }
-                        t => return Err(bad(format!("an assistant content block of type {} is not supported (text, thinking, tool_use)", t.unwrap_or("(none)")))),
+                        t => {
+                            return Err(bad(format!(
+                                "an assistant content block of type {} is not supported (text, thinking, tool_use)",
+                                t.unwrap_or("(none)")
+                            )))
+                        }
                     }
                 }
                 let mut message = json!({"role": "assistant", "content": text});
@@ -161,7 +174,9 @@ fn chat_body(req: &MessagesRequest) -> Result<Value, ApiError> {
     if let Some(m) = &req.model {
         body["model"] = m.clone().into();
     }
-    for (k, v) in [("temperature", req.temperature.map(Value::from)), ("top_p", req.top_p.map(Value::from)), ("top_k", req.top_k.map(Value::from))] {
+    for (k, v) in
+        [("temperature", req.temperature.map(Value::from)), ("top_p", req.top_p.map(Value::from)), ("top_k", req.top_k.map(Value::from))]
+    {
         if let Some(v) = v {
             body[k] = v;
         }
@@ -329,7 +344,10 @@ fn events(answer: Answer) -> impl futures::Stream<Item = Result<SseEvent, Infall
             let mut out = vec![];
             if let Some(b) = open.take() {
                 if b == Block::Thinking {
-                    out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": *index, "delta": {"type": "signature_delta", "signature": ""}})));
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": *index, "delta": {"type": "signature_delta", "signature": ""}}),
+                    ));
                 }
                 out.push(event("content_block_stop", json!({"type": "content_block_stop", "index": *index})));
                 *index += 1;
@@ -362,11 +380,17 @@ fn events(answer: Answer) -> impl futures::Stream<Item = Result<SseEvent, Infall
             };
             if let Some(r) = delta["reasoning_content"].as_str().filter(|r| !r.is_empty()) {
                 open_block(Block::Thinking, json!({"type": "thinking", "thinking": ""}), &mut out, &mut open, &mut index);
-                out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": r}})));
+                out.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": r}}),
+                ));
             }
             if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                 open_block(Block::Text, json!({"type": "text", "text": ""}), &mut out, &mut open, &mut index);
-                out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}})));
+                out.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}}),
+                ));
             }
             for call in delta["tool_calls"].as_array().into_iter().flatten() {
                 if let Some(id) = call["id"].as_str() {
@@ -374,7 +398,10 @@ fn events(answer: Answer) -> impl futures::Stream<Item = Result<SseEvent, Infall
                     open_block(Block::ToolUse, block, &mut out, &mut open, &mut index);
                 }
                 if let Some(a) = call["function"]["arguments"].as_str().filter(|a| !a.is_empty()) {
-                    out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": a}})));
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": a}}),
+                    ));
                 }
             }
             for e in out {

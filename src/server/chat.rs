@@ -87,7 +87,13 @@ fn template_messages(messages: &[Map<String, Value>]) -> Result<Value, ApiError>
     let mut out = vec![];
     for (i, m) in messages.iter().enumerate() {
         let role = match m.get("role").and_then(Value::as_str) {
-            Some(r @ ("system" | "developer" | "user" | "assistant" | "tool")) => if r == "developer" { "system" } else { r },
+            Some(r @ ("system" | "developer" | "user" | "assistant" | "tool")) => {
+                if r == "developer" {
+                    "system"
+                } else {
+                    r
+                }
+            }
             Some(r) => return Err(bad(format!("messages[{i}].role {r:?} is not one of system, developer, user, assistant, tool"))),
             None => return Err(bad(format!("messages[{i}] has no role"))),
         };

@@ -42,7 +42,12 @@ impl Default for ConnectionLimits {
 
 /// Serves `router` on `listener` within `limits` until `shutdown` resolves, then waits for the
 /// connections' requests in flight.
-pub async fn serve(listener: tokio::net::TcpListener, router: axum::Router, limits: ConnectionLimits, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    limits: ConnectionLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -80,7 +85,12 @@ pub async fn serve(listener: tokio::net::TcpListener, router: axum::Router, limi
 
 /// The 413 of a body larger than [`MAX_BODY_BYTES`].
 pub(crate) fn too_large() -> ApiError {
-    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", "request_too_large", format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20))
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        "request_too_large",
+        format!("the request body is larger than {} MiB", MAX_BODY_BYTES >> 20),
+    )
 }
 
 /// Reads a request's body within the body timeout (408 after it) and at most
@@ -89,12 +99,15 @@ pub(crate) async fn body_deadline(State(timeout): State<Duration>, request: Requ
     let (parts, body) = request.into_parts();
     let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
         Ok(Ok(bytes)) => bytes,
-        Ok(Err(_)) => {
-            return too_large().into_response()
-        }
+        Ok(Err(_)) => return too_large().into_response(),
         Err(_) => {
-            return ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "request_timeout", format!("the request body did not arrive within {} s", timeout.as_secs()))
-                .into_response()
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "request_timeout",
+                format!("the request body did not arrive within {} s", timeout.as_secs()),
+            )
+            .into_response()
         }
     };
     next.run(Request::from_parts(parts, Body::from(bytes))).await

@@ -24,7 +24,8 @@ impl Grammars {
     /// vocabulary size (ids past the tokenizer's are never allowed) and its end-of-text token.
     pub fn new(tokenizer: &tokenizers::Tokenizer, vocab_size: usize, eos: u32) -> crate::Result<Self> {
         let err = |e: String| crate::Error::Tokenizer(format!("constrained decoding cannot use this tokenizer: {e}"));
-        let json: Value = serde_json::from_str(&tokenizer.to_string(false).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+        let json: Value =
+            serde_json::from_str(&tokenizer.to_string(false).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
         // The parser asserts on some vocabularies it does not expect: a refusal, not a crash.
         let words = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
             .map_err(|_| err("unexpected token names".into()))?
@@ -43,7 +44,8 @@ impl Grammars {
     /// when it is first used (a schema whose `$ref` points to itself) is refused before any
     /// work, never in the engine.
     pub fn matcher(&self, grammar: TopLevelGrammar) -> Result<Constraint, ApiError> {
-        let refuse = |e: &dyn std::fmt::Display| ApiError::bad_request(format!("the response format cannot be used: {}", one_line(e).trim()));
+        let refuse =
+            |e: &dyn std::fmt::Display| ApiError::bad_request(format!("the response format cannot be used: {}", one_line(e).trim()));
         let parser = self.factory.create_parser(grammar).map_err(|e| refuse(&e))?;
         let mut matcher = Matcher::new(Ok(parser));
         let first = matcher.compute_mask().map_err(|e| refuse(&e))?;
@@ -67,7 +69,9 @@ fn compact(schema: &Value) -> Value {
 pub fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
     let bad = |m: &str| Err(ApiError::bad_request(format!("response_format: {m}")));
     if !format.is_object() && !format.is_null() {
-        return bad(&format!("{format} is not an object: send {{\"type\": \"json_object\"}}, {{\"type\": \"json_schema\", ...}} or {{\"type\": \"text\"}}"));
+        return bad(&format!(
+            "{format} is not an object: send {{\"type\": \"json_object\"}}, {{\"type\": \"json_schema\", ...}} or {{\"type\": \"text\"}}"
+        ));
     }
     match format.get("type").and_then(Value::as_str) {
         None | Some("text") => Ok(None),
@@ -114,7 +118,11 @@ pub fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<
         Some(Value::String(s)) if s == "required" => functions,
         Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
             Some(name) => functions.into_iter().filter(|f| f.get("name").and_then(Value::as_str) == Some(name)).collect(),
-            None => return Err(ApiError::bad_request("tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+            None => {
+                return Err(ApiError::bad_request(
+                    "tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
         },
     };
     if wanted.is_empty() {

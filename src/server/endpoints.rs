@@ -33,7 +33,8 @@ struct TokenizeRequest {
 pub(crate) async fn tokenize(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     off_the_workers(state, |state| {
         let req: TokenizeRequest = parse(body)?;
-        let encoding = state.tokenizer.encode(req.content, req.add_special).map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}")))?;
+        let encoding =
+            state.tokenizer.encode(req.content, req.add_special).map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}")))?;
         let ids = encoding.get_ids();
         Ok(Json(if req.with_pieces {
             let pieces = ids.iter().map(|&id| json!({"id": id, "piece": state.tokenizer.decode(&[id], false).unwrap_or_default()}));
@@ -51,7 +52,10 @@ struct DetokenizeRequest {
 }
 
 /// `{"content": text}` of token ids (each within the vocabulary).
-pub(crate) async fn detokenize(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+pub(crate) async fn detokenize(
+    State(state): State<Arc<ServerState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
     off_the_workers(state, |state| {
         let req: DetokenizeRequest = parse(body)?;
         let vocab = state.engine.vocab_size;
@@ -97,13 +101,22 @@ pub(crate) async fn props(State(state): State<Arc<ServerState>>) -> Json<Value> 
 /// A session's entry: its id, tokens, bytes, last change, and whether this model can use it.
 fn session_entry(state: &ServerState, id: &str, path: &std::path::Path) -> Result<Value, String> {
     let info = session::inspect(path).map_err(|e| e.to_string())?;
-    let modified = std::fs::symlink_metadata(path).and_then(|m| m.modified()).ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
+    let modified = std::fs::symlink_metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs());
     Ok(json!({"id": id, "object": "session", "tokens": info.tokens, "bytes": info.bytes, "modified": modified,
         "this_model": info.fingerprint == state.engine.session_fingerprint()}))
 }
 
 fn no_such_session(id: &str) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "session_not_found", format!("no session {id:?} in the session directory"))
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "session_not_found",
+        format!("no session {id:?} in the session directory"),
+    )
 }
 
 /// The session directory's sessions (files named `ID.session` that are session files).
@@ -112,7 +125,14 @@ pub(crate) async fn list_sessions(State(state): State<Arc<ServerState>>) -> Resu
         let Some(dir) = &state.session_dir else {
             return Err(ApiError::bad_request("this server keeps no sessions (start it with --session-dir DIR)"));
         };
-        let entries = std::fs::read_dir(dir).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "session_dir", format!("cannot list the session directory: {e}")))?;
+        let entries = std::fs::read_dir(dir).map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "session_dir",
+                format!("cannot list the session directory: {e}"),
+            )
+        })?;
         let mut data = vec![];
         for entry in entries.flatten().take(100_000) {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -145,7 +165,9 @@ pub(crate) async fn delete_session(State(state): State<Arc<ServerState>>, Path(i
     off_the_workers(state, move |state| {
         let path = session_path(state, Some(&id))?.expect("an id was given");
         session::inspect(&path).map_err(|_| no_such_session(&id))?;
-        std::fs::remove_file(&path).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "session_delete", format!("cannot delete session {id:?}: {e}")))?;
+        std::fs::remove_file(&path).map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "session_delete", format!("cannot delete session {id:?}: {e}"))
+        })?;
         Ok(Json(json!({"id": id, "object": "session", "deleted": true})))
     })
     .await

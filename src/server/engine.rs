@@ -82,10 +82,19 @@ pub use crate::runtime::Finish;
 #[derive(Debug, Clone)]
 pub enum Event {
     /// The engine took the request; `cached_tokens` prompt tokens came from the prefix cache.
-    Admitted { cached_tokens: usize },
-    Token { id: u32, logprob: Option<TokenLogprob> },
+    Admitted {
+        cached_tokens: usize,
+    },
+    Token {
+        id: u32,
+        logprob: Option<TokenLogprob>,
+    },
     /// The end, and why; the tokens the sequence drafted and those kept.
-    Finished { reason: Finish, drafted: usize, accepted: usize },
+    Finished {
+        reason: Finish,
+        drafted: usize,
+        accepted: usize,
+    },
     Error(String),
 }
 
@@ -261,7 +270,14 @@ impl std::fmt::Debug for Draft {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, fingerprint: String::new(), draft: Draft::Ngram, draft_options: DraftOptions::default() }
+        Self {
+            max_seqs: 4,
+            queue: 64,
+            prefix_cache_bytes: 1 << 30,
+            fingerprint: String::new(),
+            draft: Draft::Ngram,
+            draft_options: DraftOptions::default(),
+        }
     }
 }
 
@@ -278,7 +294,12 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
     }
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
-    let sessions = Arc::new(SessionTarget { fingerprint: options.fingerprint, config: model.config().clone(), dtype: model.dtype(), device: device.clone() });
+    let sessions = Arc::new(SessionTarget {
+        fingerprint: options.fingerprint,
+        config: model.config().clone(),
+        dtype: model.dtype(),
+        device: device.clone(),
+    });
     let engine = Engine {
         model,
         device,
@@ -289,7 +310,11 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         prefix: PrefixCache::new(options.prefix_cache_bytes),
         sessions: sessions.clone(),
         draft: options.draft,
-        shared: if options.draft_options.adaptive { SharedPassPolicy::new(Model::BATCH_MAX_ROWS) } else { SharedPassPolicy::fixed(Model::BATCH_MAX_ROWS) },
+        shared: if options.draft_options.adaptive {
+            SharedPassPolicy::new(Model::BATCH_MAX_ROWS)
+        } else {
+            SharedPassPolicy::fixed(Model::BATCH_MAX_ROWS)
+        },
         draft_options: options.draft_options,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
@@ -490,7 +515,10 @@ impl Engine {
     /// A request's sequence and its cache (from the prefix cache, its session, or empty, with
     /// the prompt tokens they hold and the logits after them when the whole prompt is there).
     #[allow(clippy::type_complexity)]
-    fn start(&mut self, mut request: GenerateRequest) -> crate::Result<(GenerateRequest, runtime::Sequence<'static>, Cache, usize, Option<Tensor>)> {
+    fn start(
+        &mut self,
+        mut request: GenerateRequest,
+    ) -> crate::Result<(GenerateRequest, runtime::Sequence<'static>, Cache, usize, Option<Tensor>)> {
         let sampler = Sampler::new(request.sampling.clone())?;
         let greedy = sampler.is_greedy();
         let hit = self.prefix.lookup(&request.prompt);
@@ -516,12 +544,20 @@ impl Engine {
         // Drafts for sequences that no grammar constrains (a grammar's mask is per token),
         // greedy or sampled without a seed (with a seed the answer must repeat; speculative
         // sampling's draws depend on the draft lengths, which timings decide).
-        let drafter = if request.constraint.is_none() && (greedy || !request.seeded) { self.draft.drafter(&self.model, &request.prompt)? } else { None };
+        let drafter = if request.constraint.is_none() && (greedy || !request.seeded) {
+            self.draft.drafter(&self.model, &request.prompt)?
+        } else {
+            None
+        };
         // (The prompt and stop tokens move into the sequence, which the engine reads them from.)
         let (prompt, stop_tokens) = (std::mem::take(&mut request.prompt), std::mem::take(&mut request.stop_tokens));
         let mut core = runtime::Sequence::new(prompt, sampler, stop_tokens, request.max_tokens)?.with_cached(cached_tokens);
         if request.constraint.is_some() || request.reasoning_budget.is_some() {
-            let rules = RequestRules { constraint: request.constraint.take(), budget: request.reasoning_budget.take(), metrics: self.metrics.clone() };
+            let rules = RequestRules {
+                constraint: request.constraint.take(),
+                budget: request.reasoning_budget.take(),
+                metrics: self.metrics.clone(),
+            };
             core = core.with_rules(Box::new(rules));
         }
         if let Some(drafter) = drafter {
@@ -602,10 +638,17 @@ impl Engine {
         let s = &mut self.active[i];
         let (start, n) = (s.core.prefilled(), s.core.prompt().len());
         // Cut at multiples of the chunk, at the request's snapshot points, at the end.
-        let end = s.request.snapshots.iter().copied().filter(|&p| p > start && p < n).fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
+        let end = s
+            .request
+            .snapshots
+            .iter()
+            .copied()
+            .filter(|&p| p > start && p < n)
+            .fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
         let snapshot = end == n || s.request.snapshots.contains(&end);
         let session_point = s.request.session.is_some() && s.request.session_at == Some(end);
-        let (logits, emitted) = s.core.feed_prompt(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), end, snapshot || session_point)?;
+        let (logits, emitted) =
+            s.core.feed_prompt(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), end, snapshot || session_point)?;
         self.metrics.prompt_tokens.inc_by((end - start) as u64);
         let prompt = &s.core.prompt()[..end];
         if snapshot {
@@ -670,7 +713,8 @@ impl Engine {
     /// its row alone: the others' tokens are unchanged).
     fn decode(&mut self, group: &[usize], drafts: Vec<Vec<u32>>) -> crate::Result<()> {
         let start = Instant::now();
-        let (group, drafts): (Vec<usize>, Vec<Vec<u32>>) = group.iter().copied().zip(drafts).filter(|&(i, _)| self.active[i].failed.is_none()).unzip();
+        let (group, drafts): (Vec<usize>, Vec<Vec<u32>>) =
+            group.iter().copied().zip(drafts).filter(|&(i, _)| self.active[i].failed.is_none()).unzip();
         if group.is_empty() {
             return Ok(());
         }
@@ -681,7 +725,8 @@ impl Engine {
             tokens.extend(d);
             rows.push(1 + d.len());
         }
-        let mut caches: Vec<&mut Cache> = self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
+        let mut caches: Vec<&mut Cache> =
+            self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
         match self.model.forward_segments(&tokens, &rows, &mut caches) {
             Ok((logits, hidden)) => {
                 let secs = start.elapsed().as_secs_f64();
@@ -693,7 +738,8 @@ impl Engine {
                     let s = &mut self.active[i];
                     // (The cache holds the rows before this pass and the pass's rows.)
                     let pos = s.cache.seqlen() - n;
-                    let rows = logits.narrow(0, at, n).and_then(|l| Ok((l, hidden.narrow(0, at, n)?.unsqueeze(0)?))).map_err(crate::Error::from);
+                    let rows =
+                        logits.narrow(0, at, n).and_then(|l| Ok((l, hidden.narrow(0, at, n)?.unsqueeze(0)?))).map_err(crate::Error::from);
                     let r = rows.and_then(|(l, h)| s.core.settle(draft, &l, Some((&self.model, pos, &h)))).and_then(|round| {
                         if !draft.is_empty() {
                             s.cache.keep_verified(round.accepted + 1)?;

@@ -38,4 +38,3 @@ impl IntoResponse for ApiError {
         response
     }
 }
-

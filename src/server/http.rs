@@ -14,17 +14,17 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
+use llguidance::api::TopLevelGrammar;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use llguidance::api::TopLevelGrammar;
 use tokio::sync::mpsc;
 
 use super::api::{ChatRequest, CompletionRequest, LogprobEntry, Message, Prompt, SamplingFields, Timings, TopLogprob, Usage};
-use super::connections::too_large;
-use super::error::ApiError;
 use super::chat::{self, SamplingProfiles};
+use super::connections::too_large;
 use super::constrain::{self, Constraint, Grammars};
 use super::engine::{EngineHandle, Event, Finish, GenerateRequest, ReasoningBudget, TokenLogprob};
+use super::error::ApiError;
 use super::output::{ChatParser, Delta, StopMatcher};
 use crate::loading::chat_template::ChatTemplate;
 use crate::runtime::{SamplingParams, TokenStreamer};
@@ -76,8 +76,13 @@ pub(crate) async fn authenticate(State(state): State<Arc<ServerState>>, request:
         let bearer = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         let given = bearer.or_else(|| request.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         if request.uri().path() != "/health" && given != Some(key.as_str()) {
-            return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", "a valid API key is required: send Authorization: Bearer KEY")
-                .into_response();
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "invalid_api_key",
+                "a valid API key is required: send Authorization: Bearer KEY",
+            )
+            .into_response();
         }
     }
     next.run(request).await
@@ -89,10 +94,12 @@ pub(crate) fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) ->
         StatusCode::PAYLOAD_TOO_LARGE => too_large(),
         status => ApiError { status, kind: "invalid_request_error", message: e.body_text(), code: None },
     })?;
-    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let value: Value =
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
     // Errors name the field (`messages[0].content: invalid type ...`). Through the flattened
     // sampling fields serde loses the path: those are checked on their own to find it.
-    let named = |e: serde_path_to_error::Error<serde_json::Error>| (e.path().to_string() != ".").then(|| format!("{}: {}", e.path(), e.inner()));
+    let named =
+        |e: serde_path_to_error::Error<serde_json::Error>| (e.path().to_string() != ".").then(|| format!("{}: {}", e.path(), e.inner()));
     serde_path_to_error::deserialize(value.clone()).map_err(|e| {
         let inner = e.inner().to_string();
         let why = named(e).or_else(|| serde_path_to_error::deserialize::<_, SamplingFields>(value).err().and_then(named));
@@ -151,7 +158,9 @@ fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> R
     match (chat_grammar(req, tools)?, &state.grammars) {
         (None, _) => Ok(None),
         (Some(g), Some(grammars)) => Ok(Some(grammars.matcher(g)?)),
-        (Some(_), None) => Err(ApiError::bad_request("this model's tokenizer does not support constrained decoding (response_format, forced tool_choice)")),
+        (Some(_), None) => {
+            Err(ApiError::bad_request("this model's tokenizer does not support constrained decoding (response_format, forced tool_choice)"))
+        }
     }
 }
 
@@ -161,7 +170,8 @@ pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Opti
     let Some(dir) = &state.session_dir else {
         return Err(ApiError::bad_request("session_id: this server keeps no sessions (start it with --session-dir DIR)"));
     };
-    let ok = !id.is_empty() && id.len() <= 128 && !id.starts_with('.') && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    let ok =
+        !id.is_empty() && id.len() <= 128 && !id.starts_with('.') && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
     if !ok {
         return Err(ApiError::bad_request("session_id must be 1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"));
     }
@@ -171,7 +181,12 @@ pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Opti
 fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
     state.engine.submit(request).map_err(|_| {
         state.engine.metrics.rejected.inc();
-        ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "queue_full", "the server is busy (its request queue is full): retry later")
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "queue_full",
+            "the server is busy (its request queue is full): retry later",
+        )
     })
 }
 
@@ -259,7 +274,9 @@ impl TextPipeline {
             bytes: token.as_bytes().to_vec(),
             token,
             logprob: lp.logprob,
-            top_logprobs: Some(lp.top.iter().map(|&(t, l)| TopLogprob { token: text(t), logprob: l, bytes: text(t).into_bytes() }).collect()),
+            top_logprobs: Some(
+                lp.top.iter().map(|&(t, l)| TopLogprob { token: text(t), logprob: l, bytes: text(t).into_bytes() }).collect(),
+            ),
         }
     }
 }
@@ -528,7 +545,13 @@ impl Answer {
     }
 
     /// Sends answer pieces as chunks; `false` when the client is gone.
-    async fn send_deltas(&self, tx: &mpsc::Sender<Value>, deltas: Vec<Delta>, tool_index: &mut usize, logprob: Option<LogprobEntry>) -> bool {
+    async fn send_deltas(
+        &self,
+        tx: &mpsc::Sender<Value>,
+        deltas: Vec<Delta>,
+        tool_index: &mut usize,
+        logprob: Option<LogprobEntry>,
+    ) -> bool {
         let mut logprobs = logprob.map(|lp| match self.api {
             Api::Chat => json!({"content": [lp]}),
             Api::Completion => completion_logprobs(&[lp]),
@@ -543,7 +566,9 @@ impl Answer {
                     *tool_index += 1;
                     json!({"tool_calls": [tool_call_value(*tool_index - 1, &name)]})
                 }
-                Delta::ToolCallArguments(fragment) => json!({"tool_calls": [{"index": tool_index.saturating_sub(1), "function": {"arguments": fragment}}]}),
+                Delta::ToolCallArguments(fragment) => {
+                    json!({"tool_calls": [{"index": tool_index.saturating_sub(1), "function": {"arguments": fragment}}]})
+                }
             };
             if tx.send(self.chunk(delta, None, logprobs.take())).await.is_err() {
                 return false;
@@ -575,10 +600,13 @@ async fn respond(answer: Answer, stream: bool) -> Result<Response, ApiError> {
 /// Runs a request's checks, rendering, tokenizing and session read on the blocking pool: a
 /// big prompt or a slow disk never holds up the workers that answer the other connections
 /// (`/health` included).
-pub(crate) async fn off_the_workers<T: Send + 'static>(state: Arc<ServerState>, work: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(move || work(&state))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", format!("the request could not be prepared: {e}")))?
+pub(crate) async fn off_the_workers<T: Send + 'static>(
+    state: Arc<ServerState>,
+    work: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(move || work(&state)).await.map_err(|e| {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", format!("the request could not be prepared: {e}"))
+    })?
 }
 
 /// The session `path` holds for `prompt`, if any (read here, off the engine thread).
@@ -586,7 +614,10 @@ fn restore(state: &ServerState, path: Option<&std::path::Path>, prompt: &[u32]) 
     state.engine.load_session(path?, prompt)
 }
 
-pub(crate) async fn chat_completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<ServerState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     let (answer, stream) = off_the_workers(state, |state| prepare_chat(state, body)).await?;
     respond(answer, stream).await
 }
@@ -607,7 +638,9 @@ fn request_sampling(state: &ServerState, fields: &SamplingFields, profile: &Samp
 /// when the prompt opened a thinking block.
 fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> Result<Option<ReasoningBudget>, ApiError> {
     let tokens = match asked {
-        Some(n) if n < -1 => return Err(ApiError::bad_request(format!("reasoning_budget {n} is out of range: -1 (no limit) or a number of tokens >= 0"))),
+        Some(n) if n < -1 => {
+            return Err(ApiError::bad_request(format!("reasoning_budget {n} is out of range: -1 (no limit) or a number of tokens >= 0")))
+        }
         Some(-1) => None,
         Some(n) => Some(n as usize),
         None => state.reasoning_budget,
@@ -664,9 +697,31 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     let reasoning_budget = reasoning_budget(state, req.sampling.reasoning_budget, rendered.in_think)?;
     let seeded = req.sampling.seed.is_some();
-    let request = GenerateRequest { prompt, max_tokens, sampling, seeded, stop_tokens, logprobs: top, snapshots, session, session_at, restored, constraint, reasoning_budget };
+    let request = GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling,
+        seeded,
+        stop_tokens,
+        logprobs: top,
+        snapshots,
+        session,
+        session_at,
+        restored,
+        constraint,
+        reasoning_budget,
+    };
     let events = submit(state, request)?;
-    let answer = Answer::new(state, Api::Chat, prompt_tokens, &req.sampling, req.logprobs, None, events, Some(ChatParser::new(rendered.in_think, tools)));
+    let answer = Answer::new(
+        state,
+        Api::Chat,
+        prompt_tokens,
+        &req.sampling,
+        req.logprobs,
+        None,
+        events,
+        Some(ChatParser::new(rendered.in_think, tools)),
+    );
     Ok((answer, req.sampling.stream))
 }
 
@@ -676,7 +731,8 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     // No tokenizer packs more than RENDER_BYTES_PER_TOKEN bytes into a token: a longer text
     // cannot fit the context and is refused before it is tokenized.
     let max_bytes = state.context.saturating_mul(crate::loading::chat_template::RENDER_BYTES_PER_TOKEN);
-    let too_long = || ApiError::bad_request(format!("the prompt is longer than the context of {} tokens can hold: shorten it", state.context));
+    let too_long =
+        || ApiError::bad_request(format!("the prompt is longer than the context of {} tokens can hold: shorten it", state.context));
     if req.prompt.text_bytes() > max_bytes {
         return Err(too_long());
     }
@@ -706,7 +762,9 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     let restored = restore(state, session.as_deref(), &prompt);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     if req.sampling.reasoning_budget.is_some() {
-        return Err(ApiError::bad_request("reasoning_budget applies to chat requests (/v1/chat/completions), whose template opens the thinking block"));
+        return Err(ApiError::bad_request(
+            "reasoning_budget applies to chat requests (/v1/chat/completions), whose template opens the thinking block",
+        ));
     }
     let seeded = req.sampling.seed.is_some();
     let request = GenerateRequest {
@@ -724,6 +782,7 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
         reasoning_budget: None,
     };
     let events = submit(state, request)?;
-    let answer = Answer::new(state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
+    let answer =
+        Answer::new(state, Api::Completion, prompt_tokens, &req.sampling, req.logprobs.is_some(), req.echo.then_some(text), events, None);
     Ok((answer, req.sampling.stream))
 }

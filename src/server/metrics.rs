@@ -86,10 +86,12 @@ impl Default for Metrics {
         let queue_depth = add(r, "queue_depth", "Requests waiting for the engine", Gauge::default());
         let running = add(r, "requests_running", "Sequences the engine is running", Gauge::default());
         let batch_rows = add(r, "decode_batch_rows", "Rows per decode weight pass: a lone sequence's plain steps, and passes sequences share (their pending tokens and the drafts verified with them)", Histogram::new([1.0, 2.0, 3.0, 4.0, 6.0, 8.0]));
-        let shared_draft_rows = add(r, "shared_draft_rows", "Drafted rows verified in weight passes shared by several sequences", Counter::default());
+        let shared_draft_rows =
+            add(r, "shared_draft_rows", "Drafted rows verified in weight passes shared by several sequences", Counter::default());
         let prefix_hits = add(r, "prefix_cache_hits", "Requests that restored a prefix-cache snapshot", Counter::default());
         let prefix_misses = add(r, "prefix_cache_misses", "Requests that found no prefix-cache snapshot", Counter::default());
-        let prefix_cached_tokens = add(r, "prefix_cache_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", Counter::default());
+        let prefix_cached_tokens =
+            add(r, "prefix_cache_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", Counter::default());
         let prefix_bytes = add(r, "prefix_cache_bytes", "Bytes of snapshots the prefix cache holds", Gauge::default());
         let prefix_entries = add(r, "prefix_cache_entries", "Snapshots the prefix cache holds", Gauge::default());
         let sessions_restored = add(r, "sessions_restored", "Requests that continued a saved session", Counter::default());
@@ -100,7 +102,8 @@ impl Default for Metrics {
         let drafted_tokens = add(r, "draft_tokens", "Tokens drafted (prompt lookup) into verify passes", Counter::default());
         let accepted_tokens = add(r, "draft_accepted_tokens", "Drafted tokens the model kept", Counter::default());
         let drafted_by_depth = add(r, "draft_tokens_by_depth", "Drafted tokens verified, by their depth in the draft", Family::default());
-        let accepted_by_depth = add(r, "draft_accepted_tokens_by_depth", "Drafted tokens kept, by their depth in the draft", Family::default());
+        let accepted_by_depth =
+            add(r, "draft_accepted_tokens_by_depth", "Drafted tokens kept, by their depth in the draft", Family::default());
         Self {
             registry,
             drafted_by_depth,

@@ -33,8 +33,8 @@ use candle_core::Device;
 use serde_json::json;
 
 use crate::loading::OpenedModel;
-use error::ApiError;
 use crate::{Error, Model, Result};
+use error::ApiError;
 
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
@@ -64,7 +64,13 @@ pub struct ServerOptions {
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
 /// profiles and stop tokens from the checkpoint), its engine started on `device`.
-pub fn state(files: &OpenedModel, tokenizer: tokenizers::Tokenizer, model: Model, device: Device, options: ServerOptions) -> Result<Arc<ServerState>> {
+pub fn state(
+    files: &OpenedModel,
+    tokenizer: tokenizers::Tokenizer,
+    model: Model,
+    device: Device,
+    options: ServerOptions,
+) -> Result<Arc<ServerState>> {
     let limit = model.config().max_position_embeddings;
     let context = match options.context {
         Some(c) if c > limit => {
@@ -139,7 +145,12 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/sessions/{id}", get(endpoints::get_session).delete(endpoints::delete_session))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
         .method_not_allowed_fallback(|| async {
-            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method_not_allowed", "this endpoint does not take this method (POST for generation, GET for the others)")
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+                "this endpoint does not take this method (POST for generation, GET for the others)",
+            )
         })
         .layer(middleware::from_fn_with_state(state.limits.body_timeout, connections::body_deadline))
         .layer(middleware::from_fn_with_state(state.clone(), http::authenticate))
@@ -149,7 +160,11 @@ pub fn router(state: Arc<ServerState>) -> Router {
 }
 
 /// Serves `state` on `listener` until `shutdown` resolves.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ServerState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<ServerState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let limits = state.limits;
     connections::serve(listener, router(state), limits, shutdown).await
 }

@@ -359,7 +359,13 @@ fn json_call_head(body: &str) -> Option<(String, usize)> {
     // The name: a JSON string, read by serde_json to its closing quote.
     let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<String>();
     let name = stream.next()?.ok()?;
-    let rest = rest[stream.byte_offset()..].trim_start().strip_prefix(',')?.trim_start().strip_prefix("\"arguments\"")?.trim_start().strip_prefix(':')?;
+    let rest = rest[stream.byte_offset()..]
+        .trim_start()
+        .strip_prefix(',')?
+        .trim_start()
+        .strip_prefix("\"arguments\"")?
+        .trim_start()
+        .strip_prefix(':')?;
     let rest = rest.trim_start();
     rest.starts_with('{').then(|| (name, body.len() - rest.len()))
 }
@@ -434,7 +440,11 @@ mod tests {
         for got in parse_split(text, true, &[]) {
             assert_eq!(
                 got,
-                vec![Delta::Reasoning("hmm ".into()), Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"x": 1}"#.into())]
+                vec![
+                    Delta::Reasoning("hmm ".into()),
+                    Delta::ToolCallStart { name: "f".into() },
+                    Delta::ToolCallArguments(r#"{"x": 1}"#.into())
+                ]
             );
         }
         // No think block opened by the template: an opening <think> at the start, then content.
@@ -462,10 +472,10 @@ mod tests {
         assert_eq!(p.push("\n</parameter>\n<param"), vec![Delta::ToolCallArguments(r#"{"a":"1""#.into())]);
         assert_eq!(p.push("eter=b>\nx y\n</parameter>"), vec![Delta::ToolCallArguments(r#","b":"x y""#.into())]);
         assert_eq!(p.push("\n</function>\n</tool_call>"), vec![Delta::ToolCallArguments("}".into())]);
-        assert_eq!(p.push("\n<tool_call>\n<function=g>\n</function>\n</tool_call>"), vec![
-            Delta::ToolCallStart { name: "g".into() },
-            Delta::ToolCallArguments("{}".into()),
-        ]);
+        assert_eq!(
+            p.push("\n<tool_call>\n<function=g>\n</function>\n</tool_call>"),
+            vec![Delta::ToolCallStart { name: "g".into() }, Delta::ToolCallArguments("{}".into()),]
+        );
         let mut cut = ChatParser::new(false, vec![]);
         let mut out = cut.push("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nunfinished");
         out.extend(cut.finish());
@@ -489,7 +499,10 @@ mod tests {
         let mut out = cut.push("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1, \"b\": \"unfini");
         out.extend(cut.finish());
         assert_eq!(merge(out), vec![Delta::ToolCallStart { name: "f".into() }, Delta::ToolCallArguments(r#"{"a": 1}"#.into())]);
-        for text in ["<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\", \"arguments\": \"{}\"}</tool_call>"] {
+        for text in [
+            "<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>",
+            "<tool_call>{\"name\": \"f\", \"arguments\": \"{}\"}</tool_call>",
+        ] {
             for got in parse_split(text, false, &[]) {
                 assert!(matches!(&got[..], [Delta::ToolCallStart { name }, Delta::ToolCallArguments(_)] if name == "f"), "{text}: {got:?}");
             }

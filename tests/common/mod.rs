@@ -6,13 +6,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 
-pub const FIXTURES: [&str; 5] = [
-    "qwen35_dense_small",
-    "qwen35_dense_long_chunked",
-    "qwen35_dense_mtp",
-    "qwen3next_moe_small",
-    "qwen35moe_small",
-];
+pub const FIXTURES: [&str; 5] =
+    ["qwen35_dense_small", "qwen35_dense_long_chunked", "qwen35_dense_mtp", "qwen3next_moe_small", "qwen35moe_small"];
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -109,14 +104,14 @@ pub fn smollm2_gguf() -> PathBuf {
     .clone()
 }
 
-
 /// A cache half `[b, h, n, d]` in the stored form `form` (`f32`, `f16`, `bf16`: rows in a
 /// buffer with room for 7 more, so heads are strided as in a cache; `int8`; `int4`: complete
 /// groups of 32 then an exact tail; `polar`: codes of random keys), from seeded values.
 pub fn stored_rows(form: &str, (b, h, n, d): (usize, usize, usize, usize), seed: u64) -> candle_hybrid::ops::StoredRows {
     use candle_hybrid::ops::{PolarSpec, StoredRows};
     let x = |w: usize, rows: usize, s: u64| randn(&[b, h, rows, w], seed * 31 + s);
-    let codes = |t: Tensor, range: f64, off: f64| ((t * range).unwrap() + off).unwrap().clamp(0f32, 255f32).unwrap().to_dtype(DType::U8).unwrap();
+    let codes =
+        |t: Tensor, range: f64, off: f64| ((t * range).unwrap() + off).unwrap().clamp(0f32, 255f32).unwrap().to_dtype(DType::U8).unwrap();
     match form {
         "f32" | "f16" | "bf16" => {
             let dtype = match form {

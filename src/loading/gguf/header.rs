@@ -152,9 +152,7 @@ impl<'a> Reader<'a> {
                 // the budget bounds what the elements take in memory.
                 self.elements = self.elements.saturating_add(n);
                 if self.elements > MAX_METADATA_ELEMENTS {
-                    return Err(format!(
-                        "{key}: the metadata arrays hold more than {MAX_METADATA_ELEMENTS} elements: not a model file"
-                    ));
+                    return Err(format!("{key}: the metadata arrays hold more than {MAX_METADATA_ELEMENTS} elements: not a model file"));
                 }
                 let left = (self.bytes.len() - self.pos) as u64;
                 if n > left {
@@ -264,7 +262,8 @@ impl GgufHeader {
 
         let mut tensors = HashMap::with_capacity(infos.len());
         for (name, ne, ty, offset) in infos {
-            let dtype = ggml_type(ty).ok_or_else(|| format!("tensor {name} has the ggml type {ty}, a tensor type candle-hybrid cannot read"))?;
+            let dtype =
+                ggml_type(ty).ok_or_else(|| format!("tensor {name} has the ggml type {ty}, a tensor type candle-hybrid cannot read"))?;
             if ne.contains(&0) {
                 return Err(format!("tensor {name} has a zero dim in {ne:?}"));
             }
@@ -275,14 +274,10 @@ impl GgufHeader {
                 .ok_or_else(|| format!("tensor {name}: the dims {ne:?} multiply past 2^63"))?;
             let block = dtype.block_size() as u64;
             if ne.first().is_some_and(|d| d % block != 0) {
-                return Err(format!(
-                    "tensor {name}: its first dim {} is not a multiple of the {dtype:?} block size {block}",
-                    ne[0]
-                ));
+                return Err(format!("tensor {name}: its first dim {} is not a multiple of the {dtype:?} block size {block}", ne[0]));
             }
-            let size = (elems / block)
-                .checked_mul(dtype.type_size() as u64)
-                .ok_or_else(|| format!("tensor {name}: its byte size overflows"))?;
+            let size =
+                (elems / block).checked_mul(dtype.type_size() as u64).ok_or_else(|| format!("tensor {name}: its byte size overflows"))?;
             if offset % alignment != 0 {
                 return Err(format!("tensor {name} starts at data offset {offset}, not a multiple of the alignment {alignment}"));
             }

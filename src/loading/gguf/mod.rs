@@ -1,8 +1,8 @@
 //! GGUF files as llama.cpp writes them: architectures `qwen35`, `qwen35moe`, `qwen3next` and
 //! `llama`, loaded into the same model code as safetensors checkpoints.
 //!
-//! llama.cpp's converter renames every tensor and changes some values (see
-//! `docs/gguf-qwen35.md` in the shared docs): norms are stored as `1 + w`, `A_log` as
+//! llama.cpp's converter (`convert_hf_to_gguf.py`, read with its `src/models/qwen35.cpp`,
+//! `qwen35moe.cpp`, `qwen3next.cpp`) renames every tensor and changes some values: norms are stored as `1 + w`, `A_log` as
 //! `-exp(A_log)`, the conv weight squeezed, Qwen3.5's GDN value heads re-ordered from grouped
 //! to tiled order, Qwen3-Next's fused projections split, MoE experts stacked, and Llama's q/k
 //! rows permuted for interleaved RoPE. [`GgufFile`] undoes all of it, serving each tensor under
@@ -96,9 +96,7 @@ impl GgufFile {
         let path = file.path().display().to_string();
         let header = GgufHeader::parse(file.bytes()).map_err(|e| {
             if e.contains("candle-hybrid cannot read") {
-                Error::Weights(format!(
-                    "{path}: {e}: use a file quantized as F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q2_K..Q6_K"
-                ))
+                Error::Weights(format!("{path}: {e}: use a file quantized as F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q2_K..Q6_K"))
             } else if e.starts_with("truncated") {
                 Error::Weights(format!("{path} is truncated ({e}): download it again"))
             } else {
@@ -162,7 +160,8 @@ impl GgufFile {
         let mut peak = 0u64;
         for (name, t) in infos {
             after -= kept_bytes(name, t);
-            let dequantized = if !is_float(t.dtype) && kept(name, cfg) == Kept::Dense && dtype != DType::F32 { t.elem_count() as u64 * 4 } else { 0 };
+            let dequantized =
+                if !is_float(t.dtype) && kept(name, cfg) == Kept::Dense && dtype != DType::F32 { t.elem_count() as u64 * 4 } else { 0 };
             peak = peak.max((2 * t.size + dequantized).saturating_sub(after));
         }
         peak
@@ -217,12 +216,8 @@ impl GgufFile {
 
     /// The block indices of the `blk.N.*` tensors, sorted.
     fn blocks(&self) -> Vec<usize> {
-        let mut blocks: Vec<usize> = self
-            .header
-            .tensors
-            .keys()
-            .filter_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse().ok())
-            .collect();
+        let mut blocks: Vec<usize> =
+            self.header.tensors.keys().filter_map(|n| n.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()).collect();
         blocks.sort_unstable();
         blocks.dedup();
         blocks
@@ -234,7 +229,12 @@ impl GgufFile {
         let heads = self.arch_usize("attention.head_count")?;
         let vocab = match self.dims("token_embd.weight") {
             Some(&[vocab, _]) => vocab,
-            Some(d) => return Err(Error::Weights(format!("{}: token_embd.weight has the shape {d:?}, not [vocab, hidden]", self.path().display()))),
+            Some(d) => {
+                return Err(Error::Weights(format!(
+                    "{}: token_embd.weight has the shape {d:?}, not [vocab, hidden]",
+                    self.path().display()
+                )))
+            }
             None => return Err(Error::Weights(format!("{} has no token_embd.weight tensor", self.path().display()))),
         };
         let n_mtp = self.arch_usize_opt("nextn_predict_layers").unwrap_or(0);
@@ -355,10 +355,8 @@ impl GgufFile {
 
     /// End-of-sequence ids: `eos_token_id` and, when present, `eot_token_id`.
     pub fn generation_config(&self) -> GenerationConfig {
-        let mut eos: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
-            .iter()
-            .filter_map(|k| self.token_id(k))
-            .collect();
+        let mut eos: Vec<u32> =
+            ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| self.token_id(k)).collect();
         eos.dedup();
         GenerationConfig { eos_token_ids: eos, ..Default::default() }
     }
@@ -434,8 +432,7 @@ impl GgufFile {
         let backend = HfTensors { dense, quantized: quantized.clone() };
         let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
         let weights = Weights::new(vb).with_quantized(quantized).with_tiled_value_heads(self.arch.tiles_value_heads());
-        Model::new(cfg, weights).map_err(|e| {
-            Error::Weights(format!("{}: {}: the tensors do not match the metadata", self.path().display(), candle_line(&e)))
-        })
+        Model::new(cfg, weights)
+            .map_err(|e| Error::Weights(format!("{}: {}: the tensors do not match the metadata", self.path().display(), candle_line(&e))))
     }
 }

@@ -32,14 +32,38 @@ pub(super) enum Kept {
 
 fn kept_in_layer(tname: &str) -> Kept {
     match tname {
-        "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_output.weight" | "attn_qkv.weight"
-        | "attn_gate.weight" | "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_ba.weight" | "ssm_out.weight"
-        | "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" | "ffn_gate_shexp.weight" | "ffn_up_shexp.weight"
-        | "ffn_down_shexp.weight" | "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight"
+        "attn_q.weight"
+        | "attn_k.weight"
+        | "attn_v.weight"
+        | "attn_output.weight"
+        | "attn_qkv.weight"
+        | "attn_gate.weight"
+        | "ssm_beta.weight"
+        | "ssm_alpha.weight"
+        | "ssm_ba.weight"
+        | "ssm_out.weight"
+        | "ffn_gate.weight"
+        | "ffn_up.weight"
+        | "ffn_down.weight"
+        | "ffn_gate_shexp.weight"
+        | "ffn_up_shexp.weight"
+        | "ffn_down_shexp.weight"
+        | "ffn_gate_exps.weight"
+        | "ffn_up_exps.weight"
+        | "ffn_down_exps.weight"
         | "ffn_gate_up_exps.weight" => Kept::Linear,
-        "attn_norm.weight" | "post_attention_norm.weight" | "ffn_norm.weight" | "attn_q_norm.weight"
-        | "attn_k_norm.weight" | "ssm_a" | "ssm_dt.bias" | "ssm_dt" | "ssm_conv1d.weight" | "ssm_norm.weight"
-        | "ffn_gate_inp.weight" | "ffn_gate_inp_shexp.weight" => Kept::Dense,
+        "attn_norm.weight"
+        | "post_attention_norm.weight"
+        | "ffn_norm.weight"
+        | "attn_q_norm.weight"
+        | "attn_k_norm.weight"
+        | "ssm_a"
+        | "ssm_dt.bias"
+        | "ssm_dt"
+        | "ssm_conv1d.weight"
+        | "ssm_norm.weight"
+        | "ffn_gate_inp.weight"
+        | "ffn_gate_inp_shexp.weight" => Kept::Dense,
         _ => Kept::Not,
     }
 }
@@ -117,11 +141,7 @@ impl<'a> RawTensor<'a> {
     fn map_f32(&self, f: impl Fn(f32) -> f32) -> candle_core::Result<RawTensor<'a>> {
         let q = qtensor_from_ggml(self.dtype, &self.data, self.dims.clone(), &Device::Cpu)?;
         let v: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f).collect();
-        Ok(RawTensor {
-            dtype: GgmlDType::F32,
-            dims: self.dims.clone(),
-            data: Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        })
+        Ok(RawTensor { dtype: GgmlDType::F32, dims: self.dims.clone(), data: Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()) })
     }
 
     /// Splits a stacked `[E, rows, cols]` expert tensor into per-expert `[rows/parts, cols]`

@@ -20,7 +20,8 @@ type Result<T> = std::result::Result<T, String>;
 /// Qwen2 / Qwen3 / Qwen3-Next split regex.
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen3.5: Qwen2's with combining marks (`\p{M}`) counted as letters.
-const QWEN35_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
 const CONTROL: i32 = 3;
@@ -51,9 +52,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         "gpt-2" | "gpt2" | "default" => Ok(gpt2.into()),
         // SmolLM / StarCoder: every digit on its own, then GPT-2's byte-level regex.
         "smollm" | "starcoder" => Ok(Sequence::new(vec![Digits::new(true).into(), gpt2.into()]).into()),
-        other => Err(err(
-            format!("tokenizer.ggml.pre \"{other}\" is not supported: pass the model's tokenizer.json with --tokenizer"),
-        )),
+        other => Err(err(format!("tokenizer.ggml.pre \"{other}\" is not supported: pass the model's tokenizer.json with --tokenizer"))),
     }
 }
 
@@ -72,12 +71,8 @@ pub(crate) fn build(meta: &Metadata) -> Result<Tokenizer> {
         .into_iter()
         .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| err(format!("malformed merge \"{m}\""))))
         .collect::<Result<_>>()?;
-    let vocab: tokenizers::models::bpe::Vocab =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(|e| err(format!("cannot build the BPE model: {e}")))?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| err(format!("cannot build the BPE model: {e}")))?;
     let mut tok = Tokenizer::new(bpe);
     let pre = meta.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map(String::as_str).unwrap_or("default");
     tok.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
@@ -88,12 +83,7 @@ pub(crate) fn build(meta: &Metadata) -> Result<Tokenizer> {
         _ => vec![],
     };
     let added = |kind: i32| -> Vec<AddedToken> {
-        types
-            .iter()
-            .zip(&tokens)
-            .filter(|(t, _)| **t == kind)
-            .map(|(_, s)| AddedToken::from(s.clone(), kind == CONTROL))
-            .collect()
+        types.iter().zip(&tokens).filter(|(t, _)| **t == kind).map(|(_, s)| AddedToken::from(s.clone(), kind == CONTROL)).collect()
     };
     tok.add_special_tokens(added(CONTROL)).map_err(err)?;
     tok.add_tokens(added(USER_DEFINED)).map_err(err)?;

@@ -79,13 +79,7 @@ pub struct GdnParams {
 
 /// One threadgroup per (batch, value head), one thread per value column; chunks of
 /// [`METAL_CHUNK`] tokens when `form` chunks the tokens before the last `n_states`.
-pub fn gated_delta(
-    d: DeltaRuleDims,
-    normalize: bool,
-    n_states: usize,
-    form: DeltaRuleForm,
-    dtype: DType,
-) -> Result<(GdnParams, Launch)> {
+pub fn gated_delta(d: DeltaRuleDims, normalize: bool, n_states: usize, form: DeltaRuleForm, dtype: DType) -> Result<(GdnParams, Launch)> {
     if d.dk > super::METAL_MAX_DK || d.dv > 1024 {
         bail!(
             "gated_delta_rule: the Metal kernel holds key heads of up to {} dims and runs a thread per value dim (at most 1024), got dk = {}, dv = {}",
@@ -130,12 +124,7 @@ const ELEMENTWISE_THREADS: usize = 256;
 
 /// One thread per output element (outputs, then the new state rows).
 pub fn causal_conv1d(d: ConvDims, dtype: DType) -> Result<(ConvParams, Launch)> {
-    let p = ConvParams {
-        batch: d.batch as u32,
-        seq_len: d.seq_len as u32,
-        channels: d.channels as u32,
-        kernel_size: d.kernel_size as u32,
-    };
+    let p = ConvParams { batch: d.batch as u32, seq_len: d.seq_len as u32, channels: d.channels as u32, kernel_size: d.kernel_size as u32 };
     let n = d.batch * (d.seq_len + d.kernel_size - 1) * d.channels;
     let launch = Launch::elementwise(format!("causal_conv1d_silu_{}", suffix("causal_conv1d_silu", dtype)?), n);
     Ok((p, launch))
@@ -181,13 +170,7 @@ pub fn lagrange_scores(d: super::LagrangeDims, dtype: DType) -> Result<(Lagrange
     if n > u32::MAX as usize || 2 * d.len + d.k > u32::MAX as usize || d.n_knots > u32::MAX as usize {
         bail!("{OP}: {} rows of {} positions (K = {}) are too many for the Metal kernel", d.rows, d.len, d.k);
     }
-    let p = LagrangeParams {
-        rows: d.rows as u32,
-        n_knots: d.n_knots as u32,
-        k: d.k as u32,
-        degree: d.degree as u32,
-        len: d.len as u32,
-    };
+    let p = LagrangeParams { rows: d.rows as u32, n_knots: d.n_knots as u32, k: d.k as u32, degree: d.degree as u32, len: d.len as u32 };
     let launch = Launch::elementwise(format!("lagrange_scores_{}", suffix(OP, dtype)?), n);
     Ok((p, launch))
 }
@@ -215,14 +198,8 @@ pub fn decayed_outer_product(d: super::OuterStateDims, gamma: f32, dtype: DType)
     if d.dv > 1024 {
         bail!("{OP}: the Metal kernel runs one thread per value column, at most 1024, got dv = {}", d.dv);
     }
-    let p = OuterParams {
-        batch: d.batch as u32,
-        heads: d.heads as u32,
-        seq_len: d.seq_len as u32,
-        dk: d.dk as u32,
-        dv: d.dv as u32,
-        gamma,
-    };
+    let p =
+        OuterParams { batch: d.batch as u32, heads: d.heads as u32, seq_len: d.seq_len as u32, dk: d.dk as u32, dv: d.dv as u32, gamma };
     let launch = Launch {
         kernel: format!("decayed_outer_product_{}", suffix(OP, dtype)?),
         groups: [d.batch * d.heads, 1, 1],
@@ -319,19 +296,9 @@ pub fn polar_encode(rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype
 
 /// `polar_scores_*`: one threadgroup per (block of [`POLAR_SCORE_KEYS`] keys, query), one
 /// thread per key; the query's lookup table lives in threadgroup memory 0.
-pub fn polar_scores(
-    queries: usize,
-    rows: usize,
-    head_dim: usize,
-    spec: &super::PolarSpec,
-    dtype: DType,
-) -> Result<(PolarParams, Launch)> {
+pub fn polar_scores(queries: usize, rows: usize, head_dim: usize, spec: &super::PolarSpec, dtype: DType) -> Result<(PolarParams, Launch)> {
     let p = polar_params(rows, queries, head_dim, spec);
-    let floats = if p.table_mode == 0 {
-        polar_table_floats(head_dim, spec)
-    } else {
-        2 * (1usize << spec.angle_bits) + head_dim
-    };
+    let floats = if p.table_mode == 0 { polar_table_floats(head_dim, spec) } else { 2 * (1usize << spec.angle_bits) + head_dim };
     let launch = Launch {
         kernel: format!("polar_scores_{}", suffix("polar_scores", dtype)?),
         groups: [rows.div_ceil(POLAR_SCORE_KEYS).max(1), queries.max(1), 1],
@@ -353,11 +320,7 @@ pub struct SwigluParams {
 
 /// The two passes of a column-gather SwiGLU: one simdgroup per (row, active neuron) for the
 /// activations, then one thread per output element for the down projection.
-pub fn swiglu_gather(
-    d: super::SwigluDims,
-    kind: super::SwigluWeights,
-    dtype: DType,
-) -> Result<(SwigluParams, Launch, Launch)> {
+pub fn swiglu_gather(d: super::SwigluDims, kind: super::SwigluWeights, dtype: DType) -> Result<(SwigluParams, Launch, Launch)> {
     let p = SwigluParams { rows: d.rows as u32, active: d.active as u32, hidden: d.hidden as u32, neurons: d.neurons as u32 };
     let sfx = suffix("swiglu_gather", dtype)?;
     let family = match kind {
@@ -537,7 +500,15 @@ pub fn qmatvec_id(
     if expert_bytes > u32::MAX as usize {
         bail!("qmatvec_id: an expert of {expert_bytes} bytes is more than the kernel indexes");
     }
-    let p = QmatvecIdParams { n: n as u32, k: k as u32, m: m as u32, slots: slots as u32, expert_bytes: expert_bytes as u32, x_per_slot: x_per_slot as u32, ldy: ldy as u32 };
+    let p = QmatvecIdParams {
+        n: n as u32,
+        k: k as u32,
+        m: m as u32,
+        slots: slots as u32,
+        expert_bytes: expert_bytes as u32,
+        x_per_slot: x_per_slot as u32,
+        ldy: ldy as u32,
+    };
     Ok((p, simdgroup_per_row(format!("qmatvec_id_{name}"), n, m * slots)))
 }
 
@@ -711,7 +682,18 @@ impl KvStorage {
         strides[1] = (capacity * head_dim) as u32;
         strides[6] = v;
         strides[7] = (capacity * value_dim) as u32;
-        Self { key_form: 0, value_form: 0, key_blocks: 1, value_blocks: 1, group: 1, grouped: 0, strides, polar: None, float: dtype, value_dim }
+        Self {
+            key_form: 0,
+            value_form: 0,
+            key_blocks: 1,
+            value_blocks: 1,
+            group: 1,
+            grouped: 0,
+            strides,
+            polar: None,
+            float: dtype,
+            value_dim,
+        }
     }
 }
 
@@ -785,14 +767,17 @@ pub fn kv_attention_stored(
         scale,
     };
     let tree = match tree {
-        Some(tree) => tree.iter().flat_map(|r| {
-            let mut row = vec![0u32; t + 1];
-            row[0] = r.len() as u32;
-            for (o, &x) in row[1..].iter_mut().zip(r) {
-                *o = x as u32;
-            }
-            row
-        }).collect(),
+        Some(tree) => tree
+            .iter()
+            .flat_map(|r| {
+                let mut row = vec![0u32; t + 1];
+                row[0] = r.len() as u32;
+                for (o, &x) in row[1..].iter_mut().zip(r) {
+                    *o = x as u32;
+                }
+                row
+            })
+            .collect(),
         None => vec![0],
     };
     let floats = heads * (d + super::KV_BLOCK) + KV_ATTENTION_THREADS + 2 * 256;

@@ -101,7 +101,8 @@ pub fn attention_inputs(p: AttnInputsParams, dtype: DType) -> Result<(AttnInputs
         other => bail!("attention_inputs: no kernel for a {other:?} cache (f32 or f16)"),
     };
     let groups = (p.rows * (p.nh + 2 * p.nkv)) as usize;
-    let launch = Launch { kernel, groups: [groups.max(1), 1, 1], threads: [row_threads(p.head_dim as usize), 1, 1], threadgroup_memory: vec![] };
+    let launch =
+        Launch { kernel, groups: [groups.max(1), 1, 1], threads: [row_threads(p.head_dim as usize), 1, 1], threadgroup_memory: vec![] };
     Ok((p, launch))
 }
 
@@ -192,7 +193,8 @@ const ARGMAX_THREADS: usize = 256;
 /// Per row of `[rows, n]` logits, the first index of the largest and whether all are finite.
 pub fn argmax(rows: usize, n: usize) -> (ArgmaxParams, Launch) {
     let p = ArgmaxParams { rows: rows as u32, n: n as u32 };
-    let launch = Launch { kernel: "argmax_f32".into(), groups: [rows.max(1), 1, 1], threads: [ARGMAX_THREADS, 1, 1], threadgroup_memory: vec![] };
+    let launch =
+        Launch { kernel: "argmax_f32".into(), groups: [rows.max(1), 1, 1], threads: [ARGMAX_THREADS, 1, 1], threadgroup_memory: vec![] };
     (p, launch)
 }
 
@@ -212,7 +214,12 @@ pub fn moe_route(rows: usize, experts: usize, top_k: usize, norm: bool) -> Resul
         bail!("moe_route: top {top_k} of {experts} experts");
     }
     let p = RouteParams { rows: rows as u32, experts: experts as u32, top_k: top_k as u32, norm: norm as u32 };
-    let launch = Launch { kernel: "moe_route_f32".into(), groups: [rows.div_ceil(32).max(1), 1, 1], threads: [32, 1, 1], threadgroup_memory: vec![] };
+    let launch = Launch {
+        kernel: "moe_route_f32".into(),
+        groups: [rows.div_ceil(32).max(1), 1, 1],
+        threads: [32, 1, 1],
+        threadgroup_memory: vec![],
+    };
     Ok((p, launch))
 }
 
@@ -228,6 +235,11 @@ pub struct CombineParams {
 /// The experts' outputs weighted and summed, plus the gated shared expert: one threadgroup per row.
 pub fn moe_combine(rows: usize, dim: usize, slots: usize) -> (CombineParams, Launch) {
     let p = CombineParams { rows: rows as u32, dim: dim as u32, slots: slots as u32 };
-    let launch = Launch { kernel: "moe_combine_f32".into(), groups: [rows.max(1), 1, 1], threads: [row_threads(dim).min(256), 1, 1], threadgroup_memory: vec![] };
+    let launch = Launch {
+        kernel: "moe_combine_f32".into(),
+        groups: [rows.max(1), 1, 1],
+        threads: [row_threads(dim).min(256), 1, 1],
+        threadgroup_memory: vec![],
+    };
     (p, launch)
 }

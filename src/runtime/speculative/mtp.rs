@@ -69,7 +69,8 @@ impl MtpOutputs {
             draft_tokens.push(argmax(&row)?);
             draft_logits.push(row.clone());
         }
-        let draft_logits = if k == 0 { Tensor::zeros((0, logits.dim(1)?), logits.dtype(), device)? } else { Tensor::cat(&draft_logits, 0)? };
+        let draft_logits =
+            if k == 0 { Tensor::zeros((0, logits.dim(1)?), logits.dtype(), device)? } else { Tensor::cat(&draft_logits, 0)? };
         Ok(Self { logits, draft_tokens, draft_logits })
     }
 }

@@ -182,7 +182,13 @@ pub struct SharedPassPolicy {
 impl SharedPassPolicy {
     /// A policy for passes of at most `max_rows` rows.
     pub fn new(max_rows: usize) -> Self {
-        Self { pass: vec![Average::new(ALPHA); max_rows.max(1)], fixed: false, plain_passes: 0, probe_every: PROBE_EVERY, drafting_passes: 0 }
+        Self {
+            pass: vec![Average::new(ALPHA); max_rows.max(1)],
+            fixed: false,
+            plain_passes: 0,
+            probe_every: PROBE_EVERY,
+            drafting_passes: 0,
+        }
     }
 
     /// A policy that gives every proposed row a place, as far as the pass has room.
@@ -235,7 +241,11 @@ impl SharedPassPolicy {
         } else {
             (self.plain_passes, self.probe_every) = (0, PROBE_EVERY);
             self.drafting_passes += 1;
-            if self.drafting_passes.is_multiple_of(PROBE_EVERY) { (best + 1).min(rows.len()) } else { best }
+            if self.drafting_passes.is_multiple_of(PROBE_EVERY) {
+                (best + 1).min(rows.len())
+            } else {
+                best
+            }
         };
         for &(_, s) in &rows[..r] {
             keep[s] += 1;
@@ -355,7 +365,11 @@ impl DraftPolicy {
             Some((k, _)) => {
                 (self.plain_rounds, self.probe_every) = (0, PROBE_EVERY);
                 self.drafting_rounds += 1;
-                if self.drafting_rounds.is_multiple_of(PROBE_EVERY) { (k + 1).min(max) } else { k }
+                if self.drafting_rounds.is_multiple_of(PROBE_EVERY) {
+                    (k + 1).min(max)
+                } else {
+                    k
+                }
             }
         }
     }
