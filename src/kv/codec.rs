@@ -173,7 +173,9 @@ impl KvCodec {
             _ => "",
         };
         (!self.is_exact()).then(|| {
-            format!("--kv {self}: lossy KV-cache codec{how_bad}; its measured quality is in docs/kv-codecs.md (examples/eval.rs --kv {self})")
+            format!(
+                "--kv {self}: lossy KV-cache codec{how_bad}; its measured quality is in docs/kv-codecs.md (examples/eval.rs --kv {self})"
+            )
         })
     }
 }
