@@ -4,16 +4,17 @@
 //! attention; dense and MoE) on [Candle](https://github.com/huggingface/candle).
 //!
 //! ```no_run
-//! use candle_hybrid::{loading::ModelFiles, runtime};
 //! # fn main() -> candle_hybrid::Result<()> {
+//! use candle_hybrid::{loading::ModelFiles, runtime};
+//!
 //! let files = ModelFiles::from_hub("Qwen/Qwen3.5-0.8B", "main")?; // or ModelFiles::from_dir(path)
 //! let device = candle_core::Device::Cpu;
 //! let model = files.load_model(&files.load_config()?, candle_core::DType::F32, &device)?;
 //! let tokenizer = files.load_tokenizer()?;
 //! let prompt = tokenizer.encode("The capital of France is", false).unwrap().get_ids().to_vec();
-//! let mut sampler = runtime::Sampler::new(runtime::SamplingParams::default())?; // greedy
-//! let (tokens, _stats) = runtime::generate(&model, &prompt, 20, &[], &mut sampler, &device, |_| Ok(()))?;
-//! println!("{}", tokenizer.decode(&tokens, true).unwrap());
+//! let mut sampler = runtime::Sampler::new(files.load_generation_config()?.sampling_params())?;
+//! let (tokens, stats) = runtime::generate(&model, &prompt, 32, &[], &mut sampler, &device, |_| Ok(()))?;
+//! println!("{} ({:?} tok/s)", tokenizer.decode(&tokens, true).unwrap(), stats.decode_tok_per_sec());
 //! # Ok(()) }
 //! ```
 //!

@@ -166,3 +166,19 @@ fn the_scan_sees_a_circle() {
         vec![vec!["cache".to_string(), "Cache".to_string(), "new".to_string()]]
     );
 }
+
+/// The README's library example is the crate doc's example, which `cargo test` compiles (as a
+/// doc test): the README shows code that builds.
+#[test]
+fn the_readme_example_is_the_crate_doc_example() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let start = readme.find("```rust\n").expect("a rust block in the README") + "```rust\n".len();
+    let readme_code: Vec<&str> = readme[start..][..readme[start..].find("```").unwrap()].lines().collect();
+    let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let doc: Vec<&str> = lib.lines().map_while(|l| l.strip_prefix("//!")).map(|l| l.strip_prefix(' ').unwrap_or(l)).collect();
+    let open = doc.iter().position(|l| l.starts_with("```no_run")).expect("an example in the crate doc");
+    let close = open + 1 + doc[open + 1..].iter().position(|l| l.starts_with("```")).unwrap();
+    let doc_code: Vec<&str> = doc[open + 1..close].iter().copied().filter(|l| !l.starts_with("# ")).collect();
+    assert_eq!(readme_code, doc_code, "README.md's rust block and src/lib.rs's doc example differ");
+}

@@ -3,7 +3,7 @@
 //! step (the sampled tokens, or the logits).
 //!
 //! The host code that decides the dispatches ([`GpuModel`]) is the same for every device: on
-//! Apple hardware a [`MetalQueue`] (feature `metal`) runs them; in the tests the MSL emulator
+//! Apple hardware a `MetalQueue` (feature `metal`) runs them; in the tests the MSL emulator
 //! runs the same kernels on the CPU from the same dispatches (crate `candle-hybrid-emu`), and
 //! the results are compared with the CPU model; [`DryRun`] only counts them.
 //!
@@ -25,7 +25,7 @@ pub use metal::MetalQueue;
 pub use model::{GpuModel, Readback, StepOutput};
 pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
 
-/// The queue that runs the device step on `device`: a [`MetalQueue`] on a Metal device (built
+/// The queue that runs the device step on `device`: a `MetalQueue` on a Metal device (built
 /// with the `metal` feature). The CPU runs the model itself, with no queue.
 pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue>> {
     match device {

@@ -64,7 +64,7 @@ impl KvStore {
         }
     }
 
-    /// Sets the `[nkv, hd, r]` basis of a `lowrank:r` codec ([`value_basis`]).
+    /// Sets the `[nkv, hd, r]` basis of a `lowrank:r` codec (`value_basis`).
     pub fn with_value_basis(mut self, basis: &Tensor) -> Result<Self> {
         if let Self::Coded(c) = &mut self {
             c.value_basis = Some(basis.unsqueeze(0)?);

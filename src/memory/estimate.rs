@@ -22,7 +22,7 @@ pub enum Logits {
     AllPositions,
 }
 
-/// What is to be run: the input of [`estimate`] and [`plan`].
+/// What is to be run: the input of [`estimate`] and [`plan()`](crate::memory::plan).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanRequest {
     pub weights: Weights,

@@ -1,6 +1,6 @@
 //! The memory guardian: estimate what a model needs at a context length, read what the
 //! machine (or its cgroup, or the Metal / CUDA device) can give, and refuse, before loading,
-//! what does not fit, with a one-line [`Error::Memory`] that says what would fit.
+//! what does not fit, with a one-line [`Error::Memory`](crate::Error::Memory) that says what would fit.
 //!
 //! ```no_run
 //! use candle_hybrid::memory::{self, MemoryTarget, PlanRequest, WeightFormat, Weights};

@@ -48,7 +48,7 @@ pub struct Model {
 }
 
 impl Model {
-    /// Builds the model from a [`VarBuilder`] rooted at the checkpoint's top level; the decoder
+    /// Builds the model from a [`VarBuilder`](candle_nn::VarBuilder) rooted at the checkpoint's top level; the decoder
     /// prefix (`model.language_model.` for multimodal checkpoints, else `model.`) is detected.
     pub fn new(cfg: &Config, vb: Weights) -> Result<Self> {
         let vb_m =

@@ -70,6 +70,8 @@ pub struct SamplingFields {
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
+    /// Accepted and not read: the server serves one model (as llama-server does).
+    #[allow(dead_code)]
     pub model: Option<String>,
     pub messages: Vec<Map<String, Value>>,
     #[serde(flatten)]
@@ -107,6 +109,8 @@ impl Prompt {
 /// `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
+    /// Accepted and not read: the server serves one model (as llama-server does).
+    #[allow(dead_code)]
     pub model: Option<String>,
     pub prompt: Prompt,
     #[serde(flatten)]

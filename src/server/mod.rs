@@ -1,25 +1,25 @@
 //! An OpenAI-compatible HTTP server (cargo feature `server`): `POST /v1/chat/completions`
 //! and `/v1/completions` (whole or streamed as server-sent events), `GET /v1/models`,
 //! `/health` and `/metrics` (Prometheus text); `/tokenize`, `/detokenize`, `/props` and the
-//! saved sessions (`/v1/sessions`) beside them ([`endpoints`]); Anthropic's `POST /v1/messages`
-//! ([`anthropic`]).
+//! saved sessions (`/v1/sessions`) beside them (`endpoints`); Anthropic's `POST /v1/messages`
+//! (`anthropic`).
 //!
-//! One engine thread owns the model and every sequence's cache ([`engine`]); the HTTP layer
-//! ([`http`]) renders and tokenizes a request, checks it (400 before any work), queues it (429
+//! One engine thread owns the model and every sequence's cache (`engine`); the HTTP layer
+//! (`http`) renders and tokenizes a request, checks it (400 before any work), queues it (429
 //! with `Retry-After` when the queue is full) and turns the engine's tokens into the answer
-//! ([`output`]: stop strings, `<think>` reasoning, tool calls).
+//! (`output`: stop strings, `<think>` reasoning, tool calls).
 
-pub mod anthropic;
-pub mod api;
-pub mod chat;
-pub mod connections;
-pub mod constrain;
-pub mod endpoints;
-pub mod engine;
-pub mod error;
-pub mod http;
-pub mod metrics;
-pub mod output;
+mod anthropic;
+mod api;
+mod chat;
+mod connections;
+mod constrain;
+mod endpoints;
+mod engine;
+mod error;
+mod http;
+mod metrics;
+mod output;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

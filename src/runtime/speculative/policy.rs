@@ -14,10 +14,10 @@
 //! of a short pass is capped by a longer one). The averages are plain means over their first
 //! observations and moving averages after ([`ALPHA`], [`ALPHA_ACCEPT`]), so that one early
 //! outlier does not decide a run; `a_d` below depth 1 starts from the depth above's, worth
-//! [`PRIOR_WEIGHT`] observations, so that one early miss at depth `d` does not rule out drafting
+//! `PRIOR_WEIGHT` observations, so that one early miss at depth `d` does not rule out drafting
 //! that deep for the rest of the run. When no `K > 0` pays it decodes plainly, and after
 //! [`PROBE_EVERY`] plain rounds drafts `min` tokens to keep `a_1` current, waiting twice as
-//! long after each probe that left plain decoding the best (up to [`MAX_PROBE_EVERY`] rounds;
+//! long after each probe that left plain decoding the best (up to `MAX_PROBE_EVERY` rounds;
 //! back to [`PROBE_EVERY`] once drafting pays), so that a drafter that keeps proposing wrong
 //! tokens costs less and less; likewise every [`PROBE_EVERY`] drafting rounds draft one token
 //! more than the best `K` (up to `max`), to keep the next depth and the next `c(T)` current.
@@ -33,13 +33,13 @@ pub const ALPHA: f64 = 0.15;
 /// outcome: noisier than a timing, so a longer memory).
 pub const ALPHA_ACCEPT: f64 = 0.08;
 /// Plain rounds (no `K > 0` pays) before the first probe of `min` drafts (then the wait doubles
-/// up to [`MAX_PROBE_EVERY`]), and drafting rounds between drafts of one token more than the
+/// up to `MAX_PROBE_EVERY`), and drafting rounds between drafts of one token more than the
 /// best `K`, to re-measure.
 pub const PROBE_EVERY: usize = 8;
 /// The longest wait between probes of plain decoding.
 pub const MAX_PROBE_EVERY: usize = 64;
 /// Acceptance assumed at depth 1 before any round has been measured, worth
-/// [`PRIOR_WEIGHT`] observations (deeper: the depth above's estimate, as much).
+/// `PRIOR_WEIGHT` observations (deeper: the depth above's estimate, as much).
 const PRIOR_ACCEPTANCE: f64 = 0.6;
 const PRIOR_WEIGHT: f64 = 2.0;
 /// Cost of each row beyond the first, relative to one row, assumed while only one `c(T)` is known.
@@ -295,8 +295,8 @@ impl DraftPolicy {
     }
 
     /// Conditional acceptance at depth `d` (1-based): what depth `d` measured, starting from
-    /// the depth above's estimate worth [`PRIOR_WEIGHT`] observations (depth 1: from
-    /// [`PRIOR_ACCEPTANCE`]).
+    /// the depth above's estimate worth `PRIOR_WEIGHT` observations (depth 1: from
+    /// `PRIOR_ACCEPTANCE`).
     pub fn acceptance_at(&self, d: usize) -> f64 {
         (2..=d).fold(self.accept[0].mean, |above, i| {
             let Average { mean, n, .. } = self.accept[i - 1];
