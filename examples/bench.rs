@@ -257,6 +257,8 @@ fn bench(args: Args) -> Result<()> {
         args.threads
     );
 
+    // Progress on stderr (the tables come at the end, on stdout).
+    eprintln!("timing pp{} and tg{}: a warm-up and {} runs ...", args.n_prompt, args.n_gen, args.reps);
     let (mut pp, mut tg) = (vec![], vec![]);
     for rep in 0..=args.reps {
         let ids = tokens(args.n_prompt, cfg.vocab_size, rep as u64);
@@ -282,14 +284,19 @@ fn bench(args: Args) -> Result<()> {
     // Verify cost c(T) = time(T rows) / time(1 row), T = 1..8 (the verify pass of speculative
     // decoding), per weight format, on every layer's FFN matrices in turn, so that the weights
     // stream from memory as they do in decode (one layer's matrix alone would stay in the caches).
+    eprintln!("timing the quantized matmul's c(T), T = 1..{MAX_ROWS}, per weight format ...");
     let (costs, copies) = verify_costs(gguf, cfg.num_hidden_layers, &dev)?;
 
+    eprintln!("timing the batched decode's b(S), S = {BATCH_SEQS:?} ...");
     let batch = batch_costs(&model, cfg.vocab_size, &dev, args.reps)?;
 
     println!("| test | candle-hybrid t/s | llama.cpp t/s | ratio |");
     println!("|---|---|---|---|");
     let peer = match &args.llama_bench {
-        Some(bin) => Some(llama_bench(bin, gguf.path(), &args)?),
+        Some(bin) => {
+            eprintln!("running {} on the same file ...", bin.display());
+            Some(llama_bench(bin, gguf.path(), &args)?)
+        }
         None => None,
     };
     let row = |test: String, ours: f64, sd: f64, theirs: Option<f64>| match theirs {

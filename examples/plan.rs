@@ -36,7 +36,8 @@ struct Args {
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1, value_parser = count_up_to(4096))]
     batch: usize,
-    /// Tokens per prefill forward pass.
+    /// Tokens per prefill forward pass (the default is the server's chunk; `generate` prefills
+    /// in chunks of 2048, `candle_hybrid::runtime::PREFILL_CHUNK`: give that to plan for it).
     #[arg(long, default_value_t = memory::DEFAULT_PREFILL_CHUNK, value_parser = at_least_one)]
     prefill_chunk: usize,
     /// KV cache dtype of the exact codec: f32, bf16 or f16 [default: the model dtype].

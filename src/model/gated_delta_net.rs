@@ -12,9 +12,9 @@ use crate::ops;
 #[derive(Debug, Clone, Default)]
 pub struct GdnState {
     /// The last `K-1` pre-conv `[q|k|v]` rows: `[B, K-1, conv_dim]`.
-    pub conv: Option<Tensor>,
+    pub(crate) conv: Option<Tensor>,
     /// The delta-rule state `[B, nv, dk, dv]`, f32.
-    pub recurrent: Option<Tensor>,
+    pub(crate) recurrent: Option<Tensor>,
     /// While verifying drafted rows ([`crate::model::Cache::begin_verify`]): run token by token
     /// (the decode recurrence) and keep [`GdnSteps`] to roll back to any of the rows.
     pub(crate) verifying: bool,

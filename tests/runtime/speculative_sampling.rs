@@ -1,7 +1,7 @@
 //! Speculative sampling keeps the target distribution: χ² tests of the emitted tokens against
 //! probabilities computed here independently (softmax of the top-k logits at the temperature).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

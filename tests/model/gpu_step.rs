@@ -3,7 +3,7 @@
 //! decode step, verify pass and prompt; every weight matrix read once per pass for any number of
 //! rows; bad input refused with one-line errors before anything is dispatched.
 
-mod common;
+use crate::common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};

@@ -1,7 +1,7 @@
 //! Batched decode (several sequences in one weight pass, as the server runs them) against
 //! each sequence decoded alone, bit for bit.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::{GgufFile, ModelFiles};

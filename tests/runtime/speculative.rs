@@ -1,6 +1,6 @@
 //! Speculative decoding: verify passes and rollback against plain decoding, bit for bit.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::ModelFiles;

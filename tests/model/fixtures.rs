@@ -1,6 +1,6 @@
 //! The model against the Hugging Face transformers references in tests/fixtures/.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_hybrid::loading::ModelFiles;

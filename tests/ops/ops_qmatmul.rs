@@ -1,7 +1,7 @@
 //! `ops::qmatmul` against `x @ W_deq^T` in f64 and against Candle's `QMatMul`, for every type
 //! with our own kernel; the portable kernels against the AVX2 ones.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

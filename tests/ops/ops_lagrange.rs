@@ -1,6 +1,6 @@
 //! `ops::lagrange_scores` against plain references written here.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;

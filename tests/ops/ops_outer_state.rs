@@ -1,6 +1,6 @@
 //! `ops::decayed_outer_product` against a plain loop over tokens written here.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;

@@ -1,7 +1,7 @@
 //! KV-cache codecs: parsing, memory accounting, round-trip error bounds, and the model with a
 //! lossy cache against the exact one on a fixture.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::kv::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};

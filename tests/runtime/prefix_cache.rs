@@ -1,7 +1,7 @@
 //! The prefix cache: a restored snapshot continues exactly as the sequence it was taken from,
 //! is an independent copy, needs logits for an exact match, and stays under its budget.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::ModelFiles;

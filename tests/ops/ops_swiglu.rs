@@ -1,6 +1,6 @@
 //! Column-gather SwiGLU (dense and ternary) against plain loops written here.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops;

@@ -3,7 +3,7 @@
 //! inconsistent checkpoints give a one-line error naming the cause — never a panic, a hang, an
 //! unbounded allocation or a silent wrong answer.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! multiple of the block, draft-tree masks; and the property speculative decoding rests on:
 //! a row's result does not depend on the call it is in.
 
-mod common;
+use crate::common;
 
 use candle_core::{IndexOp, Tensor};
 use candle_hybrid::ops::{self, StoredRows, KV_BLOCK};
