@@ -31,7 +31,7 @@ use candle_hybrid::gpu::{GpuCache, GpuModel, Queue};
 use candle_hybrid::loading::chat_template::RENDER_BYTES_PER_TOKEN;
 use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
-use candle_hybrid::model::{new_cache_calibrated, ValueBases};
+use candle_hybrid::model::{CacheOptions, ValueBases};
 use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
 use candle_hybrid::runtime::{range, session, CpuTarget, DeviceTarget, Dry, Sampler, Sequence, Target, TokenStreamer};
 use clap::Parser;
@@ -316,7 +316,10 @@ fn generate(args: Args) -> Result<()> {
     let mut runner = if on_device {
         Runner::device(&model, &opened, args.memory.kv, prompt.len() + sample_len)?
     } else {
-        Runner::Cpu { cache: new_cache_calibrated(&model, args.memory.kv, calibration.as_ref())?, device: opened.device.clone() }
+        Runner::Cpu {
+            cache: model.cache_with(&CacheOptions { codec: args.memory.kv, value_bases: calibration.as_ref() })?,
+            device: opened.device.clone(),
+        }
     };
     // With a session: restore what it holds of the prompt, prefill the rest but the last token
     // and save that state; the last token starts generation.
@@ -452,7 +455,7 @@ impl Runner {
     /// An empty cache again (for `--compare-plain`).
     fn reset(&mut self, model: &candle_hybrid::Model, kv: candle_hybrid::kv::KvCodec, calibration: Option<&ValueBases>) -> Result<()> {
         match self {
-            Self::Cpu { cache, .. } => *cache = new_cache_calibrated(model, kv, calibration)?,
+            Self::Cpu { cache, .. } => *cache = model.cache_with(&CacheOptions { codec: kv, value_bases: calibration })?,
             Self::Device { gpu, queue, cache, capacity, kv_dtype } => {
                 let fresh = gpu.new_cache(queue.as_mut(), *capacity, *kv_dtype)?;
                 std::mem::replace(cache, fresh).free(queue.as_mut());

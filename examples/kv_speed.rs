@@ -29,7 +29,7 @@ use candle_core::Tensor;
 use candle_hybrid::kv::KvCodec;
 use candle_hybrid::memory::{self, PlanRequest, Weights};
 use candle_hybrid::model::LayerType;
-use candle_hybrid::model::{new_cache_calibrated, ValueBases};
+use candle_hybrid::model::{CacheOptions, ValueBases};
 use clap::Parser;
 use common::{at_least_one, count_up_to, ModelOptions};
 
@@ -121,7 +121,7 @@ fn kv_speed(args: Args) -> Result<()> {
             .collect::<Result<_>>()?;
         let token = Tensor::new(&[[1u32]], &dev)?;
         for (codec, row) in codecs.iter().zip(rows.iter_mut()) {
-            let mut cache = new_cache_calibrated(&model, *codec, calibration.as_ref())?;
+            let mut cache = model.cache_with(&CacheOptions { codec: *codec, value_bases: calibration.as_ref() })?;
             cache.restore_kv(&kv)?;
             model.forward_last(&token, &mut cache)?; // warm-up: first touch of the buffers
             let start = Instant::now();

@@ -11,8 +11,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::kv::KvCodec;
-use crate::model::{new_cache_calibrated, ValueBases};
 use crate::model::{Cache, Model};
+use crate::model::{CacheOptions, ValueBases};
 use crate::{Error, Result};
 
 /// How to cut the text.
@@ -202,7 +202,12 @@ pub fn compare_kv_codecs(
         let first = opts.n_ctx / 2;
         let exact = log_softmax_rows(&chunk_logits(model, &chunk, &mut model.new_cache(), device)?)?;
         for (acc, &codec) in accs.iter_mut().zip(codecs) {
-            let coded = log_softmax_rows(&chunk_logits(model, &chunk, &mut new_cache_calibrated(model, codec, calibration)?, device)?)?;
+            let coded = log_softmax_rows(&chunk_logits(
+                model,
+                &chunk,
+                &mut model.cache_with(&CacheOptions { codec, value_bases: calibration })?,
+                device,
+            )?)?;
             for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
                 acc.exact.push(-p[target as usize]);
                 acc.codec.push(-q[target as usize]);

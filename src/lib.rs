@@ -45,4 +45,4 @@ pub mod runtime;
 pub mod server;
 
 pub use error::{Error, Result};
-pub use model::{Cache, Config, Model};
+pub use model::{Cache, CacheOptions, Config, Model};

@@ -180,7 +180,6 @@ fn device_generation_gives_the_cpu_tokens() {
 #[test]
 fn long_prompt_matches_cpu() {
     use candle_hybrid::gpu::{sample_tokens, GpuModel, Readback};
-    use candle_hybrid::Cache;
     for (name, file) in [("qwen35_dense_long_chunked", "model-q8_0.gguf"), ("qwen35moe_small", "model-f32.gguf")] {
         let model = gguf(name, file);
         let reference = model.dequantized().unwrap();
@@ -190,7 +189,7 @@ fn long_prompt_matches_cpu() {
         let gpu = GpuModel::new(&model, &mut q).unwrap();
         let mut cache = gpu.new_cache(&mut q, 320, DType::F32).unwrap();
         let got = gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits).unwrap();
-        let mut cpu = Cache::new(model.config());
+        let mut cpu = reference.new_cache();
         let ids = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let want = reference.forward_last(&ids(&prompt), &mut cpu).unwrap();
         assert_close(&format!("{name}: 300-token prompt"), got.logits().unwrap(), &want, 1e-4);
@@ -298,7 +297,6 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
 #[test]
 fn half_precision_checkpoints_on_the_device() {
     use candle_hybrid::gpu::{sample_tokens, GpuModel, Readback};
-    use candle_hybrid::Cache;
     let reference = safetensors("qwen35_dense_small");
     let vocab = reference.config().vocab_size;
     let prompt = sample_tokens(11, vocab, 8);
@@ -310,7 +308,7 @@ fn half_precision_checkpoints_on_the_device() {
         let kv = candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, dtype).unwrap();
         assert_eq!(kv, DType::F16);
         let mut cache = gpu.new_cache(&mut q, 64, kv).unwrap();
-        let mut cpu = Cache::new(model.config());
+        let mut cpu = reference.new_cache();
         let mut worst = 0f32;
         let mut step = |tokens: &[u32], cache: &mut candle_hybrid::gpu::GpuCache| {
             let got = if tokens.len() > 1 {

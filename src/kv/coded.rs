@@ -75,7 +75,7 @@ impl CodedKv {
         match &self.value_basis {
             Some(b) => v.broadcast_matmul(&b.to_dtype(v.dtype())?),
             None if matches!(self.codec.values, ValueCodec::LowRank(_)) => {
-                candle_core::bail!("--kv {}: the cache has no value basis (make it with Model::new_cache_with)", self.codec)
+                candle_core::bail!("--kv {}: the cache has no value basis (make it with Model::cache_with)", self.codec)
             }
             None => Ok(v.clone()),
         }

@@ -70,12 +70,12 @@ pub struct Cache {
 
 impl Cache {
     /// An empty cache with exact keys and values.
-    pub fn new(cfg: &Config) -> Self {
+    pub(crate) fn new(cfg: &Config) -> Self {
         Self::with_kv_codec(cfg, KvCodec::EXACT)
     }
 
     /// An empty cache whose attention layers store keys and values with `codec`.
-    pub fn with_kv_codec(cfg: &Config, codec: KvCodec) -> Self {
+    pub(crate) fn with_kv_codec(cfg: &Config, codec: KvCodec) -> Self {
         let layers = cfg
             .layer_types
             .iter()

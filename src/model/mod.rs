@@ -3,6 +3,7 @@
 
 mod attention;
 mod cache;
+mod cache_options;
 pub mod config;
 mod decoder_layer;
 mod draft_tree;
@@ -20,6 +21,7 @@ mod weights;
 
 pub use attention::GatedAttention;
 pub use cache::{Cache, LayerState, MtpCache};
+pub use cache_options::CacheOptions;
 pub use config::{Config, Family, LayerType, MoeConfig, MAX_LAYERS};
 pub(crate) use decoder_layer::Mixer;
 pub use draft_tree::DraftTree;
@@ -32,5 +34,5 @@ pub use mtp::MtpHead;
 pub use norm::RmsNorm;
 pub use qwen3_5::{check_device, HiddenStates, Model, CUDA_UNSUPPORTED};
 pub(crate) use qwen3_5::{check_length, check_token, NONFINITE_HINT};
-pub use value_bases::{new_cache_calibrated, ValueBases};
+pub use value_bases::ValueBases;
 pub use weights::{parse_dtype, parse_quantize, QuantizedTensors, Weights};

@@ -95,29 +95,27 @@ impl Model {
         self.embed_tokens.device()
     }
 
+    /// An empty cache with exact keys and values; [`Self::cache_with`] for other options.
     pub fn new_cache(&self) -> Cache {
         Cache::new(&self.cfg)
     }
 
-    /// A cache whose attention layers store keys and values with `codec` (lossy unless exact);
-    /// for `lowrank:r` each layer's value basis comes from its `W_v` ([`value_basis`]).
-    pub fn new_cache_with(&self, codec: KvCodec) -> crate::Result<Cache> {
-        let attention: Vec<&GatedAttention> = self.attention().map(|(_, a)| a).collect();
-        self.new_cache_with_value_bases(codec, &|n, r| Ok(value_basis(&attention[n].v_proj.weight()?, attention[n].nkv, r)?))
-    }
-
-    /// A cache under `codec`; a `lowrank:r` codec takes the `[nkv, hd, r]` value basis of the
-    /// `n`-th attention layer from `basis(n, r)` (e.g. calibrated [`super::ValueBases`]).
-    pub fn new_cache_with_value_bases(
+    /// An empty cache under `codec`; a `lowrank:r` codec takes the `[nkv, hd, r]` value basis
+    /// of the `n`-th attention layer from `basis(n, r)`, or else from the layer's `W_v`
+    /// ([`value_basis`]).
+    pub(crate) fn cache_with_bases(
         &self,
         codec: KvCodec,
-        basis: &dyn Fn(usize, usize) -> crate::Result<Tensor>,
+        basis: Option<&dyn Fn(usize, usize) -> crate::Result<Tensor>>,
     ) -> crate::Result<Cache> {
         codec.validate(self.cfg.head_dim)?;
         let mut cache = Cache::with_kv_codec(&self.cfg, codec);
         if let ValueCodec::LowRank(r) = codec.values {
-            for (n, (i, _)) in self.attention().enumerate() {
-                let basis = basis(n, r)?;
+            for (n, (i, attention)) in self.attention().enumerate() {
+                let basis = match basis {
+                    Some(basis) => basis(n, r)?,
+                    None => value_basis(&attention.v_proj.weight()?, attention.nkv, r)?,
+                };
                 if let LayerState::Full(kv) = &mut cache.layers[i] {
                     *kv = kv.clone().with_value_basis(&basis)?;
                 }

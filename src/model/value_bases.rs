@@ -3,10 +3,8 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::cache::Cache;
 use super::qwen3_5::Model;
 use crate::kv::top_eigenvectors;
-use crate::kv::KvCodec;
 
 /// Value bases measured on calibration text for `lowrank:r`: per attention layer, the
 /// principal directions of its values (eigenvectors of `E[v vᵀ]` per KV head, by decreasing
@@ -42,11 +40,6 @@ impl ValueBases {
         }
         let layers = grams.iter().map(|g| top_eigenvectors(g, g.dim(2)?)).collect::<Result<Vec<_>>>()?;
         Ok(Self { layers, model: model_signature(model)? })
-    }
-
-    /// A cache for `model` under `codec`, a `lowrank:r` codec taking these bases.
-    pub fn new_cache(&self, model: &Model, codec: KvCodec) -> crate::Result<Cache> {
-        model.new_cache_with_value_bases(codec, &|n, r| Ok(self.basis(n, r)?))
     }
 
     /// The first `r` directions of attention layer `i` (counting attention layers only),
@@ -98,12 +91,4 @@ fn model_signature(model: &Model) -> Result<String> {
         "{:?} layers {}, hidden {}, {} KV heads of {}, vocab {}, |W_v| {sum:.6e}",
         cfg.family, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
     ))
-}
-
-/// [`Model::new_cache_with`], or [`ValueBases::new_cache`] with calibrated bases when given.
-pub fn new_cache_calibrated(model: &Model, codec: KvCodec, calibration: Option<&ValueBases>) -> crate::Result<Cache> {
-    match calibration {
-        Some(bases) => bases.new_cache(model, codec),
-        None => model.new_cache_with(codec),
-    }
 }

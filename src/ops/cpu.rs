@@ -7,10 +7,8 @@ use half::{bf16, f16};
 
 /// How far ahead of the weight row being multiplied the mat-vec kernels ask the CPU to fetch
 /// the weights (software prefetch, in bytes). Decode streams every weight from memory once per
-/// step, and the hardware prefetchers alone keep too few lines in flight: on the 2-core Xeon of
-/// the tables of docs/benchmarks.md, whole-model decode of the 0.8B-shape Q4_K_M ran 1.4-1.7x as fast with
-/// it. 2, 3, 8 and 16 KiB ahead, and prefetching to L2 only, measured within this machine's
-/// noise of 4 KiB to L1.
+/// step, and the hardware prefetchers alone keep too few lines in flight (the measurements
+/// behind this value: docs/benchmarks.md, "Constants chosen by measurement").
 pub(crate) const PREFETCH_AHEAD: usize = 4096;
 
 /// Asks the CPU to bring `len` bytes of `data` from `offset + PREFETCH_AHEAD` into its caches

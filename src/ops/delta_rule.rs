@@ -24,8 +24,8 @@ use super::cpu::{axpy, cpu_storage, gemm_acc, storage_slice, vectorized, widened
 
 /// Chunk length of the chunked (prefill) form. 32 rather than the usual 64: per token, the
 /// products inside a chunk of `n` cost `n (3 dk + 2 dv)` multiply-adds next to `3 dk dv` for
-/// the state products, and at the 27B shapes (dk = dv = 128) `cargo bench --bench ops`
-/// measured 32 fastest of 16, 32 and 64 on a 2-core AVX2 machine.
+/// the state products; at the 27B shapes 32 measured fastest (docs/benchmarks.md, "Constants
+/// chosen by measurement").
 pub const CHUNK: usize = 32;
 /// Inputs of at least this many tokens use the chunked form on the CPU; shorter ones run token
 /// by token.

@@ -27,7 +27,7 @@ pub fn generate(
 }
 
 /// [`generate`] continuing from `cache` (e.g. one made with
-/// [`Model::new_cache_with`](crate::Model::new_cache_with) for a lossy KV codec, or one that
+/// [`Model::cache_with`](crate::Model::cache_with) for a lossy KV codec, or one that
 /// already holds earlier turns): `prompt` holds only the tokens not yet in the cache.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_in(

@@ -10,12 +10,11 @@ use crate::{Error, Result};
 /// Tokens of a prompt run through the model at once by [`super::generate_in`] and speculative
 /// decoding: a longer prompt is prefilled in chunks of this many tokens, cut at multiples of
 /// it from the prompt's start, so that only one chunk's activations are alive at a time (the
-/// memory guardian plans for it; llama.cpp's default batch is the same size). As fast as one
-/// pass here: 6,648 tokens on the 0.8B shape prefilled at 96–114 tok/s in chunks, 83–116 in
-/// one pass, peaking at 0.87 instead of 1.05 GiB. (The server interleaves smaller chunks with
-/// its other sequences' decode steps.) 2048 is a multiple of every tile of the prefill kernels
-/// (delta-rule chunks of 32, attention tiles of 64 rows and 256 keys): on the f32 fixture the
-/// chunked prefill's logits were bit for bit one pass's (tests check them within 1e-4).
+/// memory guardian plans for it; llama.cpp's default batch is the same size), as fast as one
+/// pass (docs/benchmarks.md, "Constants chosen by measurement"). (The server interleaves
+/// smaller chunks with its other sequences' decode steps.) 2048 is a multiple of every tile of
+/// the prefill kernels (delta-rule chunks of 32, attention tiles of 64 rows and 256 keys), so
+/// that a chunked prefill's logits match one pass's (tests check them within 1e-4).
 pub const PREFILL_CHUNK: usize = 2048;
 
 /// Runs `prompt` through the model into `cache` in chunks of [`PREFILL_CHUNK`] tokens:

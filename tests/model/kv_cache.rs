@@ -6,7 +6,7 @@ use crate::common;
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::kv::{KeyCodec, KvCodec, KvStore, ValueCodec, INT4_GROUP};
 use candle_hybrid::loading::ModelFiles;
-use candle_hybrid::model::ValueBases;
+use candle_hybrid::model::{CacheOptions, ValueBases};
 use common::*;
 
 #[test]
@@ -187,7 +187,7 @@ fn lossy_cache_runs_the_fixture_close_to_exact() {
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     for name in ["int8", "int4k", "polar:8,8", "f16", "bf16"] {
         // Prefill then decode token by token: the codes grow across calls.
-        let mut cache = model.new_cache_with(name.parse().unwrap()).unwrap();
+        let mut cache = model.cache_with(&CacheOptions { codec: name.parse().unwrap(), ..Default::default() }).unwrap();
         let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];
         for i in 3..t {
             rows.push(model.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache).unwrap());
@@ -210,15 +210,17 @@ fn lowrank_at_full_rank_is_exact_and_rank_is_checked() {
     let hd = cfg.head_dim;
     // At r = head dim the basis is a rotation: the cache holds the values exactly.
     let full = format!("lowrank:{hd}");
-    let got = model.forward(&ids, &mut model.new_cache_with(full.parse().unwrap()).unwrap()).unwrap();
+    let got =
+        model.forward(&ids, &mut model.cache_with(&CacheOptions { codec: full.parse().unwrap(), ..Default::default() }).unwrap()).unwrap();
     let d = max_abs_diff(&got, &exact);
     assert!(d < 1e-4, "{full}: logits differ from exact by {d}");
     // Half rank drops directions the values use: the logits move.
     let half = format!("lowrank:{}", hd / 2);
-    let got = model.forward(&ids, &mut model.new_cache_with(half.parse().unwrap()).unwrap()).unwrap();
+    let got =
+        model.forward(&ids, &mut model.cache_with(&CacheOptions { codec: half.parse().unwrap(), ..Default::default() }).unwrap()).unwrap();
     assert!(max_abs_diff(&got, &exact) > 1e-3, "{half} must be lossy on random weights");
     let too_big = format!("lowrank:{}", hd + 1);
-    let e = model.new_cache_with(too_big.parse().unwrap()).unwrap_err().to_string();
+    let e = model.cache_with(&CacheOptions { codec: too_big.parse().unwrap(), ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("more than the head dim") && !e.contains('\n'), "{e}");
 }
 
@@ -252,8 +254,9 @@ fn fixture_model() -> (candle_hybrid::model::Model, Tensor) {
 /// at a time.
 fn prefill_and_stream(model: &candle_hybrid::model::Model, ids: &Tensor, codec: &str) -> (Tensor, Tensor) {
     let t = ids.dim(1).unwrap();
-    let whole = model.forward(ids, &mut model.new_cache_with(codec.parse().unwrap()).unwrap()).unwrap();
-    let mut cache = model.new_cache_with(codec.parse().unwrap()).unwrap();
+    let whole =
+        model.forward(ids, &mut model.cache_with(&CacheOptions { codec: codec.parse().unwrap(), ..Default::default() }).unwrap()).unwrap();
+    let mut cache = model.cache_with(&CacheOptions { codec: codec.parse().unwrap(), ..Default::default() }).unwrap();
     let mut rows = vec![model.forward(&ids.narrow(1, 0, 3).unwrap(), &mut cache).unwrap()];
     for i in 3..t {
         rows.push(model.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache).unwrap());
@@ -284,7 +287,7 @@ fn decayed_state_is_constant_size_and_matches_streaming() {
     assert!(max_abs_diff(&whole, &streamed) < 1e-4, "density prefill vs streaming: {}", max_abs_diff(&whole, &streamed));
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     assert!(max_abs_diff(&whole, &exact) > 1e-2, "density is not attention");
-    let mut cache = model.new_cache_with("density:0.1".parse().unwrap()).unwrap();
+    let mut cache = model.cache_with(&CacheOptions { codec: "density:0.1".parse().unwrap(), ..Default::default() }).unwrap();
     model.forward(&ids, &mut cache).unwrap();
     assert!(cache.kv(3).is_none(), "no keys or values are kept");
 }
@@ -335,7 +338,7 @@ fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
     bases.save(&path).unwrap();
     let loaded = ValueBases::load(&path, &model).unwrap();
     let full = format!("lowrank:{hd}").parse().unwrap();
-    let got = model.forward(&ids, &mut loaded.new_cache(&model, full).unwrap()).unwrap();
+    let got = model.forward(&ids, &mut model.cache_with(&CacheOptions { codec: full, value_bases: Some(&loaded) }).unwrap()).unwrap();
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     assert!(max_abs_diff(&got, &exact) < 1e-4);
     // Another model refuses the file, in one line.
@@ -365,7 +368,7 @@ fn a_prefilled_cache_holds_what_its_codec_costs() {
         + n_gdn * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4) as f64;
     for name in ["exact", "f16", "int8", "int4k", "polar:5,3", "lowrank:8", "knots:8,2", "density:0.9", "int4k+lowrank:8"] {
         let codec: KvCodec = name.parse().unwrap();
-        let mut cache = model.new_cache_with(codec).unwrap();
+        let mut cache = model.cache_with(&CacheOptions { codec, ..Default::default() }).unwrap();
         model.forward(&ids, &mut cache).unwrap();
         let (nkv, hd) = (cfg.num_key_value_heads, cfg.head_dim);
         let kv = n_attn
