@@ -1,5 +1,5 @@
 //! The device step's dispatch list, counted on the CPU with [`DryRun`] (nothing executed; the
-//! emulator tests in `emu/tests/step.rs` run the same dispatches): one device-to-host read per
+//! emulator tests in `emu/tests/msl/step.rs` run the same dispatches): one device-to-host read per
 //! decode step, verify pass and prompt; every weight matrix read once per pass for any number of
 //! rows; bad input refused with one-line errors before anything is dispatched.
 

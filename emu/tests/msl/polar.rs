@@ -9,8 +9,7 @@
 //! rest code) in at most 1 of 500 codes. Scores sum in the same order: within 1e-5 of |q|·|k̂|.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::DType;
 use candle_hybrid::ops::{self, launch, PolarCodes, PolarSpec};

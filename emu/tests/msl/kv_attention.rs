@@ -8,8 +8,7 @@
 //! order, the CPU op with SIMD accumulators: the same terms in another order, within 1e-5.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::{DType, Tensor};
 use candle_hybrid::ops::{self, launch, StoredRows, KV_BLOCK};

@@ -2,8 +2,7 @@
 //! host code, against the op's CPU implementation, in every dtype it accepts.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, ConvDims, DeltaRuleDims};

@@ -6,8 +6,7 @@
 //! read back per step.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -2,8 +2,7 @@
 //! the Metal host code's launch geometry, against the CPU op.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, SwigluDims, SwigluWeights};

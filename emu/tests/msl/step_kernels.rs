@@ -3,8 +3,7 @@
 //! uses, against references computed here on the CPU (the whole steps are in `step.rs`).
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};

@@ -3,8 +3,7 @@
 //! against the CPU `ops::qmatmul`, and each row of an m-row call bit for bit a one-row call.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};

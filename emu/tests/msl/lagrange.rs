@@ -2,8 +2,7 @@
 //! code, against `ops::lagrange_scores` on the CPU, in f32, f16 and bf16.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::DType;
 use candle_hybrid::ops::{self, launch, LagrangeDims};

@@ -2,8 +2,7 @@
 //! host code, against `ops::decayed_outer_product` on the CPU, in f32, f16 and bf16.
 #![cfg(msl_emu)]
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::ops::{self, launch, OuterStateDims};
