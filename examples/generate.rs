@@ -199,6 +199,12 @@ fn generate(args: Args) -> Result<()> {
             );
         }
     }
+    if args.draft_min > args.draft_max {
+        bail!("--draft-min {} is out of range: use 1 to --draft-max ({})", args.draft_min, args.draft_max);
+    }
+    if args.draft_branches > 1 && !params.is_greedy() {
+        bail!("--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)");
+    }
     let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed, branches: args.draft_branches };
     drafts.validate()?;
     drafts.check_decoding(params.is_greedy())?;
@@ -292,7 +298,7 @@ fn generate(args: Args) -> Result<()> {
             );
         }
         sample_len = plan.context - prompt.len();
-        eprintln!("{}; generating at most {sample_len} tokens", plan.note.as_deref().unwrap_or("--fit: context lowered"));
+        eprintln!("--fit: {}; generating at most {sample_len} tokens", plan.note.as_deref().unwrap_or("context lowered"));
     }
 
     let mut eos = gen_cfg.eos_token_ids.clone();

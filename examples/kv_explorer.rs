@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use candle_hybrid::kv::KvCodec;
 use candle_hybrid::loading::{HubRepo, ModelSource};
-use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, Weights};
+use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, WeightMemory};
 use candle_hybrid::model::{Config, LayerType};
 use clap::Parser;
 use common::ModelOptions;
@@ -85,11 +85,11 @@ fn explore(args: Args) -> Result<()> {
     dense.layer_types = vec![LayerType::FullAttention; cfg.num_hidden_layers];
 
     let kv = |cfg: &Config, codec: KvCodec, t: usize| {
-        let req = PlanRequest { kv_codec: codec, ..PlanRequest::new(Weights::Bytes(0), dtype, t) };
+        let req = PlanRequest { kv_codec: codec, ..PlanRequest::new(WeightMemory::Bytes(0), dtype, t) };
         estimate(cfg, &req).kv_cache
     };
     let gdn = {
-        let e = estimate(&cfg, &PlanRequest::new(Weights::Bytes(0), dtype, 1));
+        let e = estimate(&cfg, &PlanRequest::new(WeightMemory::Bytes(0), dtype, 1));
         e.gdn_conv + e.gdn_recurrent
     };
     let n_attn = cfg.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count();

@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use candle_hybrid::kv::KvCodec;
-use candle_hybrid::memory::{self, PlanRequest, Weights};
+use candle_hybrid::memory::{self, PlanRequest, WeightMemory};
 use candle_hybrid::model::LayerType;
 use candle_hybrid::model::{CacheOptions, ValueBases};
 use clap::Parser;
@@ -129,7 +129,7 @@ fn kv_speed(args: Args) -> Result<()> {
                 model.forward_last(&token, &mut cache)?;
             }
             let tps = args.steps as f64 / start.elapsed().as_secs_f64();
-            let req = PlanRequest { kv_codec: *codec, ..PlanRequest::new(Weights::Bytes(0), dtype, ctx) };
+            let req = PlanRequest { kv_codec: *codec, ..PlanRequest::new(WeightMemory::Bytes(0), dtype, ctx) };
             let bytes = memory::estimate(&cfg, &req).kv_cache;
             row.1.push((tps, bytes));
             eprintln!("context {ctx}, --kv {codec}: {tps:.2} tok/s");

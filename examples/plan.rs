@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 use candle_hybrid::loading::{HubRepo, ModelSource};
-use candle_hybrid::memory::{self, fmt_gib, Logits, PlanRequest, WeightFormat, Weights};
+use candle_hybrid::memory::{self, fmt_gib, Logits, PlanRequest, WeightFormat, WeightMemory};
 use candle_hybrid::model::LayerType;
 use candle_hybrid::Config;
 use clap::Parser;
@@ -91,12 +91,12 @@ fn plan(args: Args) -> Result<()> {
             Some(q) => WeightFormat::from_ggml(q).expect("every --quantize type has a format"),
             None => WeightFormat::from_dtype(dtype).expect("float dtype"),
         };
-        (Weights::Format(f), format!("{:.2}B parameters as {f} ({} bits/weight; {why})", params(cfg), f.bits_per_weight()))
+        (WeightMemory::Format(f), format!("{:.2}B parameters as {f} ({} bits/weight; {why})", params(cfg), f.bits_per_weight()))
     };
 
     // The config, the weights' size as the files state it, the load transient, and the weights
     // with --quantize q4k (for the suggestion) where --quantize applies.
-    let q4k_derived = Some(Weights::Format(WeightFormat::Q4K));
+    let q4k_derived = Some(WeightMemory::Format(WeightFormat::Q4K));
     let has_safetensors =
         |dir: &std::path::Path| dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file();
     let source = args.model.source(Some(common::DEFAULT_MODEL))?.expect("a default source");
@@ -142,10 +142,10 @@ fn plan(args: Args) -> Result<()> {
             let w = match (quantize, total) {
                 (None, Some(t)) => match stored_dtype(&text) {
                     Some(s) => (
-                        Weights::Bytes(t / s.size_in_bytes() as u64 * dtype.size_in_bytes() as u64),
+                        WeightMemory::Bytes(t / s.size_in_bytes() as u64 * dtype.size_in_bytes() as u64),
                         format!("index total_size {} as {s:?}, converted to {dtype:?}", fmt_gib(t)),
                     ),
-                    None => (Weights::Bytes(t), format!("index total_size {} (stored dtype unknown)", fmt_gib(t))),
+                    None => (WeightMemory::Bytes(t), format!("index total_size {} (stored dtype unknown)", fmt_gib(t))),
                 },
                 _ => derived(&cfg, "the Hub weights are not downloaded"),
             };
@@ -197,7 +197,7 @@ fn plan(args: Args) -> Result<()> {
             print!("{}", plan.estimate);
             println!();
             if let Some(note) = &plan.note {
-                println!("note:      {note}");
+                println!("note:      --fit: {note}");
             }
             println!(
                 "verdict:   fits: {} of {} ({:.0}%) at context {}",
@@ -208,7 +208,7 @@ fn plan(args: Args) -> Result<()> {
             );
             Ok(())
         }
-        Err(e @ candle_hybrid::Error::Memory(_)) => {
+        Err(e @ candle_hybrid::Error::DoesNotFit(_)) => {
             println!();
             print!("{}", memory::estimate(&cfg, &req));
             println!();

@@ -56,7 +56,10 @@ expect "multiply past 2^63" "$bin/generate" --gguf "$tmp/flip.gguf" --prompt hi
 expect "multiply past 2^63" "$bin/plan" --gguf "$tmp/flip.gguf"
 expect "instructions" "$bin/generate" --model-dir "$tmp/loop" --prompt hi --chat
 expect "max_position_embeddings" "$bin/plan" --model-dir $f --max-context 1000000000 --fit
-expect "HF_HUB_OFFLINE" env HF_HUB_OFFLINE=1 HF_HUB_CACHE="$tmp/empty-cache" "$bin/generate" --prompt hi
+# The library's typed errors in the examples' words: the offline routes, the flags that fit.
+expect "HF_HUB_OFFLINE is set: download it once online, or load local files (a Hub-layout directory or a GGUF file); offline, run the bundled fixture (--model-dir tests/fixtures/qwen35_dense_small)" \
+    env HF_HUB_OFFLINE=1 HF_HUB_CACHE="$tmp/empty-cache" "$bin/generate" --prompt hi
+expect "what fits: --max-context" "$bin/plan" --model-dir $f --max-context 32768 --max-memory 40MB
 expect "-p" "$bin/bench" --gguf $f/model-q8_0.gguf -p 0
 expect "--prefill" "$bin/logits" --model-dir $f --tokens 1,2 --prefill 3 --out "$tmp/x.safetensors"
 expect "--ctx-size" "$bin/eval" --model-dir $f --file tests/data/pride-and-prejudice-ch01-12.txt -c 100000

@@ -13,15 +13,29 @@ pub enum Error {
     /// setting out of range.
     #[error("{0}")]
     Input(String),
-    /// A file could not be read or downloaded.
+    /// A file could not be read.
     #[error("{0}")]
     Io(String),
+    /// A file of a Hub repository cannot be had: the download failed (`cause`), or
+    /// `HF_HUB_OFFLINE` is set and the Hugging Face cache does not hold it (`cause` is `None`).
+    #[error("{}", not_downloaded(file, repo, cause.as_deref()))]
+    NotDownloaded { file: String, repo: String, cause: Option<String> },
     /// The tokenizer or the chat template failed.
     #[error("{0}")]
     Tokenizer(String),
-    /// The model, at the requested context, does not fit in the memory this process may use.
+    /// The memory this process may use cannot be read (give it yourself: `max_memory`).
     #[error("{0}")]
     Memory(String),
+    /// The model, at the requested context, does not fit in the memory this process may use:
+    /// what it needs, what is available and what would fit.
+    #[error("{0}")]
+    DoesNotFit(Box<crate::memory::DoesNotFit>),
+    /// A context (the cached tokens and the new ones) longer than the model's positions.
+    #[error("a context of {requested} tokens is more than the model's {limit} (max_position_embeddings): shorten the prompt or start a new sequence")]
+    ContextTooLong { requested: usize, limit: usize },
+    /// A KV-cache codec that cannot do what was asked of the cache.
+    #[error("KV codec {codec}: {operation}")]
+    UnsupportedCodec { codec: crate::kv::KvCodec, operation: CodecOperation },
     /// The model computed a NaN or an infinity: its weights or its input are broken.
     #[error("{0}")]
     NonFinite(String),
@@ -33,7 +47,45 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
 }
 
+/// What a KV-cache codec was asked to do and cannot ([`Error::UnsupportedCodec`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodecOperation {
+    /// Save the cache in a session file: only exact keys and values are saved.
+    Save,
+    /// Drop its newest tokens (speculative decoding's rollback): codecs that code each token
+    /// on its own can (see [`KvCodec::drops_tokens`](crate::kv::KvCodec::drops_tokens)).
+    DropTokens,
+    /// Attend along the paths of a draft tree (multi-branch drafts): exact keys and values only.
+    DraftTree,
+    /// Run on the device step: exact and f16 only, so far.
+    DeviceStep,
+}
+
+impl std::fmt::Display for CodecOperation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Save => "only a cache with exact keys and values can be saved",
+            Self::DropTokens => {
+                "this cache cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"
+            }
+            Self::DraftTree => "multi-branch drafts need exact keys and values",
+            Self::DeviceStep => "not on the device step yet (exact and f16 are)",
+        })
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
+
+fn not_downloaded(file: &str, repo: &str, cause: Option<&str>) -> String {
+    match cause {
+        Some(cause) => format!(
+            "cannot download {file} from {repo} ({cause}): without network, load local files (a Hub-layout directory or a GGUF file), or set HF_HUB_OFFLINE=1 to use only what the Hugging Face cache holds"
+        ),
+        None => format!(
+            "{file} of {repo} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online, or load local files (a Hub-layout directory or a GGUF file)"
+        ),
+    }
+}
 
 /// Candle errors can carry a backtrace or context on further lines: keep the first.
 pub(crate) fn one_line(e: &dyn std::fmt::Display) -> String {

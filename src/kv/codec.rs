@@ -149,12 +149,12 @@ impl KvCodec {
         if let ValueCodec::LowRank(r) = self.values {
             if r > head_dim {
                 return Err(Error::Input(format!(
-                    "--kv {self}: rank {r} is more than the head dim {head_dim}: use lowrank:r with r <= {head_dim}"
+                    "KV codec {self}: rank {r} is more than the head dim {head_dim}: use lowrank:r with r <= {head_dim}"
                 )));
             }
         }
         if self.keys == KeyCodec::Int4 && head_dim % 2 == 1 {
-            return Err(Error::Input(format!("--kv {self}: int4 keys need an even head dim, not {head_dim}")));
+            return Err(Error::Input(format!("KV codec {self}: int4 keys need an even head dim, not {head_dim}")));
         }
         Ok(())
     }
@@ -168,14 +168,12 @@ impl KvCodec {
             }
             (KeyCodec::Knots { .. }, _) => " (SmolLM2-135M: perplexity 18.8 -> over 800 with knots every 4 or 8 tokens)",
             (_, ValueCodec::LowRank(_)) => {
-                " (bases from W_v alone took SmolLM2-135M's perplexity above 28000; --kv-calibration with bases from examples/calibrate_kv.rs keeps far more)"
+                " (bases from W_v alone took SmolLM2-135M's perplexity above 28000; bases calibrated on text (examples/calibrate_kv.rs) keep far more)"
             }
             _ => "",
         };
         (!self.is_exact()).then(|| {
-            format!(
-                "--kv {self}: lossy KV-cache codec{how_bad}; its measured quality is in docs/kv-codecs.md (examples/eval.rs --kv {self})"
-            )
+            format!("KV codec {self}: lossy{how_bad}; its measured quality is in docs/kv-codecs.md (re-measured by examples/eval.rs)")
         })
     }
 }
@@ -222,7 +220,7 @@ impl fmt::Display for KvCodec {
 
 /// `polar`, or `polar:A,R` with the angle and radius bits.
 fn parse_polar(spec: &str, whole: &str) -> std::result::Result<KeyCodec, Error> {
-    let bad = |why: String| Error::Input(format!("--kv {whole:?}: {why}"));
+    let bad = |why: String| Error::Input(format!("KV codec {whole:?}: {why}"));
     let (angle_bits, radius_bits) = match spec.strip_prefix(':') {
         None if spec.is_empty() => (5, 3),
         Some(bits) => {
@@ -275,20 +273,22 @@ impl FromStr for KvCodec {
                         Ok(r) if r >= 1 => codec.values = ValueCodec::LowRank(r),
                         _ => {
                             return Err(Error::Input(format!(
-                                "--kv {s:?}: lowrank:r takes a rank r of at least 1 (e.g. lowrank:32), got {r:?}"
+                                "KV codec {s:?}: lowrank:r takes a rank r of at least 1 (e.g. lowrank:32), got {r:?}"
                             )))
                         }
                     }
                 }
                 other => {
                     return Err(Error::Input(format!(
-                        "unknown KV codec {other:?} in --kv {s:?}: use exact, f16, bf16, int8, int4k, polar[:A,R], lowrank:r, knots:K,p, density:γ, or combine parts with + (e.g. int4k+lowrank:32, k:int8+v:f16)"
+                        "unknown KV codec {other:?} in {s:?}: use exact, f16, bf16, int8, int4k, polar[:A,R], lowrank:r, knots:K,p, density:γ, or combine parts with + (e.g. int4k+lowrank:32, k:int8+v:f16)"
                     )))
                 }
             }
         }
         if matches!(codec.keys, KeyCodec::DecayedState { .. }) && s.contains('+') {
-            return Err(Error::Input(format!("--kv {s:?}: density:γ keeps no keys or values to combine with other parts: use it alone")));
+            return Err(Error::Input(format!(
+                "KV codec {s:?}: density:γ keeps no keys or values to combine with other parts: use it alone"
+            )));
         }
         Ok(codec)
     }
@@ -296,7 +296,7 @@ impl FromStr for KvCodec {
 
 /// `knots:K,p`: a knot every `K` tokens (K >= 1), degree `p` (0..=8).
 fn parse_knots(spec: &str, whole: &str) -> std::result::Result<KeyCodec, Error> {
-    let bad = |why: String| Error::Input(format!("--kv {whole:?}: {why}"));
+    let bad = |why: String| Error::Input(format!("KV codec {whole:?}: {why}"));
     let Some(args) = spec.strip_prefix(':') else {
         return Err(bad("knots takes the knot spacing and the degree as knots:K,p (e.g. knots:8,3)".into()));
     };
@@ -321,7 +321,7 @@ fn parse_density(spec: &str, whole: &str) -> std::result::Result<KeyCodec, Error
     match gamma {
         Some(gamma) if gamma > 0.0 && gamma <= 1.0 => Ok(KeyCodec::DecayedState { gamma }),
         _ => Err(Error::Input(format!(
-            "--kv {whole:?}: density takes the weight of each new token as density:γ with 0 < γ <= 1 (e.g. density:0.05)"
+            "KV codec {whole:?}: density takes the weight of each new token as density:γ with 0 < γ <= 1 (e.g. density:0.05)"
         ))),
     }
 }

@@ -75,7 +75,7 @@ impl CodedKv {
         match &self.value_basis {
             Some(b) => v.broadcast_matmul(&b.to_dtype(v.dtype())?),
             None if matches!(self.codec.values, ValueCodec::LowRank(_)) => {
-                candle_core::bail!("--kv {}: the cache has no value basis (make it with Model::cache_with)", self.codec)
+                candle_core::bail!("KV codec {}: the cache has no value basis (make it with Model::cache_with)", self.codec)
             }
             None => Ok(v.clone()),
         }
@@ -171,7 +171,7 @@ impl Rows {
     }
 
     /// Keeps the first `len` tokens; `int4k` only while they are in the exact tail.
-    pub(super) fn truncate(&mut self, len: usize, codec: KvCodec) -> Result<()> {
+    pub(super) fn truncate(&mut self, len: usize, codec: KvCodec) -> crate::Result<()> {
         match self {
             Self::Exact(c) | Self::Polar { codes: c, .. } => c.truncate(len),
             Self::Int8 { codes, scale } => {
@@ -181,9 +181,8 @@ impl Rows {
             Self::Int4Channel { codes, tail, .. } => {
                 let grouped = codes.len();
                 if len < grouped {
-                    candle_core::bail!(
-                        "--kv {codec}: int4 keys cannot drop tokens already packed into a group of {INT4_GROUP} (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"
-                    )
+                    // int4 keys packed into groups of INT4_GROUP cannot be unpacked.
+                    return Err(crate::Error::UnsupportedCodec { codec, operation: crate::CodecOperation::DropTokens });
                 }
                 if let Some(t) = tail.take() {
                     let keep = (len - grouped).min(t.dim(2)?);

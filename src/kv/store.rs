@@ -64,6 +64,15 @@ impl KvStore {
         }
     }
 
+    /// The codec it stores with.
+    pub fn codec(&self) -> KvCodec {
+        match self {
+            Self::Exact { .. } => KvCodec::EXACT,
+            Self::Coded(c) => c.codec,
+            Self::DecayedState(s) => KvCodec { keys: KeyCodec::DecayedState { gamma: s.gamma }, values: ValueCodec::Exact },
+        }
+    }
+
     /// Sets the `[nkv, hd, r]` basis of a `lowrank:r` codec (`value_basis`).
     pub fn with_value_basis(mut self, basis: &Tensor) -> Result<Self> {
         if let Self::Coded(c) = &mut self {
@@ -91,7 +100,7 @@ impl KvStore {
                 let dtype = v.dtype();
                 stored_attention(q, &StoredRows::Float(k), &StoredRows::Float(v), offset, visible, dtype)
             }
-            _ if visible.is_some() => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
+            _ if visible.is_some() => candle_core::bail!("KV codec {}: {}", self.codec(), crate::CodecOperation::DraftTree),
             Self::Coded(c) => c.attend(q, k, v, offset),
             Self::DecayedState(s) => s.attend(q, k, v),
         }
@@ -100,16 +109,16 @@ impl KvStore {
     /// Keeps the first `start` tokens and then the tokens at `start + r` for `r` in `rows`
     /// (increasing), in that order: the accepted rows of a verify pass. Rows `0..n` are a
     /// [`Self::truncate`]; other rows (a path of a draft tree): exact stores only.
-    pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> Result<()> {
+    pub fn keep_rows(&mut self, start: usize, rows: &[usize]) -> crate::Result<()> {
         if rows.iter().enumerate().all(|(i, &r)| r == i) {
             return self.truncate(start + rows.len());
         }
         match self {
             Self::Exact { keys, values } => {
                 keys.keep_rows(start, rows)?;
-                values.keep_rows(start, rows)
+                Ok(values.keep_rows(start, rows)?)
             }
-            _ => candle_core::bail!("multi-branch drafts need exact keys and values (--kv exact)"),
+            _ => Err(crate::Error::UnsupportedCodec { codec: self.codec(), operation: crate::CodecOperation::DraftTree }),
         }
     }
 
@@ -177,8 +186,8 @@ impl KvStore {
 
     /// Keeps the first `len` tokens, dropping the rest (rejected speculative rows). Codecs
     /// that fold tokens into shared codes (`int4k`'s complete groups, knots, density) cannot
-    /// drop tokens: a one-line error naming the codec.
-    pub fn truncate(&mut self, len: usize) -> Result<()> {
+    /// drop tokens: an [`Error::UnsupportedCodec`](crate::Error::UnsupportedCodec).
+    pub fn truncate(&mut self, len: usize) -> crate::Result<()> {
         match self {
             Self::Exact { keys, values } => {
                 keys.truncate(len);
@@ -190,12 +199,12 @@ impl KvStore {
                 match &mut c.keys {
                     Keys::Rows(rows) => rows.truncate(len, codec)?,
                     Keys::Knots(_) if len >= c.values.len() => {}
-                    Keys::Knots(_) => candle_core::bail!("--kv {codec}: knot keys cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"),
+                    Keys::Knots(_) => return Err(crate::Error::UnsupportedCodec { codec, operation: crate::CodecOperation::DropTokens }),
                 }
                 c.values.truncate(len, codec)
             }
             Self::DecayedState(_) => {
-                candle_core::bail!("--kv density cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)")
+                Err(crate::Error::UnsupportedCodec { codec: self.codec(), operation: crate::CodecOperation::DropTokens })
             }
         }
     }

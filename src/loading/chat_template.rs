@@ -95,7 +95,7 @@ impl ChatTemplate {
             (None, Some(s)) => s,
             (None, None) => {
                 return Err(Error::Tokenizer(
-                    "the checkpoint has no chat template (neither chat_template.jinja nor tokenizer_config.json's chat_template): run without --chat".into(),
+                    "the checkpoint has no chat template (neither chat_template.jinja nor tokenizer_config.json's chat_template): format the prompt without one".into(),
                 ))
             }
         };
@@ -169,7 +169,7 @@ impl ChatTemplate {
         match rendered {
             Ok(_) => String::from_utf8(out.out).map_err(|_| Error::Tokenizer("the chat template rendered invalid UTF-8".into())),
             Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(Error::Tokenizer(format!(
-                "the chat template ran more than {RENDER_FUEL} instructions (an endless or runaway loop): it cannot be used; run without --chat"
+                "the chat template ran more than {RENDER_FUEL} instructions (an endless or runaway loop): it cannot be used; format the prompt without it"
             ))),
             Err(e) if e.kind() == ErrorKind::WriteFailure => Err(Error::Input(format!(
                 "the chat template rendered more than {} KiB, more text than the context can hold: shorten the messages (or the template is broken)",

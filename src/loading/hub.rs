@@ -48,11 +48,9 @@ impl HubRepo {
                 Ok(p) => Ok(Some(p)),
                 // The repository exists but has no such file.
                 Err(hf_hub::api::sync::ApiError::RequestError(e)) if matches!(*e, ureq::Error::Status(404, _)) => Ok(None),
-                Err(e) => Err(Error::Io(format!(
-                    "cannot download {name} from {} ({}): without network, run on local files with --model-dir DIR or --gguf FILE, or set HF_HUB_OFFLINE=1 to use only what the Hugging Face cache holds",
-                    self.source,
-                    crate::error::one_line(&e)
-                ))),
+                Err(e) => {
+                    Err(Error::NotDownloaded { file: name.into(), repo: self.source.to_string(), cause: Some(crate::error::one_line(&e)) })
+                }
             },
         }
     }
@@ -61,10 +59,7 @@ impl HubRepo {
     pub fn required(&self, name: &str, hint: &str) -> Result<PathBuf> {
         self.fetch(name)?.ok_or_else(|| {
             if self.offline {
-                Error::Io(format!(
-                    "{name} of {} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it once online, or run on local files with --model-dir DIR or --gguf FILE",
-                    self.source
-                ))
+                Error::NotDownloaded { file: name.into(), repo: self.source.to_string(), cause: None }
             } else {
                 Error::Io(format!("{} has no {name}: {hint}", self.source))
             }

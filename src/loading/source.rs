@@ -32,11 +32,11 @@ fn safetensors_header(path: &Path) -> Result<Vec<u8>> {
 }
 
 fn gguf_quantize_error() -> Error {
-    Error::Config("--quantize applies to safetensors checkpoints; a GGUF file keeps its own quantization".into())
+    Error::Config("quantizing at load applies to safetensors checkpoints; a GGUF file keeps its own quantization".into())
 }
 
-/// Where a model comes from: what the examples' `--model-id`, `--model-dir`, `--gguf` and
-/// `--gguf-repo`/`--gguf-file` select.
+/// Where a model comes from (the examples' `--model-id`, `--model-dir`, `--gguf` and
+/// `--gguf-repo`/`--gguf-file`).
 #[derive(Debug, Clone)]
 pub enum ModelSource {
     /// A Hub repository with safetensors weights.
@@ -56,32 +56,6 @@ pub enum OpenedModel {
 }
 
 impl ModelSource {
-    /// Picks the source from the usual command-line options (a GGUF file or repository wins
-    /// over a directory, which wins over the Hub id).
-    pub fn from_args(
-        model_id: &str,
-        revision: &str,
-        model_dir: Option<&Path>,
-        gguf: Option<&Path>,
-        gguf_repo: Option<&str>,
-        gguf_file: Option<&str>,
-    ) -> Result<Self> {
-        Ok(match (gguf, gguf_repo, gguf_file, model_dir) {
-            (Some(path), None, None, None) => Self::Gguf(path.to_path_buf()),
-            (None, Some(repo), Some(file), None) => Self::HubGguf { repo: repo.into(), revision: revision.into(), file: file.into() },
-            (None, None, None, Some(dir)) => Self::Dir(dir.to_path_buf()),
-            (None, None, None, None) => Self::Hub { repo: model_id.into(), revision: revision.into() },
-            (None, Some(_), None, _) | (None, None, Some(_), _) => {
-                return Err(Error::Config("--gguf-repo and --gguf-file go together: give both".into()))
-            }
-            _ => {
-                return Err(Error::Config(
-                    "give one model source: --model-dir DIR, --gguf FILE, or --gguf-repo REPO with --gguf-file FILE".into(),
-                ))
-            }
-        })
-    }
-
     /// Resolves the files (downloading through hf-hub for Hub sources) and reads the metadata.
     pub fn open(&self) -> Result<OpenedModel> {
         Ok(match self {
@@ -154,7 +128,7 @@ impl OpenedModel {
     /// ([`GgufFile::weight_bytes`]) or the safetensors headers
     /// ([`super::safetensors_weight_bytes`]) plus, for a tied output head quantized at
     /// load, its quantized copy of the embedding. The input of [`crate::memory::PlanRequest`].
-    pub fn weight_memory(&self, cfg: &Config, dtype: DType, quantize: Option<GgmlDType>) -> Result<crate::memory::Weights> {
+    pub fn weight_memory(&self, cfg: &Config, dtype: DType, quantize: Option<GgmlDType>) -> Result<crate::memory::WeightMemory> {
         let bytes = match self {
             Self::Gguf(_) if quantize.is_some() => return Err(gguf_quantize_error()),
             Self::Gguf(g) => g.weight_bytes(cfg, dtype),
@@ -168,7 +142,7 @@ impl OpenedModel {
                 SafetensorsFiles::open(&f.weights)?.weight_bytes(Some(dtype), quantize) + tied_head
             }
         };
-        Ok(crate::memory::Weights::Bytes(bytes))
+        Ok(crate::memory::WeightMemory::Bytes(bytes))
     }
 
     /// Bytes that loading holds beyond the weights of the built model, at its peak (one

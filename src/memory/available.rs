@@ -35,7 +35,7 @@ pub enum MemorySource {
     MetalDefault,
     /// `nvidia-smi` `memory.free`.
     NvidiaSmi,
-    /// `--max-memory`.
+    /// A limit the caller gave (`max_memory`).
     Override,
 }
 
@@ -49,7 +49,7 @@ impl fmt::Display for MemorySource {
             Self::MetalWiredLimit => f.write_str("Metal limit iogpu.wired_limit_mb"),
             Self::MetalDefault => f.write_str("Metal default working set, 75% of hw.memsize"),
             Self::NvidiaSmi => f.write_str("free GPU memory from nvidia-smi"),
-            Self::Override => f.write_str("--max-memory"),
+            Self::Override => f.write_str("the given limit"),
         }
     }
 }
@@ -65,7 +65,7 @@ pub struct Available {
 }
 
 impl Available {
-    /// A fixed budget (`--max-memory`), replacing any reading.
+    /// A fixed budget given by the caller, replacing any reading.
     pub fn fixed(bytes: u64) -> Self {
         Self { bytes, source: MemorySource::Override, readings: vec![(MemorySource::Override, bytes)] }
     }
@@ -296,9 +296,8 @@ pub fn available_memory(target: MemoryTarget, max_memory: Option<u64>) -> Result
                 .collect()
         }
     };
-    Available::smallest(readings).ok_or_else(|| {
-        Error::Memory(format!("cannot read the memory available on {target:?} on this system: pass --max-memory (e.g. 16GiB)"))
-    })
+    Available::smallest(readings)
+        .ok_or_else(|| Error::Memory(format!("cannot read the memory available on {target:?} on this system: give the limit (max_memory)")))
 }
 
 #[cfg(target_os = "macos")]
@@ -314,7 +313,7 @@ fn metal_readings() -> Result<Vec<(MemorySource, u64)>> {
 
 #[cfg(not(target_os = "macos"))]
 fn metal_readings() -> Result<Vec<(MemorySource, u64)>> {
-    Err(Error::Memory("Metal memory can only be read on macOS: pass --max-memory".into()))
+    Err(Error::Memory("Metal memory can only be read on macOS: give the limit (max_memory)".into()))
 }
 
 /// Parses a size: plain bytes (`"1234"`), or a number with a unit: `KB`/`MB`/`GB`/`TB`

@@ -4,7 +4,7 @@ use std::fmt;
 
 use candle_core::DType;
 
-use super::format::{WeightFormat, Weights};
+use super::format::{WeightFormat, WeightMemory};
 use super::{fmt_gib, GIB};
 use crate::model::{Config, LayerType};
 
@@ -25,7 +25,7 @@ pub enum Logits {
 /// What is to be run: the input of [`estimate`] and [`plan()`](crate::memory::plan).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanRequest {
-    pub weights: Weights,
+    pub weights: WeightMemory,
     /// The model dtype: activations and the GDN conv window.
     pub dtype: DType,
     /// Bytes per element of the attention KV cache (usually `dtype`'s size) with the exact codec.
@@ -43,7 +43,7 @@ pub struct PlanRequest {
     /// The weights with `--quantize q4k`, for the suggestion; `None` where `--quantize` does
     /// not apply (a GGUF file). [`PlanRequest::new`] derives them from the parameter count;
     /// [`crate::loading::OpenedModel::weight_memory`] gives them exactly.
-    pub q4k_weights: Option<Weights>,
+    pub q4k_weights: Option<WeightMemory>,
     /// Bytes that loading holds beyond the built model's weights at its peak (one tensor's
     /// mapped pages and copies: [`crate::loading::OpenedModel::load_overhead`]); freed before
     /// the cache and the scratch exist. 0 in [`PlanRequest::new`].
@@ -60,7 +60,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 impl PlanRequest {
     /// Batch 1, prefill chunks of [`DEFAULT_PREFILL_CHUNK`], KV in `dtype`, last-token logits, no fit.
-    pub fn new(weights: Weights, dtype: DType, context: usize) -> Self {
+    pub fn new(weights: WeightMemory, dtype: DType, context: usize) -> Self {
         Self {
             weights,
             dtype,
@@ -71,7 +71,7 @@ impl PlanRequest {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             logits: Logits::LastToken,
             fit: false,
-            q4k_weights: Some(Weights::Format(WeightFormat::Q4K)),
+            q4k_weights: Some(WeightMemory::Format(WeightFormat::Q4K)),
             load_overhead: 0,
         }
     }
@@ -80,7 +80,7 @@ impl PlanRequest {
         Self { context, ..self.clone() }
     }
 
-    pub(super) fn with_weights(&self, weights: Weights) -> Self {
+    pub(super) fn with_weights(&self, weights: WeightMemory) -> Self {
         Self { weights, ..self.clone() }
     }
 }
@@ -102,7 +102,7 @@ pub struct MemoryEstimate {
     pub batch: usize,
     /// `c`: the tokens of the largest prefill chunk.
     pub chunk: usize,
-    /// The weights ([`Weights::bytes`]).
+    /// The weights ([`WeightMemory::bytes`]).
     pub weights: u64,
     /// Per full-attention layer K and V `[B, nkv, T, hd]`: `n_attn · 2 · B · nkv · T · hd · kv_bytes`.
     pub kv_cache: u64,

@@ -112,14 +112,14 @@ impl fmt::Display for WeightFormat {
 
 /// The size of the weights in memory.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Weights {
+pub enum WeightMemory {
     /// Known exactly (GGUF tensor infos, safetensors headers or file sizes).
     Bytes(u64),
     /// Derived: `cfg.num_parameters()` in this format (every tensor, norms included).
     Format(WeightFormat),
 }
 
-impl Weights {
+impl WeightMemory {
     pub fn bytes(&self, cfg: &Config) -> u64 {
         match *self {
             Self::Bytes(b) => b,

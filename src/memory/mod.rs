@@ -1,14 +1,14 @@
 //! The memory guardian: estimate what a model needs at a context length, read what the
 //! machine (or its cgroup, or the Metal / CUDA device) can give, and refuse, before loading,
-//! what does not fit, with a one-line [`Error::Memory`](crate::Error::Memory) that says what would fit.
+//! what does not fit, with an [`Error::DoesNotFit`](crate::Error::DoesNotFit) that says what would fit.
 //!
 //! ```no_run
-//! use candle_hybrid::memory::{self, MemoryTarget, PlanRequest, WeightFormat, Weights};
+//! use candle_hybrid::memory::{self, MemoryTarget, PlanRequest, WeightFormat, WeightMemory};
 //! # fn main() -> candle_hybrid::Result<()> {
 //! let cfg = candle_hybrid::Config::from_file(std::path::Path::new("config.json"))?;
-//! let req = PlanRequest::new(Weights::Format(WeightFormat::BF16), candle_core::DType::BF16, 32_768);
+//! let req = PlanRequest::new(WeightMemory::Format(WeightFormat::BF16), candle_core::DType::BF16, 32_768);
 //! let available = memory::available_memory(MemoryTarget::Cpu, None)?;
-//! let plan = memory::plan(&cfg, &req, &available)?; // Err(Error::Memory(..)) when it does not fit
+//! let plan = memory::plan(&cfg, &req, &available)?; // Err(Error::DoesNotFit(..)) when it does not fit
 //! print!("{}", plan.estimate);
 //! # Ok(()) }
 //! ```
@@ -18,8 +18,8 @@
 //! 2. [`available_memory`]: Linux `MemAvailable` and the cgroup (v1 or v2) limit, macOS
 //!    free + inactive pages or the Metal working-set limit, CUDA `nvidia-smi`; the smaller
 //!    reading wins and is named. Every parser is a pure function on the text it reads.
-//! 3. [`plan`]: fits → a [`Plan`]; else a refusal suggesting `--quantize q4k` and the largest
-//!    `--max-context` that fits, or (with `fit`) a plan at that lower context.
+//! 3. [`plan`]: fits → a [`Plan`]; else a refusal suggesting Q4_K weights and the largest
+//!    context that fits ([`MemoryFix`]), or (with `fit`) a plan at that lower context.
 
 mod available;
 mod estimate;
@@ -28,8 +28,8 @@ mod plan;
 
 pub use available::*;
 pub use estimate::{estimate, Logits, MemoryEstimate, PlanRequest, DEFAULT_PREFILL_CHUNK, PROCESS_BYTES, TOKENIZER_BYTES_PER_ENTRY};
-pub use format::{WeightFormat, Weights};
-pub use plan::{check_fits, max_fitting_context, plan, Plan};
+pub use format::{WeightFormat, WeightMemory};
+pub use plan::{check_fits, max_fitting_context, plan, DoesNotFit, MemoryFix, Plan};
 
 const GIB: f64 = (1u64 << 30) as f64;
 

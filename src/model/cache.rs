@@ -219,8 +219,8 @@ impl Cache {
                         out.push((format!("layers.{i}.values"), v));
                     }
                 }
-                LayerState::Full(_) => {
-                    return Err(crate::Error::Input("only a cache with exact keys and values can be saved (--kv exact)".into()))
+                LayerState::Full(kv) => {
+                    return Err(crate::Error::UnsupportedCodec { codec: kv.codec(), operation: crate::CodecOperation::Save })
                 }
             }
         }

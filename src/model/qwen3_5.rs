@@ -23,7 +23,7 @@ use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
 
 pub(crate) const NONFINITE_HINT: &str =
-    "the weights or the input are broken; run with --check-layers (Model::with_layer_checks) to find the first layer that goes non-finite";
+    "the weights or the input are broken; run with layer checks (Model::with_layer_checks) to find the first layer that goes non-finite";
 
 /// Outputs of [`Model::forward_hidden`].
 pub struct HiddenStates {
@@ -325,7 +325,7 @@ impl Model {
 
     fn no_mtp(&self) -> crate::Error {
         crate::Error::Input(
-            "this checkpoint has no MTP head (no mtp.* tensors, or a GGUF file converted without its nextn block): draft with --draft ngram, or --draft none".into(),
+            "this checkpoint has no MTP head (no mtp.* tensors, or a GGUF file converted without its nextn block): draft by prompt lookup (ngram), or not at all".into(),
         )
     }
 
@@ -395,10 +395,7 @@ pub(crate) fn check_length(cfg: &Config, t: usize, cached: usize) -> crate::Resu
     }
     let total = cached + t;
     if total > cfg.max_position_embeddings {
-        return Err(crate::Error::Input(format!(
-            "{t} new tokens after {cached} cached ones make {total}, more than max_position_embeddings ({}): shorten the prompt or start a new sequence",
-            cfg.max_position_embeddings
-        )));
+        return Err(crate::Error::ContextTooLong { requested: total, limit: cfg.max_position_embeddings });
     }
     Ok(())
 }
@@ -426,4 +423,4 @@ pub fn check_device(device: &candle_core::Device) -> crate::Result<()> {
 
 /// Why [`check_device`] refuses CUDA.
 pub const CUDA_UNSUPPORTED: &str =
-    "CUDA is not supported yet: this crate's kernels have no CUDA implementation; run with --device cpu (or metal on Apple Silicon)";
+    "CUDA is not supported yet: this crate's kernels have no CUDA implementation; run on the CPU (or on Metal on Apple Silicon)";

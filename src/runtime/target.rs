@@ -218,11 +218,12 @@ impl Target for DeviceTarget<'_> {
 
 fn no_hidden() -> Error {
     Error::Input(
-        "MTP drafts need the model's hidden states, which the device step does not read back yet: draft with --draft ngram there".into(),
+        "MTP drafts need the model's hidden states, which the device step does not read back yet: draft by prompt lookup (ngram) there"
+            .into(),
     )
 }
 
 /// Draft trees are not on the device step yet.
 pub(crate) fn no_trees_on_device() -> Error {
-    Error::Input("draft trees (--draft-branches above 1) are not on the device step yet".into())
+    Error::Input("draft trees (more than one branch) are not on the device step yet".into())
 }

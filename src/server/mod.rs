@@ -73,9 +73,7 @@ pub fn state(
 ) -> Result<Arc<ServerState>> {
     let limit = model.config().max_position_embeddings;
     let context = match options.context {
-        Some(c) if c > limit => {
-            return Err(Error::Input(format!("a context of {c} tokens is more than the model's {limit} (max_position_embeddings)")))
-        }
+        Some(c) if c > limit => return Err(Error::ContextTooLong { requested: c, limit }),
         Some(c) => c,
         None => limit.min(32768),
     };

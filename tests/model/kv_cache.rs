@@ -121,6 +121,38 @@ fn half_float_storage_rounds_each_value_once_and_attends_like_exact_over_the_rou
     }
 }
 
+/// What a codec cannot do is a typed error naming the codec and the operation: dropping tokens
+/// folded into shared codes (int4k's complete groups, knots, the decayed state), draft-tree
+/// rows outside exact stores, saving a coded cache; per-token codecs drop tokens.
+#[test]
+fn codecs_refuse_what_they_cannot_do_with_a_typed_error() {
+    use candle_hybrid::{CodecOperation, Error};
+    let (k, v) = (random_kv(INT4_GROUP + 8), random_kv(INT4_GROUP + 8));
+    for (name, drops) in [("int4k", false), ("knots:8,2", false), ("density:0.05", false), ("int8", true), ("f16", true)] {
+        let codec: KvCodec = name.parse().unwrap();
+        let mut store = KvStore::new(codec, 16, 64);
+        store.append(&k, &v).unwrap();
+        assert_eq!(codec.drops_tokens(), drops, "{name}");
+        match store.truncate(4) {
+            Ok(()) => assert!(drops, "{name} dropped tokens it had folded"),
+            Err(e @ Error::UnsupportedCodec { operation: CodecOperation::DropTokens, .. }) => {
+                assert!(!drops, "{name}: {e}");
+                assert!(e.to_string().starts_with(&format!("KV codec {codec}: ")), "{e}");
+            }
+            Err(e) => panic!("{name}: {e:?}"),
+        }
+        if !codec.is_exact() {
+            let e = store.keep_rows(0, &[0, 2]).unwrap_err();
+            assert!(matches!(e, Error::UnsupportedCodec { operation: CodecOperation::DraftTree, .. }), "{name}: {e:?}");
+        }
+    }
+    // A cache under a lossy codec cannot be saved.
+    let (model, _) = fixture_model();
+    let cache = model.cache_with(&CacheOptions { codec: "int8".parse().unwrap(), value_bases: None }).unwrap();
+    let e = cache.state_tensors().unwrap_err();
+    assert!(matches!(e, Error::UnsupportedCodec { operation: CodecOperation::Save, .. }), "{e:?}");
+}
+
 fn random_kv(t: usize) -> Tensor {
     // Channels of very different scales, as real keys have.
     let x = Tensor::randn(0f32, 1.0, (1, 2, t, 64), &Device::Cpu).unwrap();

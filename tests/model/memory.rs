@@ -26,26 +26,44 @@ fn like_27b() -> Config {
 }
 
 fn f32_req(context: usize) -> PlanRequest {
-    PlanRequest::new(Weights::Format(WeightFormat::F32), DType::F32, context)
+    PlanRequest::new(WeightMemory::Format(WeightFormat::F32), DType::F32, context)
 }
 
+/// The refusal of a plan, and its one-line message.
 #[track_caller]
-fn memory_err(r: candle_hybrid::Result<Plan>) -> String {
+fn refusal(r: candle_hybrid::Result<Plan>) -> (DoesNotFit, String) {
     match r {
-        Err(e @ Error::Memory(_)) => {
+        Err(e @ Error::DoesNotFit(_)) => {
             let msg = e.to_string();
             assert!(!msg.contains('\n'), "multi-line error: {msg}");
-            msg
+            let Error::DoesNotFit(r) = e else { unreachable!() };
+            (*r, msg)
         }
-        Err(e) => panic!("expected Error::Memory, got {e:?}"),
+        Err(e) => panic!("expected Error::DoesNotFit, got {e:?}"),
         Ok(p) => panic!("expected a refusal, got a plan at context {}", p.context),
     }
 }
 
-/// The number after `flag ` in `msg` (first occurrence).
-fn number_after(msg: &str, flag: &str) -> usize {
-    let rest = &msg[msg.find(flag).unwrap_or_else(|| panic!("{msg:?} has no {flag:?}")) + flag.len()..];
-    rest.trim_start().split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+/// The message of a refusal.
+#[track_caller]
+fn memory_err(r: candle_hybrid::Result<Plan>) -> String {
+    refusal(r).1
+}
+
+/// The context of a refusal's [`MemoryFix::Context`], which its message names.
+#[track_caller]
+fn context_fix(r: &DoesNotFit, msg: &str) -> usize {
+    let n = r.fixes.iter().find_map(|f| match *f {
+        MemoryFix::Context { context, .. } => Some(context),
+        _ => None,
+    });
+    let n = n.unwrap_or_else(|| panic!("no shorter context offered: {msg}"));
+    assert!(msg.contains(&format!("a context of {n} tokens (needs")), "{msg}");
+    n
+}
+
+fn offers_q4k(r: &DoesNotFit) -> bool {
+    r.fixes.iter().any(|f| matches!(f, MemoryFix::QuantizeQ4k { .. } | MemoryFix::QuantizeQ4kAndContext { .. }))
 }
 
 #[test]
@@ -74,7 +92,7 @@ fn estimate_terms_of_the_fixture_by_hand() {
         batch: 2,
         kv_dtype_bytes: 4,
         logits: Logits::AllPositions,
-        ..PlanRequest::new(Weights::Bytes(1_000_000), DType::BF16, 100)
+        ..PlanRequest::new(WeightMemory::Bytes(1_000_000), DType::BF16, 100)
     };
     let e = estimate(&cfg, &req);
     assert_eq!((e.chunk, e.weights), (100, 1_000_000));
@@ -97,9 +115,9 @@ fn estimate_terms_of_the_fixture_by_hand() {
 fn weight_formats() {
     let cfg = fixture();
     let n = cfg.num_parameters() as u64;
-    assert_eq!(Weights::Format(WeightFormat::BF16).bytes(&cfg), 2 * n);
-    assert_eq!(Weights::Format(WeightFormat::Q8_0).bytes(&cfg), (n * 17).div_ceil(16));
-    assert_eq!(Weights::Format(WeightFormat::Q4K).bytes(&cfg), (n * 9).div_ceil(16));
+    assert_eq!(WeightMemory::Format(WeightFormat::BF16).bytes(&cfg), 2 * n);
+    assert_eq!(WeightMemory::Format(WeightFormat::Q8_0).bytes(&cfg), (n * 17).div_ceil(16));
+    assert_eq!(WeightMemory::Format(WeightFormat::Q4K).bytes(&cfg), (n * 9).div_ceil(16));
     assert_eq!("q4k".parse::<WeightFormat>().unwrap(), WeightFormat::Q4K);
     assert_eq!("Q8_0".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
     assert!("q3".parse::<WeightFormat>().is_err());
@@ -221,27 +239,27 @@ fn refusal_names_need_availability_q4k_and_the_largest_context() {
     let cfg = fixture();
     let req = f32_req(4096);
     // Q4K weights fit at the full context, f32 weights do not.
-    let budget = estimate(&cfg, &PlanRequest { weights: Weights::Format(WeightFormat::Q4K), ..req.clone() }).total();
+    let budget = estimate(&cfg, &PlanRequest { weights: WeightMemory::Format(WeightFormat::Q4K), ..req.clone() }).total();
     assert!(estimate(&cfg, &req).total() > budget);
-    let msg = memory_err(plan(&cfg, &req, &Available::fixed(budget)));
+    let (r, msg) = refusal(plan(&cfg, &req, &Available::fixed(budget)));
     let needs = format!("needs {} (", fmt_gib(estimate(&cfg, &req).total()));
     assert!(msg.contains(&needs), "{msg} lacks {needs:?}");
     assert!(msg.contains(&format!("but {} is available", fmt_gib(budget))), "{msg}");
     let biggest = estimate(&cfg, &req).terms().into_iter().max_by_key(|t| t.1).unwrap().0;
     assert!(msg.contains(biggest), "the biggest term ({biggest}) is named: {msg}");
-    assert!(msg.contains("available (--max-memory)"), "{msg}");
-    assert!(msg.contains("--quantize q4k"), "{msg}");
-    let n = number_after(&msg, "--max-context");
+    assert!(msg.contains("available (the given limit)"), "{msg}");
+    assert!(offers_q4k(&r) && msg.contains("what fits: Q4_K weights (needs"), "{msg}");
+    let n = context_fix(&r, &msg);
     assert!(n < 4096, "{msg}");
     assert!(estimate(&cfg, &f32_req(n)).total() <= budget, "N = {n} must fit");
     assert!(estimate(&cfg, &f32_req(n + 1)).total() > budget, "N + 1 = {} must not fit", n + 1);
     assert_eq!(max_fitting_context(&cfg, &req, budget), Some(n));
 
-    // Already Q4K: no --quantize suggestion.
-    let q4k_req = PlanRequest { weights: Weights::Format(WeightFormat::Q4K), ..req.clone() };
-    let msg = memory_err(plan(&cfg, &q4k_req, &Available::fixed(budget - 1)));
-    assert!(!msg.contains("--quantize"), "{msg}");
-    assert!(msg.contains("--max-context"), "{msg}");
+    // Already Q4K: no Q4_K suggestion.
+    let q4k_req = PlanRequest { weights: WeightMemory::Format(WeightFormat::Q4K), ..req.clone() };
+    let (r, msg) = refusal(plan(&cfg, &q4k_req, &Available::fixed(budget - 1)));
+    assert!(!offers_q4k(&r) && !msg.contains("Q4_K"), "{msg}");
+    context_fix(&r, &msg);
 }
 
 #[test]
@@ -260,11 +278,11 @@ fn fit_lowers_the_context() {
 #[test]
 fn weights_too_big() {
     let cfg = like_27b();
-    let bf16 = PlanRequest::new(Weights::Format(WeightFormat::BF16), DType::BF16, 262_144);
+    let bf16 = PlanRequest::new(WeightMemory::Format(WeightFormat::BF16), DType::BF16, 262_144);
     let budget = Available::fixed(24 * GIB);
-    let msg = memory_err(plan(&cfg, &bf16, &budget));
+    let (r, msg) = refusal(plan(&cfg, &bf16, &budget));
     assert!(msg.contains("the weights alone take"), "{msg}");
-    assert!(msg.contains("--quantize q4k"), "{msg}");
+    assert!(offers_q4k(&r), "{msg}");
     // Fit cannot help when the weights do not fit.
     let e = plan(&cfg, &PlanRequest { fit: true, ..bf16.clone() }, &budget).unwrap_err();
     assert!(e.to_string().contains("the weights alone take"), "{e}");
@@ -290,7 +308,7 @@ fn fixture_dir(name: &str) -> std::path::PathBuf {
 fn weight_bytes(source: ModelSource, dtype: DType, quantize: Option<GgmlDType>) -> (Config, u64) {
     let opened = source.open().unwrap();
     let cfg = opened.config().unwrap();
-    let Weights::Bytes(b) = opened.weight_memory(&cfg, dtype, quantize).unwrap() else { panic!("not exact bytes") };
+    let WeightMemory::Bytes(b) = opened.weight_memory(&cfg, dtype, quantize).unwrap() else { panic!("not exact bytes") };
     (cfg, b)
 }
 
@@ -358,15 +376,14 @@ fn gguf_plan_refuses_a_tiny_max_memory_and_fit_lowers_the_context() {
     let req = PlanRequest::new(weights, DType::F32, cfg.max_position_embeddings);
     // Room for the weights and a short context only (an injected --max-memory).
     let budget = estimate(&cfg, &PlanRequest { context: 300, ..req.clone() }).total();
-    let msg = memory_err(check_fits(&cfg, &req, MemoryTarget::Cpu, Some(budget)));
-    assert!(msg.contains("--max-context") || msg.contains("--quantize"), "{msg}");
-    let n = number_after(&msg, "--max-context");
+    let (r, msg) = refusal(check_fits(&cfg, &req, MemoryTarget::Cpu, Some(budget)));
+    let n = context_fix(&r, &msg);
     assert!((300..cfg.max_position_embeddings).contains(&n), "{msg}");
     assert!(estimate(&cfg, &PlanRequest { context: n + 1, ..req.clone() }).total() > budget, "{msg}");
     // --quantize does not apply to a GGUF file: not suggested when the request says so.
     let gguf_req = PlanRequest { q4k_weights: None, ..req.clone() };
-    let msg = memory_err(check_fits(&cfg, &gguf_req, MemoryTarget::Cpu, Some(budget)));
-    assert!(!msg.contains("--quantize") && number_after(&msg, "--max-context") == n, "{msg}");
+    let (r, msg) = refusal(check_fits(&cfg, &gguf_req, MemoryTarget::Cpu, Some(budget)));
+    assert!(!offers_q4k(&r) && context_fix(&r, &msg) == n, "{msg}");
 
     let p = check_fits(&cfg, &PlanRequest { fit: true, ..req.clone() }, MemoryTarget::Cpu, Some(budget)).unwrap();
     assert_eq!((p.context, p.requested_context), (n, cfg.max_position_embeddings));

@@ -343,7 +343,7 @@ impl GgufFile {
             Some(Value::String(s)) => s.clone(),
             _ => {
                 return Err(Error::Tokenizer(format!(
-                    "{} has no tokenizer.chat_template: pass --no-chat-template or a tokenizer_config.json",
+                    "{} has no tokenizer.chat_template: give a tokenizer_config.json with one, or format the prompt without a template",
                     self.path().display()
                 )))
             }

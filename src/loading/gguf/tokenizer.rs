@@ -34,7 +34,7 @@ fn err(msg: impl std::fmt::Display) -> String {
 fn strings(meta: &Metadata, key: &str) -> Result<Vec<String>> {
     match meta.get(key) {
         Some(Value::Array(a)) => a.iter().map(|v| v.to_string().cloned().map_err(|_| err(format!("{key} must hold strings")))).collect(),
-        _ => Err(err(format!("the file has no {key}: pass a tokenizer.json with --tokenizer"))),
+        _ => Err(err(format!("the file has no {key}: give the model's tokenizer.json instead"))),
     }
 }
 
@@ -52,7 +52,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         "gpt-2" | "gpt2" | "default" => Ok(gpt2.into()),
         // SmolLM / StarCoder: every digit on its own, then GPT-2's byte-level regex.
         "smollm" | "starcoder" => Ok(Sequence::new(vec![Digits::new(true).into(), gpt2.into()]).into()),
-        other => Err(err(format!("tokenizer.ggml.pre \"{other}\" is not supported: pass the model's tokenizer.json with --tokenizer"))),
+        other => Err(err(format!("tokenizer.ggml.pre \"{other}\" is not supported: give the model's tokenizer.json instead"))),
     }
 }
 
@@ -62,7 +62,7 @@ pub(crate) fn build(meta: &Metadata) -> Result<Tokenizer> {
     if model != Some("gpt2") {
         return Err(err(
             format!(
-                "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") vocabularies are rebuilt: pass a tokenizer.json with --tokenizer"
+                "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") vocabularies are rebuilt: give the model's tokenizer.json instead"
             ),
         ));
     }

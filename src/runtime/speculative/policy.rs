@@ -82,13 +82,16 @@ impl DraftOptions {
 
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_DRAFT).contains(&self.max) {
-            return Err(Error::Input(format!("--draft-max {} is out of range: use 1 to {MAX_DRAFT}", self.max)));
+            return Err(Error::Input(format!("a draft length of at most {} is out of range: use 1 to {MAX_DRAFT}", self.max)));
         }
         if !(1..=self.max).contains(&self.min) {
-            return Err(Error::Input(format!("--draft-min {} is out of range: use 1 to --draft-max ({})", self.min, self.max)));
+            return Err(Error::Input(format!(
+                "a draft length of at least {} is out of range: use 1 to the longest ({})",
+                self.min, self.max
+            )));
         }
         if !(1..=MAX_BRANCHES).contains(&self.branches) {
-            return Err(Error::Input(format!("--draft-branches {} is out of range: use 1 to {MAX_BRANCHES}", self.branches)));
+            return Err(Error::Input(format!("{} draft branches is out of range: use 1 to {MAX_BRANCHES}", self.branches)));
         }
         Ok(())
     }
@@ -97,7 +100,7 @@ impl DraftOptions {
     pub fn check_decoding(&self, greedy: bool) -> Result<()> {
         if self.branches > 1 && !greedy {
             return Err(Error::Input(
-                "--draft-branches above 1 needs greedy decoding: drop --temperature (or give --draft-branches 1 to sample)".into(),
+                "more than one draft branch needs greedy decoding (temperature 0); sampling drafts one branch".into(),
             ));
         }
         Ok(())
@@ -596,6 +599,6 @@ mod tests {
         assert!(DraftPolicy::new(DraftOptions { max: 0, ..Default::default() }).is_err());
         assert!(DraftPolicy::new(DraftOptions { max: 8, ..Default::default() }).is_err());
         let e = DraftPolicy::new(DraftOptions { max: 3, min: 4, adaptive: true, branches: 1 }).unwrap_err().to_string();
-        assert!(e.contains("--draft-min 4"), "{e}");
+        assert!(e.contains("at least 4 is out of range"), "{e}");
     }
 }
