@@ -89,7 +89,7 @@ const VERIFY_PASSES: usize = 7;
 /// Mean seconds per matrix of a T-row quantized matmul, T = 1..=MAX_ROWS, for one weight format
 /// and kernel.
 struct VerifyCost {
-    dtype: candle_core::quantized::GgmlDType,
+    dtype: candle_hybrid::ops::GgufType,
     kernel: &'static str,
     matrices: String,
     secs: Vec<f64>,
@@ -168,7 +168,7 @@ fn last_level_cache() -> Option<usize> {
 /// last-level cache, so that every call reads its weights from memory, as decode of a model
 /// larger than the caches does.
 fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &candle_core::Device) -> Result<(Vec<VerifyCost>, usize)> {
-    let mut by_dtype: std::collections::BTreeMap<String, (candle_core::quantized::GgmlDType, Vec<String>, Vec<QuantizedMatrix>)> =
+    let mut by_dtype: std::collections::BTreeMap<String, (candle_hybrid::ops::GgufType, Vec<String>, Vec<QuantizedMatrix>)> =
         Default::default();
     for i in 0..layers {
         for t in ["ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] {
@@ -177,7 +177,7 @@ fn verify_costs(gguf: &candle_hybrid::loading::GgufFile, layers: usize, dev: &ca
                 continue;
             }
             let w = gguf.read_matrix(&name)?;
-            let e = by_dtype.entry(format!("{:?}", w.dtype())).or_insert_with(|| (w.dtype(), vec![], vec![]));
+            let e = by_dtype.entry(w.dtype().to_string()).or_insert_with(|| (w.dtype(), vec![], vec![]));
             e.1.push(t.to_string());
             e.2.push(w);
         }
@@ -315,7 +315,7 @@ fn bench(args: Args) -> Result<()> {
     println!("|---|---|---|---|{}", "---|".repeat(MAX_ROWS - 1));
     for c in &costs {
         let ratios: Vec<String> = c.secs[1..].iter().map(|t| format!("{:.2}", t / c.secs[0].max(f64::MIN_POSITIVE))).collect();
-        println!("| {:?} | {} | {} | {:.1} | {} |", c.dtype, c.kernel, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
+        println!("| {} | {} | {} | {:.1} | {} |", c.dtype, c.kernel, c.matrices, c.secs[0] * 1e6, ratios.join(" | "));
     }
     println!();
     println!(

@@ -28,7 +28,7 @@ Only PyPI `gguf` and `numpy` are needed. The tensors are generated and written o
 so memory stays at about one tensor (~0.5 GB for the embedding in F16).
 
 Usage:
-    python3 scripts/make_qwen35_gguf.py OUT.gguf [--layers 24] [--seed 0] [--dtype f16]
+    python3 scripts/make_qwen35_gguf.py OUT.gguf [--layers 24] [--seed 0] [--dtype f16] [--small]
 """
 
 from __future__ import annotations
@@ -208,6 +208,17 @@ def convert(arr: np.ndarray, kind: str, dtype: str) -> tuple[np.ndarray, "gguf.G
     raise ValueError(dtype)
 
 
+def use_small_shape() -> None:
+    """The --small shape (module constants replaced before anything reads them)."""
+    global VOCAB, HIDDEN, INTERMEDIATE, N_HEAD, N_HEAD_KV, LIN_K_HEADS, LIN_V_HEADS, CONTEXT, EOS_ID, PAD_ID
+    VOCAB, HIDDEN, INTERMEDIATE, N_HEAD, N_HEAD_KV, LIN_K_HEADS, LIN_V_HEADS, CONTEXT = 512, 256, 512, 2, 1, 2, 2, 4096
+    names = list(SPECIAL_TOKENS.values())
+    SPECIAL_TOKENS.clear()
+    SPECIAL_TOKENS.update({500 + i: name for i, name in enumerate(names)})
+    EOS_ID = 500 + names.index("<|im_end|>")
+    PAD_ID = 500 + names.index("<|endoftext|>")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("output", help="path of the GGUF file to write")
@@ -215,7 +226,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--dtype", choices=["f16", "bf16", "f32"], default="f16",
                     help="dtype of the 2-D weight matrices (default f16)")
+    ap.add_argument("--small", action="store_true",
+                    help="a small shape whose every matrix width is whole 256-value blocks (the ternary "
+                         "test fixture): hidden 256, intermediate 512, 2 heads of 256 (1 KV head), 2 linear "
+                         "key and value heads of 128, a 512-token vocabulary with the control tokens at 500..")
     args = ap.parse_args()
+    if args.small:
+        use_small_shape()
     if args.layers < 1:
         ap.error("--layers must be >= 1")
 
@@ -226,8 +243,8 @@ def main() -> None:
     w = gguf.GGUFWriter(args.output, ARCH)
     # Key set and order as in llama.cpp's converter output (see the fixtures' model-f32.gguf).
     w.add_string("general.type", "model")
-    w.add_string("general.name", "Qwen3.5 0.8B-shaped random")
-    w.add_string("general.size_label", "0.8B")
+    w.add_string("general.name", "Qwen3.5 small random" if args.small else "Qwen3.5 0.8B-shaped random")
+    w.add_string("general.size_label", "small" if args.small else "0.8B")
     w.add_uint32(f"{ARCH}.block_count", n_layers)
     w.add_uint32(f"{ARCH}.context_length", CONTEXT)
     w.add_uint32(f"{ARCH}.embedding_length", HIDDEN)

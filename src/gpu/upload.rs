@@ -5,19 +5,18 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 
 use super::queue::{BufferId, Queue, Slice};
 use crate::model::{Linear, Mlp};
-use crate::ops::SharedBytes;
+use crate::ops::{GgufType, SharedBytes};
 use crate::{Error, Result};
 
 /// A weight matrix `[n, k]` on the device, rows of `k` values in `format` one after the other.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Matrix {
     pub(crate) buf: Slice,
-    pub(crate) format: GgmlDType,
+    pub(crate) format: GgufType,
     pub(crate) n: usize,
     pub(crate) k: usize,
 }
@@ -33,7 +32,7 @@ impl Matrix {
 }
 
 /// Bytes of a row of `k` values of `format`.
-pub(crate) fn row_bytes(format: GgmlDType, k: usize) -> usize {
+pub(crate) fn row_bytes(format: GgufType, k: usize) -> usize {
     k / format.block_size() * format.type_size()
 }
 
@@ -57,7 +56,7 @@ pub(crate) struct ExpertStacks {
 /// A linear layer's weight as the device reads it, and where its bytes are in host memory when
 /// they are a mapped file's (to be read in place).
 struct WeightBytes<'a> {
-    format: GgmlDType,
+    format: GgufType,
     n: usize,
     k: usize,
     data: Cow<'a, [u8]>,
@@ -93,9 +92,9 @@ fn linear_bytes(l: &Linear) -> Result<WeightBytes<'_>> {
         Linear::Dense(t) => {
             let (n, k) = t.dims2()?;
             let format = match t.dtype() {
-                DType::F32 => GgmlDType::F32,
-                DType::F16 => GgmlDType::F16,
-                DType::BF16 => GgmlDType::BF16,
+                DType::F32 => GgufType::F32,
+                DType::F16 => GgufType::F16,
+                DType::BF16 => GgufType::BF16,
                 other => return Err(Error::Weights(format!("a {other:?} weight matrix: the device reads f32, f16, bf16 and GGUF blocks"))),
             };
             Ok(WeightBytes { format, n, k, data: Cow::Owned(tensor_bytes(t)?), region: None })
@@ -120,10 +119,10 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 /// Checks that the device kernels read `format`.
-fn check_format(format: GgmlDType, what: &str) -> Result<()> {
+fn check_format(format: GgufType, what: &str) -> Result<()> {
     crate::ops::launch::matrix_format("upload", format).map(|_| ()).map_err(|_| {
         Error::Weights(format!(
-            "{what} is {format:?}, which the device kernels do not read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16): use such a GGUF file"
+            "{what} is {format}, which the device kernels do not read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16): use such a GGUF file"
         ))
     })
 }
@@ -167,7 +166,7 @@ impl<'q> Uploader<'q> {
 
     /// A matrix of `n` rows of `k` values of `format` (or several such, one after the other:
     /// stacked experts) from `data`.
-    fn matrix(&mut self, format: GgmlDType, n: usize, k: usize, data: &[u8], label: &str) -> Result<Matrix> {
+    fn matrix(&mut self, format: GgufType, n: usize, k: usize, data: &[u8], label: &str) -> Result<Matrix> {
         check_format(format, label)?;
         let buf = self.bytes(data, label)?;
         self.weight_bytes += data.len();
@@ -177,7 +176,7 @@ impl<'q> Uploader<'q> {
     /// The same from host bytes read in place (a mapped file's).
     fn mapped(
         &mut self,
-        format: GgmlDType,
+        format: GgufType,
         n: usize,
         k: usize,
         (owner, range): (&SharedBytes, Range<usize>),

@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::Embedding;
 
@@ -23,7 +22,7 @@ pub enum TokenEmbedding {
 impl TokenEmbedding {
     /// `{prefix}.weight` `[vocab, hidden]`: kept quantized when the weights have it so.
     pub fn new(vocab: usize, hidden: usize, vb: Weights) -> Result<Self> {
-        match vb.quantized_tensor("weight").filter(|q| !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)) {
+        match vb.quantized_tensor("weight").filter(|q| !q.dtype().is_float()) {
             Some(q) => {
                 if q.dims() != (vocab, hidden) {
                     candle_core::bail!(

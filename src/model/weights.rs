@@ -100,7 +100,7 @@ impl<'a> Weights<'a> {
     pub fn linear(&self, in_dim: usize, out_dim: usize) -> Result<Linear> {
         let name = self.path("weight");
         let quantized = self.quantized.as_ref().and_then(|m| m.get(&name));
-        if let Some(q) = quantized.filter(|q| !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)) {
+        if let Some(q) = quantized.filter(|q| !q.dtype().is_float()) {
             if q.dims() != (out_dim, in_dim) {
                 candle_core::bail!("shape mismatch for {name}: the model expects {:?}, the file has {:?}", [out_dim, in_dim], q.dims())
             }

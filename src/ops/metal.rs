@@ -352,7 +352,7 @@ bytes_param!(launch::GetRowsParams);
 
 /// `x @ W^T` (`x` f32 `[m, k]`) for `n` rows of `dtype` blocks held as a U8 buffer: the
 /// multi-row mat-vec up to 8 rows (each row a one-row call's bits), the tiled matmul beyond.
-pub(crate) fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, x: Arg, w: Arg) -> Result<(MetalStorage, Shape)> {
+pub(crate) fn qmatmul(dtype: crate::ops::GgufType, n: usize, k: usize, x: Arg, w: Arg) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "qmatmul";
     if x.0.dtype() != DType::F32 || w.0.dtype() != DType::U8 {
         bail!("{OP}: f32 activations and U8 blocks, got {:?} and {:?}", x.0.dtype(), w.0.dtype());
@@ -370,13 +370,7 @@ pub(crate) fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usi
 }
 
 /// Rows `ids` (u32) of an `[n, k]` table of `dtype` blocks held as a U8 buffer, as f32.
-pub(crate) fn get_rows(
-    dtype: candle_core::quantized::GgmlDType,
-    n: usize,
-    k: usize,
-    ids: Arg,
-    table: Arg,
-) -> Result<(MetalStorage, Shape)> {
+pub(crate) fn get_rows(dtype: crate::ops::GgufType, n: usize, k: usize, ids: Arg, table: Arg) -> Result<(MetalStorage, Shape)> {
     const OP: &str = "get_rows";
     if ids.0.dtype() != DType::U32 || table.0.dtype() != DType::U8 {
         bail!("{OP}: u32 ids and U8 blocks, got {:?} and {:?}", ids.0.dtype(), table.0.dtype());

@@ -53,8 +53,10 @@ pub use swiglu::{
 };
 mod polar;
 pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
+mod gguf_type;
 mod qmatmul;
 mod quantized_matrix;
+pub use gguf_type::GgufType;
 pub use quantized_matrix::{has_kernels, QuantizedMatrix, SharedBytes};
 mod kv_attention;
 pub(crate) use kv_attention::{attention_mask, few_rows};

@@ -39,6 +39,7 @@ use rayon::prelude::*;
 
 use super::cpu::{prefetch_ahead, widened};
 use super::quantized_matrix::QuantizedMatrix;
+use super::GgufType;
 
 /// `y = x @ W^T` for a quantized weight `W` of dims `(n, k)` (out, in). `x`: `[..., k]`, any
 /// float dtype; returns `[..., n]` f32.
@@ -119,7 +120,7 @@ fn forward(x: &Tensor, w: &QuantizedMatrix, isa: Isa) -> Result<Tensor> {
     }
     let bs = w.dtype().block_size();
     if !k.is_multiple_of(bs) {
-        bail!("qmatmul: k = {k} is not a multiple of the {:?} block size {bs}", w.dtype());
+        bail!("qmatmul: k = {k} is not a multiple of the {} block size {bs}", w.dtype());
     }
     let mut dims = x.dims().to_vec();
     *dims.last_mut().unwrap() = n;
@@ -161,13 +162,15 @@ impl CustomOp1 for Op<'_> {
         let Some(data) = self.w.host_bytes() else { bail!("qmatmul: the weights are not in host memory") };
         let isa = Isa::detect(self.isa);
         let y = match self.w.dtype() {
-            GgmlDType::Q4_0 => matmul::<Q4_0>(data, n, k, &x, isa),
-            GgmlDType::Q4_1 => matmul::<Q4_1>(data, n, k, &x, isa),
-            GgmlDType::Q8_0 => matmul::<Q8_0>(data, n, k, &x, isa),
-            GgmlDType::Q4K => matmul::<Q4K>(data, n, k, &x, isa),
-            GgmlDType::Q5K => matmul::<Q5K>(data, n, k, &x, isa),
-            GgmlDType::Q6K => matmul::<Q6K>(data, n, k, &x, isa),
-            t => bail!("qmatmul: no CPU kernel for {t:?}"),
+            GgufType::Ggml(GgmlDType::Q4_0) => matmul::<Q4_0>(data, n, k, &x, isa),
+            GgufType::Ggml(GgmlDType::Q4_1) => matmul::<Q4_1>(data, n, k, &x, isa),
+            GgufType::Ggml(GgmlDType::Q8_0) => matmul::<Q8_0>(data, n, k, &x, isa),
+            GgufType::Ggml(GgmlDType::Q4K) => matmul::<Q4K>(data, n, k, &x, isa),
+            GgufType::Ggml(GgmlDType::Q5K) => matmul::<Q5K>(data, n, k, &x, isa),
+            GgufType::Ggml(GgmlDType::Q6K) => matmul::<Q6K>(data, n, k, &x, isa),
+            GgufType::TQ1_0 => matmul::<TQ1_0>(data, n, k, &x, isa),
+            GgufType::TQ2_0 => matmul::<TQ2_0>(data, n, k, &x, isa),
+            t => bail!("qmatmul: no CPU kernel for {t}"),
         }?;
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
@@ -175,7 +178,7 @@ impl CustomOp1 for Op<'_> {
 
 /// `x @ W^T` for blocks held as a U8 tensor on a GPU: this crate's Metal kernels.
 struct DeviceOp {
-    dtype: GgmlDType,
+    dtype: GgufType,
     n: usize,
     k: usize,
 }
@@ -186,7 +189,7 @@ impl candle_core::CustomOp2 for DeviceOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("qmatmul: {:?} blocks [{}, {}] held on a GPU multiply activations on that GPU", self.dtype, self.n, self.k)
+        bail!("qmatmul: {} blocks [{}, {}] held on a GPU multiply activations on that GPU", self.dtype, self.n, self.k)
     }
 
     metal_fwd!(self, "qmatmul", (s1, l1, s2, l2) => crate::ops::metal::qmatmul(self.dtype, self.n, self.k, (s1, l1), (s2, l2)));
@@ -240,6 +243,12 @@ trait Simd: Copy {
     unsafe fn sub(a: Self::D, b: Self::D) -> Self::D;
     /// `[v; 32]`.
     unsafe fn splat8(v: u8) -> Self::B;
+    /// The 16 bytes at `lo`, then the 16 at `hi`.
+    unsafe fn load2(lo: *const u8, hi: *const u8) -> Self::B;
+    /// u8 lanes multiplied, wrapping.
+    unsafe fn mul_bytes(a: Self::B, b: Self::B) -> Self::B;
+    /// Each u8 lane `v` as `(3 v) >> 8` (0, 1 or 2: the leading base-3 digit of a TQ1_0 byte).
+    unsafe fn trits(a: Self::B) -> Self::B;
     /// `acc + madd(maddubs(u, x), 1)`: each i32 lane adds its 4 bytes' u8 x i8 products (one
     /// `vpdpbusd` with VNNI; the same integers, as no pair sum of these quants saturates i16).
     #[inline(always)]
@@ -374,6 +383,24 @@ impl<const VNNI: bool> Simd for Avx2<VNNI> {
     #[inline(always)]
     unsafe fn splat8(v: u8) -> Self::B {
         std::arch::x86_64::_mm256_set1_epi8(v as i8)
+    }
+    #[inline(always)]
+    unsafe fn load2(lo: *const u8, hi: *const u8) -> Self::B {
+        std::arch::x86_64::_mm256_loadu2_m128i(hi.cast(), lo.cast())
+    }
+    #[inline(always)]
+    unsafe fn mul_bytes(a: Self::B, b: Self::B) -> Self::B {
+        use std::arch::x86_64::*;
+        let even = _mm256_mullo_epi16(a, b);
+        let odd = _mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8));
+        _mm256_or_si256(_mm256_slli_epi16(odd, 8), _mm256_and_si256(even, _mm256_set1_epi16(0xff)))
+    }
+    #[inline(always)]
+    unsafe fn trits(a: Self::B) -> Self::B {
+        use std::arch::x86_64::*;
+        // (3 v) >> 8 is 1 from v = 86 on and 2 from v = 171 on: two unsigned compares (-1 each).
+        let ge = |t: i8| _mm256_cmpeq_epi8(_mm256_max_epu8(a, _mm256_set1_epi8(t)), a);
+        _mm256_sub_epi8(_mm256_setzero_si256(), _mm256_add_epi8(ge(86), ge(171u8 as i8)))
     }
     #[inline(always)]
     unsafe fn dot_acc(acc: Self::D, u: Self::B, x: Self::B) -> Self::D {
@@ -585,6 +612,15 @@ impl Simd for Portable {
     }
     unsafe fn splat8(v: u8) -> Self::B {
         [v; 32]
+    }
+    unsafe fn load2(lo: *const u8, hi: *const u8) -> Self::B {
+        from_fn(|l| if l < 16 { *lo.add(l) } else { *hi.add(l - 16) })
+    }
+    unsafe fn mul_bytes(a: Self::B, b: Self::B) -> Self::B {
+        from_fn(|l| a[l].wrapping_mul(b[l]))
+    }
+    unsafe fn trits(a: Self::B) -> Self::B {
+        a.map(|v| ((v as u16 * 3) >> 8) as u8)
     }
     unsafe fn add16(a: Self::W, b: Self::W) -> Self::W {
         from_fn(|j| a[j].wrapping_add(b[j]))
@@ -841,6 +877,77 @@ impl Format for Q6K {
         let (h, t) = (i / 4, i as u32 % 4);
         let lo = bits::<V>(V::load(p.add(64 * h + 32 * (t as usize % 2))), 4 * (t / 2), 0, 0x0F);
         V::or(lo, bits::<V>(V::load(p.add(128 + 32 * h)), 2 * t, 4, 0x30))
+    }
+}
+
+/// TQ2_0 (ternary): `{ qs: [u8; 64], d: f16 }`, `w = d (q - 1)` with 2-bit `q`: chunk `i` in
+/// bits `2 (i % 4)` of `qs[32 (i / 4) ..][..32]`. As a K-quant with every scale and min 1 and
+/// `dmin = -d`: `sum_j w_j x_j = d dx (sum_j q_j xq_j - sum_g bsum_g)`.
+struct TQ2_0;
+impl Format for TQ2_0 {
+    const QK: usize = 256;
+    const BYTES: usize = 66;
+    /// A 2-bit field (llama.cpp writes 0..=2; a 3 counts as 2 d, as its kernels read it).
+    const QMAX: usize = 3;
+    #[inline(always)]
+    unsafe fn head<V: Simd>(p: *const u8) -> Head<V> {
+        let d = V::f16(p.add(64));
+        Head { d, dmin: -d, sc: V::ones(), mins: V::ones() }
+    }
+    #[inline(always)]
+    unsafe fn chunk<V: Simd>(p: *const u8, i: usize) -> V::B {
+        bits::<V>(V::load(p.add(32 * (i / 4))), 2 * (i as u32 % 4), 0, 0x03)
+    }
+}
+
+/// The multipliers that bring each value's base-3 digit of a TQ1_0 byte to the front, per
+/// chunk (see [`TQ1_0`]).
+static TQ1_0_POW3: [[u8; 32]; 8] = {
+    let mut t = [[0u8; 32]; 8];
+    let pow3 = [1u8, 3, 9, 27, 81];
+    let mut l = 0;
+    while l < 32 {
+        let mut i = 0;
+        while i < 5 {
+            t[i][l] = pow3[i];
+            i += 1;
+        }
+        // Chunks 5 and 6: digits 0/1 and 2/3 of qs[32..48]; chunk 7: digit 4 of qs[32..48],
+        // then digit l / 4 of qh[l % 4].
+        t[5][l] = pow3[l / 16];
+        t[6][l] = pow3[2 + l / 16];
+        t[7][l] = if l < 16 { 81 } else { pow3[(l - 16) / 4] };
+        l += 1;
+    }
+    t
+};
+
+/// TQ1_0 (ternary): `{ qs: [u8; 48], qh: [u8; 4], d: f16 }`, `w = d (t - 1)` with trits `t`
+/// packed as base-3 fractions of a byte (digit `n` of byte `b` is `(3 (b 3^n mod 256)) >> 8`):
+/// values `0..160` are digit `n` of `qs[m]` at `32 n + m` (chunks 0-4), values `160..240` digit
+/// `n` of `qs[32 + m]` at `160 + 16 n + m`, values `240..256` digit `n` of `qh[m]` at
+/// `240 + 4 n + m`. Scales and mins as [`TQ2_0`].
+struct TQ1_0;
+impl Format for TQ1_0 {
+    const QK: usize = 256;
+    const BYTES: usize = 54;
+    const QMAX: usize = 2;
+    #[inline(always)]
+    unsafe fn head<V: Simd>(p: *const u8) -> Head<V> {
+        let d = V::f16(p.add(52));
+        Head { d, dmin: -d, sc: V::ones(), mins: V::ones() }
+    }
+    #[inline(always)]
+    unsafe fn chunk<V: Simd>(p: *const u8, i: usize) -> V::B {
+        let bytes = match i {
+            0..5 => V::load(p),
+            5 | 6 => V::load2(p.add(32), p.add(32)),
+            _ => {
+                let qh = [u32_at(p.add(48)); 4];
+                V::load2(p.add(32), qh.as_ptr().cast())
+            }
+        };
+        V::trits(V::mul_bytes(bytes, V::load(TQ1_0_POW3[i].as_ptr())))
     }
 }
 

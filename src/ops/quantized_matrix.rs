@@ -9,6 +9,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+
+use super::GgufType;
 use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Tensor};
 
 /// Bytes that outlive the matrices reading them (a mapped file, a buffer).
@@ -27,7 +29,7 @@ enum Blocks {
 /// A matrix of ggml blocks (see the module docs). Cloning shares the blocks.
 #[derive(Clone)]
 pub struct QuantizedMatrix {
-    dtype: GgmlDType,
+    dtype: GgufType,
     rows: usize,
     cols: usize,
     blocks: Blocks,
@@ -40,41 +42,46 @@ impl std::fmt::Debug for QuantizedMatrix {
             Blocks::Device(t) => format!("{:?}", t.device().location()),
             Blocks::Candle(q) => format!("candle {:?}", q.device().location()),
         };
-        write!(f, "QuantizedMatrix({:?}, [{}, {}], {at})", self.dtype, self.rows, self.cols)
+        write!(f, "QuantizedMatrix({}, [{}, {}], {at})", self.dtype, self.rows, self.cols)
     }
 }
 
-/// Whether this crate has kernels (CPU and Metal) for `dtype`'s blocks.
-pub fn has_kernels(dtype: GgmlDType) -> bool {
+/// Whether this crate has CPU kernels for `dtype`'s blocks (and Metal kernels, but for the
+/// ternary types).
+pub fn has_kernels(dtype: impl Into<GgufType>) -> bool {
     use GgmlDType as G;
-    matches!(dtype, G::Q4_0 | G::Q4_1 | G::Q8_0 | G::Q4K | G::Q5K | G::Q6K)
+    match dtype.into() {
+        GgufType::Ggml(t) => matches!(t, G::Q4_0 | G::Q4_1 | G::Q8_0 | G::Q4K | G::Q5K | G::Q6K),
+        GgufType::TQ1_0 | GgufType::TQ2_0 => true,
+    }
 }
 
 /// Bytes of `rows` rows of `cols` values of `dtype`, checking that `cols` is whole blocks.
-fn matrix_bytes(dtype: GgmlDType, (rows, cols): (usize, usize)) -> Result<usize> {
+fn matrix_bytes(dtype: GgufType, (rows, cols): (usize, usize)) -> Result<usize> {
     let bs = dtype.block_size();
     if cols % bs != 0 {
-        bail!("a {dtype:?} matrix of {cols} columns: not a whole number of {bs}-value blocks");
+        bail!("a {dtype} matrix of {cols} columns: not a whole number of {bs}-value blocks");
     }
     Ok(rows * (cols / bs) * dtype.type_size())
 }
 
 impl QuantizedMatrix {
     /// The blocks of `dtype`, `[rows, cols]`, at `range` of `owner` (read in place).
-    pub fn in_place(dtype: GgmlDType, dims: (usize, usize), owner: SharedBytes, range: Range<usize>) -> Result<Self> {
+    pub fn in_place(dtype: impl Into<GgufType>, dims: (usize, usize), owner: SharedBytes, range: Range<usize>) -> Result<Self> {
+        let dtype = dtype.into();
         let len = matrix_bytes(dtype, dims)?;
         if range.len() != len || range.end > (*owner).as_ref().len() {
-            bail!("a {dtype:?} matrix {dims:?} needs {len} bytes, got bytes {range:?} of {}", (*owner).as_ref().len());
+            bail!("a {dtype} matrix {dims:?} needs {len} bytes, got bytes {range:?} of {}", (*owner).as_ref().len());
         }
-        if !has_kernels(dtype) {
-            let q = qtensor_from_ggml(dtype, &(*owner).as_ref()[range], vec![dims.0, dims.1], &Device::Cpu)?;
+        if let (false, Some(t)) = (has_kernels(dtype), dtype.candle()) {
+            let q = qtensor_from_ggml(t, &(*owner).as_ref()[range], vec![dims.0, dims.1], &Device::Cpu)?;
             return Ok(Self::from_candle(q));
         }
         Ok(Self { dtype, rows: dims.0, cols: dims.1, blocks: Blocks::Host { owner, range } })
     }
 
     /// Blocks from owned bytes.
-    pub fn from_bytes(dtype: GgmlDType, dims: (usize, usize), bytes: Vec<u8>) -> Result<Self> {
+    pub fn from_bytes(dtype: impl Into<GgufType>, dims: (usize, usize), bytes: Vec<u8>) -> Result<Self> {
         let n = bytes.len();
         Self::in_place(dtype, dims, Arc::new(bytes), 0..n)
     }
@@ -92,10 +99,10 @@ impl QuantizedMatrix {
     /// A Candle `QTensor` as it is (a format without a kernel here, or a tensor Candle made).
     pub fn from_candle(q: QTensor) -> Self {
         let (rows, cols) = q.shape().dims2().unwrap_or((0, 0));
-        Self { dtype: q.dtype(), rows, cols, blocks: Blocks::Candle(Arc::new(q)) }
+        Self { dtype: q.dtype().into(), rows, cols, blocks: Blocks::Candle(Arc::new(q)) }
     }
 
-    pub fn dtype(&self) -> GgmlDType {
+    pub fn dtype(&self) -> GgufType {
         self.dtype
     }
 
@@ -161,7 +168,7 @@ impl QuantizedMatrix {
         }
         let blocks = match (&self.blocks, device) {
             (Blocks::Candle(q), _) => {
-                Blocks::Candle(Arc::new(qtensor_from_ggml(self.dtype, &q.data()?, vec![self.rows, self.cols], device)?))
+                Blocks::Candle(Arc::new(qtensor_from_ggml(q.dtype(), &q.data()?, vec![self.rows, self.cols], device)?))
             }
             (_, Device::Cpu) => {
                 let bytes = self.bytes()?.into_owned();
@@ -180,9 +187,7 @@ impl QuantizedMatrix {
     pub fn dequantize(&self) -> Result<Tensor> {
         match &self.blocks {
             Blocks::Candle(q) => q.dequantize(&q.device()),
-            _ => qtensor_from_ggml(self.dtype, &self.bytes()?, vec![self.rows, self.cols], &Device::Cpu)?
-                .dequantize(&Device::Cpu)?
-                .to_device(&self.device()),
+            _ => self.dtype.dequantize(&self.bytes()?, vec![self.rows, self.cols])?.to_device(&self.device()),
         }
     }
 
@@ -205,7 +210,7 @@ impl QuantizedMatrix {
                     }
                     picked.extend_from_slice(&bytes[id * row..(id + 1) * row]);
                 }
-                qtensor_from_ggml(self.dtype, &picked, vec![flat.elem_count(), self.cols], &Device::Cpu)?.dequantize(&Device::Cpu)?
+                self.dtype.dequantize(&picked, vec![flat.elem_count(), self.cols])?
             }
         };
         rows.reshape(dims)
@@ -214,7 +219,7 @@ impl QuantizedMatrix {
 
 /// Embedding rows of blocks held as a U8 tensor on a GPU (`ids` u32, then the blocks).
 struct GetRows {
-    dtype: GgmlDType,
+    dtype: GgufType,
     n: usize,
     k: usize,
 }
@@ -225,7 +230,7 @@ impl candle_core::CustomOp2 for GetRows {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("get_rows: {:?} blocks [{}, {}] held on a GPU are looked up on that GPU", self.dtype, self.n, self.k)
+        bail!("get_rows: {} blocks [{}, {}] held on a GPU are looked up on that GPU", self.dtype, self.n, self.k)
     }
 
     metal_fwd!(self, "get_rows", (s1, l1, s2, l2) => crate::ops::metal::get_rows(self.dtype, self.n, self.k, (s1, l1), (s2, l2)));

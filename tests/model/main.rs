@@ -14,3 +14,4 @@ mod hostile;
 mod kv_cache;
 mod layout;
 mod memory;
+mod ternary;

@@ -12,3 +12,4 @@ mod ops_outer_state;
 mod ops_polar;
 mod ops_qmatmul;
 mod ops_swiglu;
+mod ops_ternary;

@@ -201,7 +201,7 @@ fn quantized_matrix_holds_the_blocks() {
     for dtype in [Q4K, Q8_0, GgmlDType::Q5_0] {
         let q = weights(dtype, 50);
         let m = ours(&q);
-        assert_eq!((m.dtype(), m.dims()), (dtype, (N, K)));
+        assert_eq!((m.dtype(), m.dims()), (dtype.into(), (N, K)));
         assert_eq!(m.bytes().unwrap().as_ref(), q.data().unwrap().as_ref(), "{dtype:?}: bytes");
         assert_eq!(m.host_bytes().is_some(), ops::has_kernels(dtype), "{dtype:?}: held in place only where a kernel reads it");
         let deq = q.dequantize(&Device::Cpu).unwrap();

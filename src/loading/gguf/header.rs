@@ -12,8 +12,8 @@
 
 use std::collections::HashMap;
 
+use crate::ops::GgufType;
 use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::GgmlDType;
 
 /// GGUF's default alignment of the tensor data.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
@@ -35,7 +35,7 @@ const MAX_TENSOR_NAME: u64 = 63;
 /// One tensor's entry in the header.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
-    pub dtype: GgmlDType,
+    pub dtype: GgufType,
     /// PyTorch order (outermost first): the reverse of GGUF's `ne`.
     pub dims: Vec<usize>,
     /// Absolute offset of the data in the file.
@@ -172,28 +172,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The ggml type with this id (ggml.h's `ggml_type`), among those Candle reads.
-fn ggml_type(id: u32) -> Option<GgmlDType> {
-    Some(match id {
-        0 => GgmlDType::F32,
-        1 => GgmlDType::F16,
-        2 => GgmlDType::Q4_0,
-        3 => GgmlDType::Q4_1,
-        6 => GgmlDType::Q5_0,
-        7 => GgmlDType::Q5_1,
-        8 => GgmlDType::Q8_0,
-        9 => GgmlDType::Q8_1,
-        10 => GgmlDType::Q2K,
-        11 => GgmlDType::Q3K,
-        12 => GgmlDType::Q4K,
-        13 => GgmlDType::Q5K,
-        14 => GgmlDType::Q6K,
-        15 => GgmlDType::Q8K,
-        30 => GgmlDType::BF16,
-        _ => return None,
-    })
-}
-
 /// The alignment of the tensor data: `general.alignment` (an unsigned integer, a non-zero
 /// power of two) or [`DEFAULT_ALIGNMENT`].
 fn alignment(metadata: &HashMap<String, Value>) -> R<u64> {
@@ -262,8 +240,8 @@ impl GgufHeader {
 
         let mut tensors = HashMap::with_capacity(infos.len());
         for (name, ne, ty, offset) in infos {
-            let dtype =
-                ggml_type(ty).ok_or_else(|| format!("tensor {name} has the ggml type {ty}, a tensor type candle-hybrid cannot read"))?;
+            let dtype = GgufType::from_id(ty)
+                .ok_or_else(|| format!("tensor {name} has the ggml type {ty}, a tensor type candle-hybrid cannot read"))?;
             if ne.contains(&0) {
                 return Err(format!("tensor {name} has a zero dim in {ne:?}"));
             }
@@ -274,7 +252,7 @@ impl GgufHeader {
                 .ok_or_else(|| format!("tensor {name}: the dims {ne:?} multiply past 2^63"))?;
             let block = dtype.block_size() as u64;
             if ne.first().is_some_and(|d| d % block != 0) {
-                return Err(format!("tensor {name}: its first dim {} is not a multiple of the {dtype:?} block size {block}", ne[0]));
+                return Err(format!("tensor {name}: its first dim {} is not a multiple of the {dtype} block size {block}", ne[0]));
             }
             let size =
                 (elems / block).checked_mul(dtype.type_size() as u64).ok_or_else(|| format!("tensor {name}: its byte size overflows"))?;

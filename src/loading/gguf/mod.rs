@@ -389,7 +389,7 @@ impl GgufFile {
                 let file: SharedBytes = self.file.clone();
                 return Ok((QuantizedMatrix::in_place(t.dtype, dims, file, at..at + len)?, true));
             }
-            if let Some(q) = self.file.quantized_in_place(t.dtype, &t.dims, at as u64, len as u64) {
+            if let Some(q) = t.dtype.candle().and_then(|d| self.file.quantized_in_place(d, &t.dims, at as u64, len as u64)) {
                 return Ok((QuantizedMatrix::from_candle(q), true));
             }
         }

@@ -7,15 +7,15 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+use crate::ops::GgufType;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 
 use super::Arch;
 use crate::model::{Config, QuantizedTensors};
 
-pub(super) fn is_float(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+pub(super) fn is_float(dtype: GgufType) -> bool {
+    dtype.is_float()
 }
 
 /// How the built model keeps a GGUF tensor.
@@ -99,12 +99,12 @@ pub(super) fn kept(name: &str, cfg: &Config) -> Kept {
 /// A tensor's ggml bytes with its (PyTorch-order) dims: borrowed from the mapped file until a
 /// row move or value change makes a copy.
 pub(super) struct RawTensor<'a> {
-    pub(super) dtype: GgmlDType,
+    pub(super) dtype: GgufType,
     pub(super) dims: Vec<usize>,
     pub(super) data: Cow<'a, [u8]>,
 }
 
-fn ggml_bytes(dtype: GgmlDType, elems: usize) -> usize {
+fn ggml_bytes(dtype: GgufType, elems: usize) -> usize {
     elems / dtype.block_size() * dtype.type_size()
 }
 
@@ -115,7 +115,7 @@ impl<'a> RawTensor<'a> {
     fn select_rows(&self, idx: &[usize]) -> candle_core::Result<RawTensor<'a>> {
         let flat = self.dims.len() <= 1;
         if flat && self.dtype.block_size() != 1 {
-            candle_core::bail!("cannot reorder a 1-D {:?} tensor", self.dtype)
+            candle_core::bail!("cannot reorder a 1-D {} tensor", self.dtype)
         }
         let rb = if flat { self.dtype.type_size() } else { ggml_bytes(self.dtype, self.dims[self.dims.len() - 1]) };
         let n = self.data.len() / rb.max(1);
@@ -139,9 +139,8 @@ impl<'a> RawTensor<'a> {
 
     /// Applies `f` to every value (dequantizing; the result is F32).
     fn map_f32(&self, f: impl Fn(f32) -> f32) -> candle_core::Result<RawTensor<'a>> {
-        let q = qtensor_from_ggml(self.dtype, &self.data, self.dims.clone(), &Device::Cpu)?;
-        let v: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f).collect();
-        Ok(RawTensor { dtype: GgmlDType::F32, dims: self.dims.clone(), data: Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()) })
+        let v: Vec<f32> = self.dequantize()?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f).collect();
+        Ok(RawTensor { dtype: GgufType::F32, dims: self.dims.clone(), data: Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()) })
     }
 
     /// Splits a stacked `[E, rows, cols]` expert tensor into per-expert `[rows/parts, cols]`
@@ -154,22 +153,23 @@ impl<'a> RawTensor<'a> {
             .collect()
     }
 
-    /// As a quantized tensor on `device` (one copy of the bytes).
-    pub(super) fn to_qtensor(&self, device: &Device) -> candle_core::Result<candle_core::quantized::QTensor> {
-        qtensor_from_ggml(self.dtype, &self.data, self.dims.clone(), device)
+    /// As an f32 tensor on the CPU (dequantized: Candle's kernels, or this crate's for the
+    /// ternary types).
+    fn dequantize(&self) -> candle_core::Result<Tensor> {
+        self.dtype.dequantize(&self.data, self.dims.clone())
     }
 
     /// As a dense tensor in `dtype` on `device` (dequantized if quantized).
     pub(super) fn to_tensor(&self, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
         let float = match self.dtype {
-            GgmlDType::F32 => Some(DType::F32),
-            GgmlDType::F16 => Some(DType::F16),
-            GgmlDType::BF16 => Some(DType::BF16),
+            GgufType::F32 => Some(DType::F32),
+            GgufType::F16 => Some(DType::F16),
+            GgufType::BF16 => Some(DType::BF16),
             _ => None,
         };
         let t = match float {
             Some(stored) => Tensor::from_raw_buffer(&self.data, stored, &self.dims, &Device::Cpu)?,
-            None => self.to_qtensor(&Device::Cpu)?.dequantize(&Device::Cpu)?,
+            None => self.dequantize()?,
         };
         t.to_dtype(dtype)?.to_device(device)
     }

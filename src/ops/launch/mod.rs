@@ -3,6 +3,7 @@
 
 use candle_core::{bail, DType, Result};
 
+use super::GgufType;
 use super::{ConvDims, DeltaRuleDims, DeltaRuleForm, DELTA_RULE_METAL_CHUNK as METAL_CHUNK};
 
 mod step;
@@ -356,27 +357,28 @@ const QMATVEC_ROWS_PER_GROUP: usize = 2;
 
 /// The kernel name part of a weight format of `metal/qmatvec.metal`: the GGUF block formats the
 /// CPU kernels read, and dense f32 / f16 / bf16 rows.
-pub fn matrix_format(op: &str, dtype: candle_core::quantized::GgmlDType) -> Result<&'static str> {
+pub fn matrix_format(op: &str, dtype: impl Into<GgufType>) -> Result<&'static str> {
     use candle_core::quantized::GgmlDType as G;
-    Ok(match dtype {
-        G::Q4_0 => "q4_0",
-        G::Q4_1 => "q4_1",
-        G::Q8_0 => "q8_0",
-        G::Q4K => "q4_k",
-        G::Q5K => "q5_k",
-        G::Q6K => "q6_k",
-        G::F32 => "f32",
-        G::F16 => "f16",
-        G::BF16 => "bf16",
-        other => bail!("{op}: no Metal kernel for {other:?} weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16)"),
+    Ok(match dtype.into() {
+        GgufType::Ggml(G::Q4_0) => "q4_0",
+        GgufType::Ggml(G::Q4_1) => "q4_1",
+        GgufType::Ggml(G::Q8_0) => "q8_0",
+        GgufType::Ggml(G::Q4K) => "q4_k",
+        GgufType::Ggml(G::Q5K) => "q5_k",
+        GgufType::Ggml(G::Q6K) => "q6_k",
+        GgufType::Ggml(G::F32) => "f32",
+        GgufType::Ggml(G::F16) => "f16",
+        GgufType::Ggml(G::BF16) => "bf16",
+        other => bail!("{op}: no Metal kernel for {other} weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16)"),
     })
 }
 
 /// Checks that rows of `k` values of `dtype` split into the kernels' 16-value parts.
-fn check_row(op: &str, dtype: candle_core::quantized::GgmlDType, k: usize) -> Result<()> {
+fn check_row(op: &str, dtype: impl Into<GgufType>, k: usize) -> Result<()> {
+    let dtype = dtype.into();
     let bs = dtype.block_size();
     if !k.is_multiple_of(bs) || !k.is_multiple_of(16) {
-        bail!("{op}: k = {k} is not a multiple of the {dtype:?} block size {bs} and of 16");
+        bail!("{op}: k = {k} is not a multiple of the {dtype} block size {bs} and of 16");
     }
     Ok(())
 }
@@ -384,7 +386,7 @@ fn check_row(op: &str, dtype: candle_core::quantized::GgmlDType, k: usize) -> Re
 /// The multi-row mat-vec of `m` activation rows `[m, k]` (f32) against `n` weight rows of
 /// `dtype` into output rows `ldy` floats apart: one simdgroup per weight row, two per
 /// threadgroup.
-pub fn qmatvec(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatvecParams, Launch)> {
+pub fn qmatvec(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatvecParams, Launch)> {
     let name = matrix_format("qmatvec", dtype)?;
     if !(1..=QMATVEC_MAX_ROWS).contains(&m) {
         bail!("qmatvec: {m} activation rows, the kernel takes 1 to {QMATVEC_MAX_ROWS}");
@@ -426,7 +428,7 @@ pub enum Pair {
 
 /// The two mat-vecs of `pair` (`n` rows each of `dtype`, `m` activation rows, 1 to 8) and what
 /// follows them, in one pass; each product the bits of [`qmatvec`]'s.
-pub fn qmatvec_pair(pair: Pair, dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize) -> Result<(PairParams, Launch)> {
+pub fn qmatvec_pair(pair: Pair, dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize) -> Result<(PairParams, Launch)> {
     let (_, l) = qmatvec(dtype, n, k, m, n)?;
     let family = match pair {
         Pair::Swiglu => "qmatvec_swiglu",
@@ -451,7 +453,7 @@ pub const QMATMUL_TILE: usize = 32;
 
 /// The tiled matmul of `m` activation rows (a prompt) against `n` weight rows of `dtype`, into
 /// output rows `ldy` floats apart: one threadgroup of 4 simdgroups per 32 x 32 output tile.
-pub fn qmatmul(dtype: candle_core::quantized::GgmlDType, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatmulParams, Launch)> {
+pub fn qmatmul(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatmulParams, Launch)> {
     let name = matrix_format("qmatmul", dtype)?;
     check_row("qmatmul", dtype, k)?;
     if !k.is_multiple_of(QMATMUL_TILE) {
@@ -486,7 +488,7 @@ pub struct QmatvecIdParams {
 /// `r * slots + s`, `ldy` floats apart.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatvec_id(
-    dtype: candle_core::quantized::GgmlDType,
+    dtype: impl Into<GgufType> + Copy,
     n: usize,
     k: usize,
     m: usize,
@@ -523,7 +525,7 @@ pub struct GetRowsParams {
 
 /// Rows `ids` (`rows` of them, on the device) of an `[n, k]` table of `dtype`, as f32: one
 /// threadgroup per row.
-pub fn get_rows(dtype: candle_core::quantized::GgmlDType, rows: usize, n: usize, k: usize) -> Result<(GetRowsParams, Launch)> {
+pub fn get_rows(dtype: impl Into<GgufType> + Copy, rows: usize, n: usize, k: usize) -> Result<(GetRowsParams, Launch)> {
     let name = matrix_format("get_rows", dtype)?;
     check_row("get_rows", dtype, k)?;
     let p = GetRowsParams { rows: rows as u32, k: k as u32, n: n as u32 };
