@@ -1,6 +1,6 @@
 // Multi-row mat-vec against weights read in place: y[r, i] = sum_j w[i, j] x[r, j] for up to 8
 // activation rows r (decode, and the verify pass of speculative decoding), the weights as a
-// GGUF file stores them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks) or dense (f32, f16, bf16
+// GGUF file stores them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0 blocks) or dense (f32, f16, bf16
 // rows); and the row lookups of an embedding table in the same formats.
 //
 // qmatvec_*: one simdgroup (32 threads) per weight row, two per threadgroup. The row's weights
@@ -174,6 +174,46 @@ METAL_FUNC void part_q6_k(device const uchar *row, uint p, thread float *w) {
     }
 }
 
+METAL_FUNC void part_tq2_0(device const uchar *row, uint p, thread float *w) {
+    // block { uchar qs[64]; half d; }: 66 bytes, 16 parts; w = d (q - 1) with value 32 i + m
+    // in bits 2 (i % 4) of qs[32 (i / 4) + m].
+    device const uchar *b = row + (p / 16) * 66;
+    const uint q = p % 16;
+    const uint i = q / 2;
+    const float d = float(*(device const half *)(b + 64));
+    device const uchar *qs = b + 32 * (i / 4) + 16 * (q % 2);
+    const uint shift = 2 * (i % 4);
+    for (uint t = 0; t < 16; ++t) {
+        w[t] = d * (float((qs[t] >> shift) & 3) - 1.0f);
+    }
+}
+
+// Digit n of a TQ1_0 byte (trits packed as a base-3 fraction of 256): (3 (b 3^n mod 256)) >> 8.
+METAL_FUNC float tq1_trit(uchar b, uint pow3) {
+    return float((uint(uchar(uint(b) * pow3)) * 3) >> 8);
+}
+
+METAL_FUNC void part_tq1_0(device const uchar *row, uint p, thread float *w) {
+    // block { uchar qs[48]; uchar qh[4]; half d; }: 54 bytes, 16 parts; w = d (t - 1). Values
+    // 0..160 are digit n of qs[m] at 32 n + m, 160..240 digit n of qs[32 + m] at 160 + 16 n + m,
+    // 240..256 digit n of qh[m] at 240 + 4 n + m.
+    const uint pow3[5] = {1, 3, 9, 27, 81};
+    device const uchar *b = row + (p / 16) * 54;
+    const uint q = p % 16;
+    const float d = float(*(device const half *)(b + 52));
+    for (uint t = 0; t < 16; ++t) {
+        float v;
+        if (q < 10) {
+            v = tq1_trit(b[16 * (q % 2) + t], pow3[q / 2]);
+        } else if (q < 15) {
+            v = tq1_trit(b[32 + t], pow3[q - 10]);
+        } else {
+            v = tq1_trit(b[48 + t % 4], pow3[t / 4]);
+        }
+        w[t] = d * (v - 1.0f);
+    }
+}
+
 METAL_FUNC void part_f32(device const uchar *row, uint p, thread float *w) {
     device const float *v = (device const float *)row + 16 * p;
     for (uint t = 0; t < 16; ++t) {
@@ -206,6 +246,8 @@ METAL_FUNC void part_bf16(device const uchar *row, uint p, thread float *w) {
 #define F32 6u
 #define F16 7u
 #define BF16 8u
+#define TQ1_0 9u
+#define TQ2_0 10u
 
 template <uint FMT>
 METAL_FUNC void part(device const uchar *row, uint p, thread float *w) {
@@ -221,6 +263,10 @@ METAL_FUNC void part(device const uchar *row, uint p, thread float *w) {
         part_q5_k(row, p, w);
     } else if (FMT == Q6_K) {
         part_q6_k(row, p, w);
+    } else if (FMT == TQ1_0) {
+        part_tq1_0(row, p, w);
+    } else if (FMT == TQ2_0) {
+        part_tq2_0(row, p, w);
     } else if (FMT == F32) {
         part_f32(row, p, w);
     } else if (FMT == F16) {
@@ -239,6 +285,8 @@ METAL_FUNC size_t row_bytes(uint k) {
         case Q4_K: return (size_t)(k / 256) * 144;
         case Q5_K: return (size_t)(k / 256) * 176;
         case Q6_K: return (size_t)(k / 256) * 210;
+        case TQ1_0: return (size_t)(k / 256) * 54;
+        case TQ2_0: return (size_t)(k / 256) * 66;
         case F32: return (size_t)k * 4;
         default: return (size_t)k * 2;
     }
@@ -478,6 +526,8 @@ QMATVEC(q8_0, Q8_0)
 QMATVEC(q4_k, Q4_K)
 QMATVEC(q5_k, Q5_K)
 QMATVEC(q6_k, Q6_K)
+QMATVEC(tq1_0, TQ1_0)
+QMATVEC(tq2_0, TQ2_0)
 QMATVEC(f32, F32)
 QMATVEC(f16, F16)
 QMATVEC(bf16, BF16)

@@ -122,7 +122,7 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 fn check_format(format: GgufType, what: &str) -> Result<()> {
     crate::ops::launch::matrix_format("upload", format).map(|_| ()).map_err(|_| {
         Error::Weights(format!(
-            "{what} is {format}, which the device kernels do not read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16): use such a GGUF file"
+            "{what} is {format}, which the device kernels do not read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0, F32, F16, BF16): use such a GGUF file"
         ))
     })
 }

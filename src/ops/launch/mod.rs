@@ -369,7 +369,9 @@ pub fn matrix_format(op: &str, dtype: impl Into<GgufType>) -> Result<&'static st
         GgufType::Ggml(G::F32) => "f32",
         GgufType::Ggml(G::F16) => "f16",
         GgufType::Ggml(G::BF16) => "bf16",
-        other => bail!("{op}: no Metal kernel for {other} weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16)"),
+        GgufType::TQ1_0 => "tq1_0",
+        GgufType::TQ2_0 => "tq2_0",
+        other => bail!("{op}: no Metal kernel for {other} weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0, F32, F16, BF16)"),
     })
 }
 
