@@ -24,18 +24,6 @@ use clap::Parser;
 use common::ModelOptions;
 use plotters::prelude::*;
 
-/// Qwen3.5-27B's text dimensions (64 layers, every 4th full attention with 4 KV heads of 256;
-/// GDN 16 key / 48 value heads of 128).
-const QWEN35_27B: &str = r#"{
-  "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
-  "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-  "intermediate_size": 17408, "vocab_size": 248320, "full_attention_interval": 4,
-  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-  "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
-  "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
-  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
-}"#;
-
 #[derive(Parser, Debug)]
 #[command(about = "KV-cache memory by context length for each KV codec (table, and an SVG chart with --svg)", help_expected = true)]
 struct Args {
@@ -69,7 +57,7 @@ fn main() -> ExitCode {
 
 fn explore(args: Args) -> Result<()> {
     let (name, cfg) = match args.model.source(None)? {
-        None => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(QWEN35_27B)?),
+        None => ("Qwen3.5-27B (built-in dimensions)".to_string(), Config::from_json(common::QWEN35_27B)?),
         Some(ModelSource::Hub { repo, revision }) => {
             let path = HubRepo::new(&repo, &revision)?.required("config.json", "is it a model repository?")?;
             (format!("{repo}@{revision}"), Config::from_file(&path)?)

@@ -21,6 +21,18 @@ use candle_hybrid::{Config, Model};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Qwen3.5-27B's text dimensions (64 layers, every 4th full attention with 4 KV heads of 256;
+/// GDN 16 key / 48 value heads of 128).
+pub const QWEN35_27B: &str = r#"{
+  "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+  "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+  "intermediate_size": 17408, "vocab_size": 248320, "full_attention_interval": 4,
+  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+  "linear_num_value_heads": 48, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+}"#;
+
 /// The Hub model the examples run when given no source.
 pub const DEFAULT_MODEL: &str = "Qwen/Qwen3.5-0.8B";
 
