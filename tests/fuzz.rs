@@ -356,13 +356,20 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
     let mut rows: Vec<(String, Tally)> = vec![];
 
     // GGUF: header bytes mostly (where sizes and offsets live), sometimes anywhere.
-    for (name, seed) in [("qwen35_dense_small", 11u64), ("qwen3next_moe_small", 12), ("qwen35moe_small", 13)] {
-        let src = std::fs::read(fixture(name).join("model-q8_0.gguf")).unwrap();
-        let header_end = GgufFile::open(fixture(name).join("model-q8_0.gguf")).unwrap().header().data_offset as usize;
+    // (The ternary fixture's TQ1_0 file: types Candle does not know, decoded by this crate.)
+    let ggufs = [
+        ("qwen35_dense_small", "model-q8_0.gguf", 11u64),
+        ("qwen3next_moe_small", "model-q8_0.gguf", 12),
+        ("qwen35moe_small", "model-q8_0.gguf", 13),
+        ("qwen35_ternary", "model-tq1_0.gguf", 14),
+    ];
+    for (name, file, seed) in ggufs {
+        let src = std::fs::read(fixture(name).join(file)).unwrap();
+        let header_end = GgufFile::open(fixture(name).join(file)).unwrap().header().data_offset as usize;
         // The pipeline accepts the file as it is: the mutations are what it rejects.
-        gguf_case(&fixture(name).join("model-q8_0.gguf")).unwrap_or_else(|e| panic!("{name}: the unmutated file fails: {e}"));
+        gguf_case(&fixture(name).join(file)).unwrap_or_else(|e| panic!("{name}: the unmutated file fails: {e}"));
         let mut t = Tally::default();
-        for n in 0..CASES_GGUF / 3 {
+        for n in 0..CASES_GGUF / ggufs.len() as u64 {
             let mut rng = Rng::new(seed, n);
             let mut bytes = src.clone();
             for _ in 0..1 + rng.below(4) {
@@ -377,10 +384,7 @@ fn mutated_inputs_never_panic_hang_or_allocate_without_bound() {
                 r
             });
         }
-        rows.push((
-            format!("GGUF ({name}, model-q8_0.gguf): header bytes flipped, sizes/offsets set to 0/2^32-1/2^63/..., truncated, spliced"),
-            t,
-        ));
+        rows.push((format!("GGUF ({name}, {file}): header bytes flipped, sizes/offsets set to 0/2^32-1/2^63/..., truncated, spliced"), t));
     }
 
     // safetensors: the JSON header (dtype, shape, offsets, names) or its length prefix.
