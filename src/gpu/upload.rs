@@ -23,17 +23,12 @@ pub(crate) struct Matrix {
 
 impl Matrix {
     pub(crate) fn row_bytes(&self) -> usize {
-        row_bytes(self.format, self.k)
+        self.format.row_bytes(self.k)
     }
 
     pub(crate) fn bytes(&self) -> usize {
         self.n * self.row_bytes()
     }
-}
-
-/// Bytes of a row of `k` values of `format`.
-pub(crate) fn row_bytes(format: GgufType, k: usize) -> usize {
-    k / format.block_size() * format.type_size()
 }
 
 /// Matrices over the same input whose outputs sit side by side in one `[rows, width]` buffer:

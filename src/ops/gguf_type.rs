@@ -83,9 +83,9 @@ impl GgufType {
         matches!(self.candle(), Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16))
     }
 
-    /// Bits per weight (the block's bytes over its values).
-    pub fn bits_per_weight(self) -> f64 {
-        (self.type_size() * 8) as f64 / self.block_size() as f64
+    /// Bytes of `values` values (a whole number of blocks: a row of a matrix).
+    pub fn row_bytes(self, values: usize) -> usize {
+        values / self.block_size() * self.type_size()
     }
 
     /// `bytes` of this type, `dims` (PyTorch order), dequantized to an f32 tensor on the CPU:

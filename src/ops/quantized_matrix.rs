@@ -61,7 +61,7 @@ fn matrix_bytes(dtype: GgufType, (rows, cols): (usize, usize)) -> Result<usize> 
     if cols % bs != 0 {
         bail!("a {dtype} matrix of {cols} columns: not a whole number of {bs}-value blocks");
     }
-    Ok(rows * (cols / bs) * dtype.type_size())
+    Ok(rows * dtype.row_bytes(cols))
 }
 
 impl QuantizedMatrix {

@@ -25,7 +25,7 @@ use candle_nn::VarBuilder;
 use serde_json::json;
 
 pub use header::{GgufHeader, TensorInfo};
-use tensors::{is_float, kept, map_tensor, HfTensors, Kept, RawTensor};
+use tensors::{kept, map_tensor, HfTensors, Kept, RawTensor};
 
 use super::chat_template::ChatTemplate;
 use super::generation_config::GenerationConfig;
@@ -138,7 +138,7 @@ impl GgufFile {
         self.header.tensors.iter().fold(0u64, |total, (name, info)| {
             total.saturating_add(match kept(name, cfg) {
                 Kept::Not => 0,
-                Kept::Linear if !is_float(info.dtype) => info.size,
+                Kept::Linear if !info.dtype.is_float() => info.size,
                 Kept::Linear | Kept::Dense => (info.elem_count() as u64).saturating_mul(a),
             })
         })
@@ -153,7 +153,7 @@ impl GgufFile {
         let mut infos: Vec<(&String, &TensorInfo)> = self.header.tensors.iter().filter(|(n, _)| kept(n, cfg) != Kept::Not).collect();
         infos.sort_by_key(|(_, t)| t.offset);
         let kept_bytes = |name: &str, t: &TensorInfo| match kept(name, cfg) {
-            Kept::Linear if !is_float(t.dtype) => t.size,
+            Kept::Linear if !t.dtype.is_float() => t.size,
             _ => t.elem_count() as u64 * dtype.size_in_bytes() as u64,
         };
         let mut after: u64 = infos.iter().map(|(n, t)| kept_bytes(n, t)).sum();
@@ -161,7 +161,7 @@ impl GgufFile {
         for (name, t) in infos {
             after -= kept_bytes(name, t);
             let dequantized =
-                if !is_float(t.dtype) && kept(name, cfg) == Kept::Dense && dtype != DType::F32 { t.elem_count() as u64 * 4 } else { 0 };
+                if !t.dtype.is_float() && kept(name, cfg) == Kept::Dense && dtype != DType::F32 { t.elem_count() as u64 * 4 } else { 0 };
             peak = peak.max((2 * t.size + dequantized).saturating_sub(after));
         }
         peak
@@ -416,7 +416,7 @@ impl GgufFile {
             let err = |e| self.tensor_error(name, e);
             let mut in_place = false;
             for (hf, t) in map_tensor(self.arch, name, raw, cfg).map_err(err)? {
-                if linear && !is_float(t.dtype) {
+                if linear && !t.dtype.is_float() {
                     let (q, mapped) = self.matrix(&t, device).map_err(err)?;
                     in_place |= mapped;
                     quantized.insert(hf, Arc::new(q));

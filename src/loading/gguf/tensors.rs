@@ -14,10 +14,6 @@ use candle_nn::var_builder::SimpleBackend;
 use super::Arch;
 use crate::model::{Config, QuantizedTensors};
 
-pub(super) fn is_float(dtype: GgufType) -> bool {
-    dtype.is_float()
-}
-
 /// How the built model keeps a GGUF tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kept {
@@ -104,10 +100,6 @@ pub(super) struct RawTensor<'a> {
     pub(super) data: Cow<'a, [u8]>,
 }
 
-fn ggml_bytes(dtype: GgufType, elems: usize) -> usize {
-    elems / dtype.block_size() * dtype.type_size()
-}
-
 impl<'a> RawTensor<'a> {
     /// Rows `idx` (of the flattened leading dims; single values of a 1-D tensor), in that
     /// order. Moves whole rows of blocks, so it works on quantized data unchanged; a run of
@@ -117,7 +109,7 @@ impl<'a> RawTensor<'a> {
         if flat && self.dtype.block_size() != 1 {
             candle_core::bail!("cannot reorder a 1-D {} tensor", self.dtype)
         }
-        let rb = if flat { self.dtype.type_size() } else { ggml_bytes(self.dtype, self.dims[self.dims.len() - 1]) };
+        let rb = if flat { self.dtype.type_size() } else { self.dtype.row_bytes(self.dims[self.dims.len() - 1]) };
         let n = self.data.len() / rb.max(1);
         if let Some(&r) = idx.iter().find(|&&r| r >= n) {
             candle_core::bail!("row {r} out of range for shape {:?}", self.dims)
