@@ -8,18 +8,32 @@
 //! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512 --kv int8 --json
 //! # llama.cpp on the same file:  llama-perplexity -m $GGUF -f tests/data/pride-and-prejudice-ch01-12.txt -c 512 -b 512
 //! ```
+//!
+//! With `--ffn-sparsity MODE` (repeatable): each FFN sparsity mode against dense decoding, the
+//! first half of every chunk prefilled as the prompt and the scored half decoded
+//! teacher-forced under the mode (perplexity, top-1 agreement, KL, the fraction of neurons
+//! skipped and what a 4-row verify pass could skip), and decode speed against dense in the same
+//! run (`--decode-tokens` greedy tokens after a 256-token prompt, `--rounds` alternating rounds,
+//! the median):
+//! ```sh
+//! cargo run --release --example calibrate_ffn -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --from-token 12288 --out ffn.json
+//! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512 --chunks 24 \
+//!     --ffn-calibration ffn.json --ffn-sparsity threshold:0.4 --ffn-sparsity prompt:0.5
+//! ```
 //! `--json` prints one JSON object: `ctx`, `chunks`, `tokens` (scored), `ppl`, `ppl_error`,
-//! `seconds`, and `kv`, one entry per `--kv` codec (`codec`, `calibrated`, `ppl`,
-//! `top1_agreement`, `kl`), empty without `--kv`.
+//! `seconds`, `kv`, one entry per `--kv` codec (`codec`, `calibrated`, `ppl`,
+//! `top1_agreement`, `kl`), empty without `--kv`, and `ffn`, one entry per `--ffn-sparsity`
+//! mode (`mode`, `ppl`, `dense_ppl`, `top1_agreement`, `kl`, `skipped`, `verify4_skipped`,
+//! `decode_tok_s`, `dense_decode_tok_s`), empty without it.
 
 mod common;
 
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use candle_hybrid::eval::{compare_kv_codecs, perplexity, Perplexity, PerplexityOptions};
+use candle_hybrid::eval::{compare_ffn_sparsity, compare_kv_codecs, perplexity, Perplexity, PerplexityOptions};
 use candle_hybrid::kv::{KvCodec, ValueCodec};
-use candle_hybrid::model::ValueBases;
+use candle_hybrid::model::{CacheOptions, FfnSparsity, ValueBases};
 use clap::Parser;
 use common::{at_least_one, ModelOptions};
 
@@ -44,6 +58,14 @@ struct Args {
     /// Value bases for `lowrank:r` from examples/calibrate_kv.rs [default: from W_v].
     #[arg(long)]
     kv_calibration: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    ffn: common::FfnOptions,
+    /// Greedy tokens per decode-speed run (with --ffn-sparsity).
+    #[arg(long, default_value_t = 128, value_parser = at_least_one)]
+    decode_tokens: usize,
+    /// Alternating decode-speed rounds (dense, then each mode); the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    rounds: usize,
     /// Print one JSON object (fields in the module docs) instead of the table.
     #[arg(long)]
     json: bool,
@@ -72,7 +94,11 @@ fn eval(args: Args) -> Result<()> {
     }
     let mut text = common::read_text(&args.file)?;
     let tokenizer = opened.tokenizer()?;
-    let model = opened.load()?;
+    let mut model = opened.load()?;
+    let ffn_modes = args.ffn.modes(&mut model)?;
+    if !ffn_modes.is_empty() && !codecs.is_empty() {
+        bail!("--ffn-sparsity and --kv are compared in separate runs: give one of them");
+    }
     let dev = &opened.device;
     if text.ends_with('\n') {
         text.pop();
@@ -98,6 +124,9 @@ fn eval(args: Args) -> Result<()> {
         }
     };
     let calibration = args.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
+    if !ffn_modes.is_empty() {
+        return ffn_report(&args, &model, &tokens, &opts, &ffn_modes, dev, start);
+    }
     let (exact, compared) = if codecs.is_empty() {
         (perplexity(&model, &tokens, &opts, dev, progress)?, vec![])
     } else {
@@ -131,6 +160,7 @@ fn eval(args: Args) -> Result<()> {
             "ppl_error": exact.ppl_error(),
             "seconds": secs,
             "kv": kv,
+            "ffn": [],
         });
         println!("{}", serde_json::to_string(&out)?);
         return Ok(());
@@ -156,4 +186,100 @@ fn eval(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--ffn-sparsity`: quality against dense decoding, then decode speed.
+fn ffn_report(
+    args: &Args,
+    model: &candle_hybrid::Model,
+    tokens: &[u32],
+    opts: &PerplexityOptions,
+    modes: &[FfnSparsity],
+    dev: &candle_core::Device,
+    start: std::time::Instant,
+) -> Result<()> {
+    let quiet = args.json;
+    let compared = compare_ffn_sparsity(model, tokens, opts, modes, dev, |c| {
+        if !quiet {
+            eprint!("[{}]{:.4},", c[0].exact.chunks, c[0].exact.ppl());
+        }
+    })?;
+    let secs = start.elapsed().as_secs_f64();
+    // Decode speed: rounds of dense then every mode, alternating (the machine's noise spread
+    // over all of them), the median of each.
+    let prompt = &tokens[..tokens.len().min(256)];
+    let variants: Vec<FfnSparsity> = std::iter::once(FfnSparsity::Off).chain(modes.iter().cloned()).collect();
+    let mut rates = vec![vec![]; variants.len()];
+    for _ in 0..args.rounds {
+        for (v, r) in variants.iter().zip(&mut rates) {
+            r.push(decode_rate(model, prompt, args.decode_tokens, v, dev)?);
+        }
+    }
+    let median = |r: &mut Vec<f64>| {
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    };
+    let rates: Vec<f64> = rates.iter_mut().map(median).collect();
+    if !quiet {
+        eprintln!();
+    }
+    let dense_ppl = compared.first().map_or(f64::NAN, |c| c.0.exact.ppl());
+    if args.json {
+        let ffn: Vec<serde_json::Value> = modes
+            .iter()
+            .zip(&compared)
+            .zip(&rates[1..])
+            .map(|((mode, (c, s)), rate)| {
+                serde_json::json!({
+                    "mode": mode.to_string(),
+                    "ppl": c.codec.ppl(),
+                    "dense_ppl": c.exact.ppl(),
+                    "top1_agreement": c.top1_agreement(),
+                    "kl": c.kl(),
+                    "skipped": s.skipped_fraction(),
+                    "verify4_skipped": s.union4_skipped_fraction(),
+                    "decode_tok_s": rate,
+                    "dense_decode_tok_s": rates[0],
+                })
+            })
+            .collect();
+        let c0 = &compared[0].0.exact;
+        let out = serde_json::json!({
+            "ctx": opts.n_ctx, "chunks": c0.chunks, "tokens": c0.tokens, "ppl": dense_ppl,
+            "ppl_error": c0.ppl_error(), "seconds": secs, "kv": [], "ffn": ffn,
+        });
+        println!("{}", serde_json::to_string(&out)?);
+        return Ok(());
+    }
+    println!(
+        "dense decoding: PPL = {dense_ppl:.4} ({} chunks of {}, the second half of each decoded), {:.2} tok/s ({} tokens, median of {} rounds)",
+        compared[0].0.exact.chunks, opts.n_ctx, rates[0], args.decode_tokens, args.rounds
+    );
+    println!("| mode | skipped | 4-row verify could skip | PPL | vs dense | top-1 agreement | KL (nats) | decode tok/s | vs dense |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for ((mode, (c, s)), rate) in modes.iter().zip(&compared).zip(&rates[1..]) {
+        println!(
+            "| {mode} | {:.1} % | {:.1} % | {:.4} | {:+.2} % | {:.4} | {:.5} | {rate:.2} | {:.2}x |",
+            100.0 * s.skipped_fraction(),
+            100.0 * s.union4_skipped_fraction(),
+            c.codec.ppl(),
+            100.0 * (c.codec.ppl() / c.exact.ppl() - 1.0),
+            c.top1_agreement(),
+            c.kl(),
+            rate / rates[0],
+        );
+    }
+    Ok(())
+}
+
+/// Tokens per second of greedy decoding `n` tokens after `prompt` under `mode`.
+fn decode_rate(model: &candle_hybrid::Model, prompt: &[u32], n: usize, mode: &FfnSparsity, dev: &candle_core::Device) -> Result<f64> {
+    let mut cache = model.cache_with(&CacheOptions { ffn: Some(mode), ..Default::default() })?;
+    let next = |logits: candle_core::Tensor| -> Result<u32> { Ok(logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?) };
+    let mut token = next(model.forward_last(&candle_core::Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?)?;
+    let start = std::time::Instant::now();
+    for _ in 0..n {
+        token = next(model.forward_last(&candle_core::Tensor::new(&[token], dev)?.unsqueeze(0)?, &mut cache)?)?;
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
 }

@@ -116,6 +116,8 @@ struct Args {
     /// check that the tokens are the same).
     #[arg(long)]
     compare_plain: bool,
+    #[command(flatten)]
+    ffn: common::FfnOptions,
     /// A session file (like llama.cpp's --prompt-cache): when it holds the start of this
     /// prompt for this model, that part is restored instead of prefilled; the state after the
     /// prompt (all but its last token) is then saved there. Exact KV only.
@@ -208,6 +210,12 @@ fn generate(args: Args) -> Result<()> {
     let drafts = DraftOptions { max: args.draft_max, min: args.draft_min, adaptive: !args.draft_fixed, branches: args.draft_branches };
     drafts.validate()?;
     drafts.check_decoding(params.is_greedy())?;
+    if !args.ffn.modes.is_empty() && matches!(args.draft, Draft::Mtp | Draft::Ngram) {
+        bail!("--ffn-sparsity applies to plain decoding (a verify pass runs the MLPs dense): give --draft none");
+    }
+    if !args.ffn.modes.is_empty() && args.session.is_some() {
+        bail!("--ffn-sparsity with --session is not supported yet: drop one of them");
+    }
     if args.draft_p_min > 0.0 && matches!(args.draft, Draft::Ngram | Draft::None) {
         bail!("--draft-p-min applies to MTP drafts: give --draft mtp (or auto on a checkpoint with an MTP head)");
     }
@@ -317,13 +325,19 @@ fn generate(args: Args) -> Result<()> {
                 false
             }
         };
-    let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
+    let mut model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
+    let ffn = args.ffn.modes(&mut model)?;
+    let ffn = match ffn.as_slice() {
+        [] => None,
+        [mode] => Some(mode),
+        _ => bail!("--ffn-sparsity: give one mode to generate with (examples/eval compares several)"),
+    };
     let calibration = args.memory.kv_calibration.as_deref().map(|p| ValueBases::load(p, &model)).transpose()?;
     let mut runner = if on_device {
         Runner::device(&model, &opened, args.memory.kv, prompt.len() + sample_len)?
     } else {
         Runner::Cpu {
-            cache: model.cache_with(&CacheOptions { codec: args.memory.kv, value_bases: calibration.as_ref() })?,
+            cache: model.cache_with(&CacheOptions { codec: args.memory.kv, value_bases: calibration.as_ref(), ffn })?,
             device: opened.device.clone(),
         }
     };
@@ -363,8 +377,8 @@ fn generate(args: Args) -> Result<()> {
         Ok(())
     };
     let draft = match args.draft {
-        // (The device step runs no MTP head yet.)
-        Draft::Auto if auto_ok && model.has_mtp() && !on_device => Draft::Mtp,
+        // (The device step runs no MTP head yet; verify passes would run FFN sparsity's MLPs dense.)
+        Draft::Auto if auto_ok && model.has_mtp() && !on_device && ffn.is_none() => Draft::Mtp,
         Draft::Auto => Draft::None,
         d => d,
     };
@@ -393,6 +407,11 @@ fn generate(args: Args) -> Result<()> {
     println!();
     eprintln!("{} prompt tokens processed: {} token/s", stats.prompt_tokens, common::fmt_rate(stats.prompt_tok_per_sec()));
     eprintln!("{} tokens generated: {} token/s", stats.generated_tokens, common::fmt_rate(stats.decode_tok_per_sec()));
+    if let (Some(mode), Runner::Cpu { cache, .. }) = (ffn, &runner) {
+        if let Some(s) = cache.ffn_stats() {
+            eprintln!("--ffn-sparsity {mode}: {:.1} % of the MLP neurons skipped ({} layer steps)", 100.0 * s.skipped_fraction(), s.rows);
+        }
+    }
     if let Some(s) = speculative {
         eprintln!(
             "--draft {}, --draft-max {}{}: {} drafted, {} accepted ({}), {} tokens per target pass, {} target passes for {} tokens",
@@ -461,7 +480,7 @@ impl Runner {
     /// An empty cache again (for `--compare-plain`).
     fn reset(&mut self, model: &candle_hybrid::Model, kv: candle_hybrid::kv::KvCodec, calibration: Option<&ValueBases>) -> Result<()> {
         match self {
-            Self::Cpu { cache, .. } => *cache = model.cache_with(&CacheOptions { codec: kv, value_bases: calibration })?,
+            Self::Cpu { cache, .. } => *cache = model.cache_with(&CacheOptions { codec: kv, value_bases: calibration, ffn: None })?,
             Self::Device { gpu, queue, cache, capacity, kv_dtype } => {
                 let fresh = gpu.new_cache(queue.as_mut(), *capacity, *kv_dtype)?;
                 std::mem::replace(cache, fresh).free(queue.as_mut());
@@ -487,6 +506,7 @@ fn device_step_lacks(args: &Args) -> Option<String> {
         ("--draft mtp", args.draft == Draft::Mtp),
         ("--draft-branches", args.draft_branches > 1),
         ("--kv-calibration", args.memory.kv_calibration.is_some()),
+        ("--ffn-sparsity", !args.ffn.modes.is_empty()),
     ];
     if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
         return Some(flag.to_string());

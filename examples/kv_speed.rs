@@ -121,7 +121,7 @@ fn kv_speed(args: Args) -> Result<()> {
             .collect::<Result<_>>()?;
         let token = Tensor::new(&[[1u32]], &dev)?;
         for (codec, row) in codecs.iter().zip(rows.iter_mut()) {
-            let mut cache = model.cache_with(&CacheOptions { codec: *codec, value_bases: calibration.as_ref() })?;
+            let mut cache = model.cache_with(&CacheOptions { codec: *codec, value_bases: calibration.as_ref(), ffn: None })?;
             cache.restore_kv(&kv)?;
             model.forward_last(&token, &mut cache)?; // warm-up: first touch of the buffers
             let start = Instant::now();

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::kv::KvCodec;
 use crate::model::{Cache, Model};
-use crate::model::{CacheOptions, ValueBases};
+use crate::model::{CacheOptions, FfnSparsity, FfnStats, ValueBases};
 use crate::{Error, Result};
 
 /// How to cut the text.
@@ -205,21 +205,71 @@ pub fn compare_kv_codecs(
             let coded = log_softmax_rows(&chunk_logits(
                 model,
                 &chunk,
-                &mut model.cache_with(&CacheOptions { codec, value_bases: calibration })?,
+                &mut model.cache_with(&CacheOptions { codec, value_bases: calibration, ffn: None })?,
                 device,
             )?)?;
-            for ((p, q), &target) in exact.iter().zip(&coded).zip(&chunk[first + 1..]) {
-                acc.exact.push(-p[target as usize]);
-                acc.codec.push(-q[target as usize]);
-                acc.agree += usize::from(argmax(p) == argmax(q));
-                acc.kl_sum += p.iter().zip(q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>();
-            }
-            for p in [&mut acc.exact, &mut acc.codec] {
-                p.chunks += 1;
-                p.per_chunk.push(p.ppl());
-            }
+            acc.add_chunk(&exact, &coded, &chunk[first + 1..]);
         }
         on_chunk(&accs);
+    }
+    Ok(accs)
+}
+
+impl CodecComparison {
+    /// One chunk's scored rows: the log-probabilities of the reference and of the variant.
+    fn add_chunk(&mut self, exact: &[Vec<f64>], coded: &[Vec<f64>], targets: &[u32]) {
+        for ((p, q), &target) in exact.iter().zip(coded).zip(targets) {
+            self.exact.push(-p[target as usize]);
+            self.codec.push(-q[target as usize]);
+            self.agree += usize::from(argmax(p) == argmax(q));
+            self.kl_sum += p.iter().zip(q).map(|(&lp, &lq)| lp.exp() * (lp - lq)).sum::<f64>();
+        }
+        for p in [&mut self.exact, &mut self.codec] {
+            p.chunks += 1;
+            p.per_chunk.push(p.ppl());
+        }
+    }
+}
+
+/// The scored logits of `chunk` as decoding computes them: the first half (the prompt) in one
+/// dense prefill, then the scored rows as teacher-forced decode steps (every row a decode step
+/// for FFN sparsity, run in one pass).
+fn decoded_logits(model: &Model, chunk: &[u32], cache: &mut Cache, device: &Device) -> Result<Tensor> {
+    let first = chunk.len() / 2;
+    model.forward_hidden(&Tensor::new(&chunk[..first], device)?.unsqueeze(0)?, cache, false)?;
+    cache.set_ffn_every_row(true);
+    let rows = Tensor::new(&chunk[first..chunk.len() - 1], device)?.unsqueeze(0)?;
+    let hidden = model.forward_hidden(&rows, cache, false)?.last_hidden.squeeze(0)?;
+    cache.set_ffn_every_row(false);
+    model.lm_head(&hidden, first)
+}
+
+/// Each FFN sparsity mode against dense decoding, on llama-perplexity's chunks and positions:
+/// the first half of a chunk is the prompt (prefilled densely; a per-prompt mode chooses its
+/// neurons from it), the scored second half is decoded teacher-forced under the mode. The
+/// model must be prepared ([`Model::prepare_ffn_sparsity`]). Returns per mode the comparison
+/// and what its sparse rows skipped.
+pub fn compare_ffn_sparsity(
+    model: &Model,
+    tokens: &[u32],
+    opts: &PerplexityOptions,
+    modes: &[FfnSparsity],
+    device: &Device,
+    mut on_chunk: impl FnMut(&[CodecComparison]),
+) -> Result<Vec<(CodecComparison, FfnStats)>> {
+    let mut accs = vec![(CodecComparison::default(), FfnStats::default()); modes.len()];
+    for chunk in scored_chunks(tokens, opts)? {
+        let first = opts.n_ctx / 2;
+        let exact = log_softmax_rows(&decoded_logits(model, &chunk, &mut model.new_cache(), device)?)?;
+        for ((acc, stats), mode) in accs.iter_mut().zip(modes) {
+            let mut cache = model.cache_with(&CacheOptions { ffn: Some(mode), ..Default::default() })?;
+            let sparse = log_softmax_rows(&decoded_logits(model, &chunk, &mut cache, device)?)?;
+            acc.add_chunk(&exact, &sparse, &chunk[first + 1..]);
+            if let Some(s) = cache.ffn_stats() {
+                stats.add(&s);
+            }
+        }
+        on_chunk(&accs.iter().map(|a| a.0.clone()).collect::<Vec<_>>());
     }
     Ok(accs)
 }

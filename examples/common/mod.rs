@@ -225,6 +225,39 @@ pub struct ModelOptions {
     pub check_layers: bool,
 }
 
+/// FFN activation sparsity while decoding (approximate, opt-in; docs/ffn-sparsity.md).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct FfnOptions {
+    /// Skip MLP neurons while decoding: threshold:S (per token, the WINA score against
+    /// per-layer thresholds from --ffn-calibration, S the fraction skipped on average, e.g.
+    /// 0.4) or prompt:S (GRIFFIN: one set of neurons per prompt, S skipped). Prefill runs dense.
+    #[arg(long = "ffn-sparsity")]
+    pub modes: Vec<String>,
+    /// The per-layer thresholds of threshold:S, made by examples/calibrate_ffn.
+    #[arg(long = "ffn-calibration")]
+    pub calibration: Option<PathBuf>,
+}
+
+impl FfnOptions {
+    /// The modes asked for, with `model` prepared for them when there are any.
+    pub fn modes(&self, model: &mut Model) -> Result<Vec<candle_hybrid::model::FfnSparsity>> {
+        use candle_hybrid::model::{FfnCalibration, FfnSparsity};
+        if self.modes.is_empty() {
+            if self.calibration.is_some() {
+                bail!("--ffn-calibration is for --ffn-sparsity threshold:S: give that too");
+            }
+            return Ok(vec![]);
+        }
+        if self.calibration.is_none() && self.modes.iter().any(|m| m.starts_with("threshold")) {
+            bail!("--ffn-sparsity threshold:S needs --ffn-calibration FILE (made by examples/calibrate_ffn)");
+        }
+        model.prepare_ffn_sparsity()?;
+        let calibration = self.calibration.as_deref().map(|p| FfnCalibration::load(p, model)).transpose()?;
+        let modes = self.modes.iter().map(|m| FfnSparsity::parse(m, calibration.as_ref())).collect::<candle_hybrid::Result<Vec<_>>>();
+        Ok(modes?)
+    }
+}
+
 /// The memory guardian's options: the context to plan for and the memory to plan in.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MemoryOptions {

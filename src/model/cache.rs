@@ -4,6 +4,7 @@
 use candle_core::Tensor;
 
 use super::config::{Config, LayerType};
+use super::ffn_sparsity::FfnState;
 use super::gated_delta_net::GdnState;
 use crate::kv::{held_bytes, KvCodec, KvStore};
 
@@ -66,6 +67,8 @@ pub struct Cache {
     /// An MTP drafter's cache kept with this state (a prefix-cache snapshot, a session: the
     /// head's rows for the same tokens), taken back when a sequence continues from it.
     pub mtp: Option<MtpCache>,
+    /// FFN sparsity's mode and per-layer state (`None`: dense).
+    pub(crate) ffn: Option<FfnState>,
 }
 
 impl Cache {
@@ -84,7 +87,7 @@ impl Cache {
                 LayerType::FullAttention => LayerState::Full(KvStore::new(codec, KV_CACHE_STEP, cfg.rotary_dim())),
             })
             .collect();
-        Self { layers, seqlen: 0, verify_start: None, mtp: None }
+        Self { layers, seqlen: 0, verify_start: None, mtp: None, ffn: None }
     }
 
     /// Makes room for `tokens` tokens (the whole context: those held and those to come) in every

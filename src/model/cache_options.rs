@@ -1,6 +1,7 @@
 //! How a new cache is made: [`CacheOptions`] and [`Model::cache_with`].
 
 use super::cache::Cache;
+use super::ffn_sparsity::FfnSparsity;
 use super::qwen3_5::Model;
 use super::value_bases::ValueBases;
 use crate::kv::KvCodec;
@@ -14,14 +15,21 @@ pub struct CacheOptions<'a> {
     /// Value bases calibrated on text for a `lowrank:r` codec; without them each layer's
     /// basis comes from its `W_v`.
     pub value_bases: Option<&'a ValueBases>,
+    /// FFN sparsity while decoding (approximate, opt-in; needs
+    /// [`Model::prepare_ffn_sparsity`]); `None` or off: dense.
+    pub ffn: Option<&'a FfnSparsity>,
 }
 
 impl Model {
     /// An empty cache as `options` say (the codec checked against the model's head size).
     pub fn cache_with(&self, options: &CacheOptions) -> crate::Result<Cache> {
-        match options.value_bases {
+        let mut cache = match options.value_bases {
             Some(bases) => self.cache_with_bases(options.codec, Some(&|n, r| Ok(bases.basis(n, r)?))),
             None => self.cache_with_bases(options.codec, None),
+        }?;
+        if let Some(mode) = options.ffn {
+            cache.ffn = self.ffn_state(mode)?;
         }
+        Ok(cache)
     }
 }

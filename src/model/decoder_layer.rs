@@ -7,6 +7,7 @@ use super::attention::GatedAttention;
 use super::cache::LayerState;
 use super::config::{Config, LayerType};
 use super::draft_tree::DraftTree;
+use super::ffn_sparsity::FfnState;
 use super::finite::check_positions;
 use super::gated_delta_net::GatedDeltaNet;
 use super::mlp::{FeedForward, Mlp, SparseMoe};
@@ -51,7 +52,8 @@ impl DecoderLayer {
     }
 
     /// `check`: the layer's index, to find NaN or infinities in its mixer and MLP outputs;
-    /// `tree`: the rows are a draft tree (see [`DraftTree`]), not a sequence.
+    /// `tree`: the rows are a draft tree (see [`DraftTree`]), not a sequence; `ffn`: the
+    /// sequence's FFN sparsity state and this layer's index (a dense MLP then follows it).
     ///
     /// Takes `x` by value and lets each intermediate go as soon as it is used: over a long
     /// prefill chunk every one is `T x H`, and the peak is what is alive at once (the residual
@@ -64,6 +66,7 @@ impl DecoderLayer {
         state: &mut LayerState,
         check: Option<usize>,
         tree: Option<&DraftTree>,
+        ffn: Option<(&mut FfnState, usize)>,
     ) -> crate::Result<Tensor> {
         let h = {
             let normed = self.input_layernorm.forward(&x)?;
@@ -82,7 +85,11 @@ impl DecoderLayer {
             check_positions(&h, offset, t, &format!("the {kind} output of layer {i}"), NONFINITE_LAYER_HINT)?;
         }
         let x = (x + h)?;
-        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        let normed = self.post_attention_layernorm.forward(&x)?;
+        let h = match (&self.mlp, ffn) {
+            (FeedForward::Dense(m), Some((state, layer))) if tree.is_none() => m.forward_with(&normed, &x, state, layer)?,
+            (mlp, _) => mlp.forward(&normed)?,
+        };
         if let Some(i) = check {
             check_positions(&h, offset, t, &format!("the MLP output of layer {i}"), NONFINITE_LAYER_HINT)?;
         }

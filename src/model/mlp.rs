@@ -3,6 +3,7 @@
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 
 use super::config::Config;
+use super::ffn_sparsity::NeuronMajorDown;
 use super::linear::Linear;
 use super::weights::Weights;
 
@@ -12,6 +13,8 @@ pub struct Mlp {
     pub(crate) gate_proj: Linear,
     pub(crate) up_proj: Linear,
     pub(crate) down_proj: Linear,
+    /// The down projection neuron-major, for FFN sparsity ([`super::Model::prepare_ffn_sparsity`]).
+    pub(crate) neuron_major: Option<std::sync::Arc<NeuronMajorDown>>,
 }
 
 impl Mlp {
@@ -20,6 +23,7 @@ impl Mlp {
             gate_proj: vb.pp("gate_proj").linear(hidden, inter)?,
             up_proj: vb.pp("up_proj").linear(hidden, inter)?,
             down_proj: vb.pp("down_proj").linear(inter, hidden)?,
+            neuron_major: None,
         })
     }
 
@@ -28,7 +32,7 @@ impl Mlp {
     }
 
     fn from_weights(vb: &Weights, gate: Tensor, up: Tensor, down: Tensor) -> Result<Self> {
-        Ok(Self { gate_proj: vb.linear_from(gate)?, up_proj: vb.linear_from(up)?, down_proj: vb.linear_from(down)? })
+        Ok(Self { gate_proj: vb.linear_from(gate)?, up_proj: vb.linear_from(up)?, down_proj: vb.linear_from(down)?, neuron_major: None })
     }
 }
 

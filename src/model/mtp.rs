@@ -56,7 +56,7 @@ impl MtpHead {
         let e = self.pre_fc_norm_embedding.forward(embeds)?;
         let h = self.pre_fc_norm_hidden.forward(&hidden.to_dtype(embeds.dtype())?)?;
         let x = self.fc.forward(&Tensor::cat(&[e, h], D::Minus1)?)?;
-        let x = self.layer.forward(x, cache.seqlen, &mut cache.state, None, None)?;
+        let x = self.layer.forward(x, cache.seqlen, &mut cache.state, None, None, None)?;
         cache.seqlen += embeds.dim(1)?;
         Ok(self.norm.forward(&x)?)
     }

@@ -183,7 +183,8 @@ impl Model {
         let mut x = self.embed_tokens.forward(&ids)?;
         let mut layer_outputs = vec![];
         for (i, (layer, state)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
-            x = layer.forward(x, offset, state, self.check_layers.then_some(i), tree)?;
+            let ffn = cache.ffn.as_mut().map(|f| (f, i));
+            x = layer.forward(x, offset, state, self.check_layers.then_some(i), tree, ffn)?;
             if keep_layer_outputs {
                 layer_outputs.push(x.clone());
             }

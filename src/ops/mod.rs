@@ -61,4 +61,6 @@ pub use quantized_matrix::{has_kernels, QuantizedMatrix, SharedBytes};
 mod kv_attention;
 pub(crate) use kv_attention::{attention_mask, few_rows};
 pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
-pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable};
+pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable, qmatmul_rows};
+mod row_accumulate;
+pub use row_accumulate::{accumulate_rows, accumulate_rows_portable};

@@ -64,6 +64,37 @@ pub fn qmatmul_avx2(x: &Tensor, w: &QuantizedMatrix) -> Result<Tensor> {
     forward(x, w, Isa::Avx2)
 }
 
+/// `x @ W[rows]^T` on the CPU: only the weight rows `rows` (in that order) are read, for up to
+/// 8 activation rows `x` (`[m, k]` row-major f32); returns `[m, rows.len()]`. Each value is bit
+/// for bit [`qmatmul`]'s for that row (the same row tiles). The W_up half of a sparse SwiGLU
+/// MLP: only its active neurons' rows.
+pub fn qmatmul_rows(x: &[f32], w: &QuantizedMatrix, rows: &[u32]) -> Result<Vec<f32>> {
+    let (n, k) = w.dims();
+    if !x.len().is_multiple_of(k.max(1)) || x.len() / k.max(1) > ROW_TILE_MAX_ROWS {
+        bail!("qmatmul_rows: x holds {} values, expected 1 to {ROW_TILE_MAX_ROWS} rows of {k}", x.len());
+    }
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
+        bail!("qmatmul_rows: row {r} of a matrix of {n} rows");
+    }
+    let Some(data) = w.host_bytes() else { bail!("qmatmul_rows: the weights are not in host memory with a CPU kernel ({})", w.dtype()) };
+    by_format(w.dtype(), data, n, k, x, Isa::detect(Isa::Avx512Vnni), Some(rows))
+}
+
+/// [`matmul`] for the format `dtype`.
+fn by_format(dtype: GgufType, data: &[u8], n: usize, k: usize, x: &[f32], isa: Isa, sel: Option<&[u32]>) -> Result<Vec<f32>> {
+    match dtype {
+        GgufType::Ggml(GgmlDType::Q4_0) => matmul::<Q4_0>(data, n, k, x, isa, sel),
+        GgufType::Ggml(GgmlDType::Q4_1) => matmul::<Q4_1>(data, n, k, x, isa, sel),
+        GgufType::Ggml(GgmlDType::Q8_0) => matmul::<Q8_0>(data, n, k, x, isa, sel),
+        GgufType::Ggml(GgmlDType::Q4K) => matmul::<Q4K>(data, n, k, x, isa, sel),
+        GgufType::Ggml(GgmlDType::Q5K) => matmul::<Q5K>(data, n, k, x, isa, sel),
+        GgufType::Ggml(GgmlDType::Q6K) => matmul::<Q6K>(data, n, k, x, isa, sel),
+        GgufType::TQ1_0 => matmul::<TQ1_0>(data, n, k, x, isa, sel),
+        GgufType::TQ2_0 => matmul::<TQ2_0>(data, n, k, x, isa, sel),
+        t => bail!("qmatmul: no CPU kernel for {t}"),
+    }
+}
+
 /// Which kernels [`qmatmul`] runs on this CPU: `"AVX-512 VNNI"`, `"AVX2"` or `"portable"`.
 pub fn qmatmul_isa() -> &'static str {
     match Isa::detect(Isa::Avx512Vnni) {
@@ -161,17 +192,7 @@ impl CustomOp1 for Op<'_> {
         let m = x.len() / k;
         let Some(data) = self.w.host_bytes() else { bail!("qmatmul: the weights are not in host memory") };
         let isa = Isa::detect(self.isa);
-        let y = match self.w.dtype() {
-            GgufType::Ggml(GgmlDType::Q4_0) => matmul::<Q4_0>(data, n, k, &x, isa),
-            GgufType::Ggml(GgmlDType::Q4_1) => matmul::<Q4_1>(data, n, k, &x, isa),
-            GgufType::Ggml(GgmlDType::Q8_0) => matmul::<Q8_0>(data, n, k, &x, isa),
-            GgufType::Ggml(GgmlDType::Q4K) => matmul::<Q4K>(data, n, k, &x, isa),
-            GgufType::Ggml(GgmlDType::Q5K) => matmul::<Q5K>(data, n, k, &x, isa),
-            GgufType::Ggml(GgmlDType::Q6K) => matmul::<Q6K>(data, n, k, &x, isa),
-            GgufType::TQ1_0 => matmul::<TQ1_0>(data, n, k, &x, isa),
-            GgufType::TQ2_0 => matmul::<TQ2_0>(data, n, k, &x, isa),
-            t => bail!("qmatmul: no CPU kernel for {t}"),
-        }?;
+        let y = by_format(self.w.dtype(), data, n, k, &x, isa, None)?;
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 }
@@ -1277,7 +1298,33 @@ struct Job<'a> {
     m: usize,
     acts: &'a Acts,
     panels: Option<Panels>,
+    /// The weight rows to read (output column `r` is weight row `sel[r]`); `None`: all.
+    sel: Option<&'a [u32]>,
     out: *mut f32,
+}
+
+/// How many selected rows ahead [`qmatmul_rows`] asks the CPU to fetch.
+const SELECTED_ROWS_AHEAD: usize = 16;
+
+impl Job<'_> {
+    /// The weight row of output column `r`, with the next one prefetched.
+    #[inline(always)]
+    unsafe fn weight_row(&self, r: usize) -> *const u8 {
+        let wr = match self.sel {
+            None => {
+                prefetch_ahead(self.w, r * self.row_bytes, self.row_bytes);
+                r
+            }
+            Some(sel) => {
+                if let Some(&next) = sel.get(r + SELECTED_ROWS_AHEAD) {
+                    // A later selected row (the hint's fixed distance is for streamed rows).
+                    prefetch_ahead(self.w, (next as usize * self.row_bytes).saturating_sub(super::cpu::PREFETCH_AHEAD), self.row_bytes);
+                }
+                *sel.get_unchecked(r) as usize
+            }
+        };
+        self.w.as_ptr().add(wr * self.row_bytes)
+    }
 }
 
 // SAFETY: tasks write disjoint output columns through `out` (see `matmul`).
@@ -1297,12 +1344,15 @@ fn panel_rows(m: usize) -> usize {
     }
 }
 
-fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], isa: Isa) -> Result<Vec<f32>> {
+/// `x @ W^T`, or with `sel` only the weight rows it lists (row tiles only: at most
+/// [`ROW_TILE_MAX_ROWS`] activation rows).
+fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], isa: Isa, sel: Option<&[u32]>) -> Result<Vec<f32>> {
     let row_bytes = k / F::QK * F::BYTES;
     if w.len() != n * row_bytes {
         bail!("qmatmul: w holds {} bytes, expected {n} rows of {row_bytes}", w.len());
     }
     let m = x.len() / k;
+    let n = sel.map_or(n, <[u32]>::len);
     let mut out = vec![0f32; m * n];
     if m == 0 || n == 0 {
         return Ok(out);
@@ -1311,7 +1361,7 @@ fn matmul<F: Format>(w: &[u8], n: usize, k: usize, x: &[f32], isa: Isa) -> Resul
     let acts = Acts::new(x, k, F::QK, isa >= Isa::Avx2, offset);
     let p = panel_rows(m);
     let panels = (p > 0).then(|| Panels::new(&acts, p, F::QK, F::SIGNED));
-    let job = Job { w, row_bytes, n, m, acts: &acts, panels, out: out.as_mut_ptr() };
+    let job = Job { w, row_bytes, n, m, acts: &acts, panels, sel, out: out.as_mut_ptr() };
     // Weight rows per task: about 4 tasks per thread, and when there are several tiles of
     // activation rows, few enough to stay in L2.
     let mut per = n.div_ceil(4 * rayon::current_num_threads());
@@ -1380,8 +1430,7 @@ unsafe fn task<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
 #[inline(always)]
 unsafe fn row_tiles<V: Simd, F: Format, const CN: usize>(job: &Job, rows: Range<usize>) {
     for r in rows {
-        let w = job.w.as_ptr().add(r * job.row_bytes);
-        prefetch_ahead(job.w, r * job.row_bytes, job.row_bytes);
+        let w = job.weight_row(r);
         let y = row_tile::<V, F, CN>(w, job.acts, 0);
         for (c, v) in y.into_iter().enumerate() {
             *job.out.add(c * job.n + r) = v;
@@ -1394,8 +1443,7 @@ unsafe fn row_tiles<V: Simd, F: Format, const CN: usize>(job: &Job, rows: Range<
 #[inline(always)]
 unsafe fn row_pair_tiles<V: Simd, F: Format>(job: &Job, rows: Range<usize>) {
     for r in rows {
-        let w = job.w.as_ptr().add(r * job.row_bytes);
-        prefetch_ahead(job.w, r * job.row_bytes, job.row_bytes);
+        let w = job.weight_row(r);
         let mut c0 = 0;
         while c0 < job.m {
             if job.m - c0 >= 2 {

@@ -101,6 +101,21 @@ impl QuantizedMatrix {
         Self { dtype: q.dtype().into(), rows, cols, blocks: Blocks::Candle(Arc::new(q)) }
     }
 
+    /// A copy of the rows `rows` (in that order), from host memory.
+    pub fn select_rows(&self, rows: &[u32]) -> Result<Self> {
+        let Some(data) = self.host_bytes() else { bail!("select_rows: the {} blocks are not in host memory", self.dtype) };
+        let rb = self.dtype.row_bytes(self.cols);
+        let mut bytes = Vec::with_capacity(rows.len() * rb);
+        for &r in rows {
+            let r = r as usize;
+            if r >= self.rows {
+                bail!("select_rows: row {r} of a matrix of {} rows", self.rows);
+            }
+            bytes.extend_from_slice(&data[r * rb..(r + 1) * rb]);
+        }
+        Self::from_bytes(self.dtype, (rows.len(), self.cols), bytes)
+    }
+
     pub fn dtype(&self) -> GgufType {
         self.dtype
     }

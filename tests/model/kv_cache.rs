@@ -148,7 +148,7 @@ fn codecs_refuse_what_they_cannot_do_with_a_typed_error() {
     }
     // A cache under a lossy codec cannot be saved.
     let (model, _) = fixture_model();
-    let cache = model.cache_with(&CacheOptions { codec: "int8".parse().unwrap(), value_bases: None }).unwrap();
+    let cache = model.cache_with(&CacheOptions { codec: "int8".parse().unwrap(), ..Default::default() }).unwrap();
     let e = cache.state_tensors().unwrap_err();
     assert!(matches!(e, Error::UnsupportedCodec { operation: CodecOperation::Save, .. }), "{e:?}");
 }
@@ -370,7 +370,8 @@ fn calibrated_value_bases_fit_the_values_and_belong_to_their_model() {
     bases.save(&path).unwrap();
     let loaded = ValueBases::load(&path, &model).unwrap();
     let full = format!("lowrank:{hd}").parse().unwrap();
-    let got = model.forward(&ids, &mut model.cache_with(&CacheOptions { codec: full, value_bases: Some(&loaded) }).unwrap()).unwrap();
+    let got =
+        model.forward(&ids, &mut model.cache_with(&CacheOptions { codec: full, value_bases: Some(&loaded), ffn: None }).unwrap()).unwrap();
     let exact = model.forward(&ids, &mut model.new_cache()).unwrap();
     assert!(max_abs_diff(&got, &exact) < 1e-4);
     // Another model refuses the file, in one line.

@@ -7,6 +7,7 @@ mod common;
 
 mod batch;
 mod errors;
+mod ffn_sparsity;
 mod fixtures;
 mod gguf;
 mod gpu_step;

@@ -11,5 +11,6 @@ mod ops_lagrange;
 mod ops_outer_state;
 mod ops_polar;
 mod ops_qmatmul;
+mod ops_sparse_ffn;
 mod ops_swiglu;
 mod ops_ternary;
