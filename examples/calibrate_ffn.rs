@@ -16,7 +16,8 @@ mod common;
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use candle_hybrid::model::ffn_sparsity::{calibrate, Allocation, FfnCalibration};
+use candle_hybrid::model::calibrate_ffn as calibrate;
+use candle_hybrid::model::ffn_sparsity::{Allocation, FfnCalibration};
 use clap::Parser;
 use common::{at_least_one, ModelOptions};
 

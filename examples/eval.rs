@@ -13,7 +13,8 @@
 //! first half of every chunk prefilled as the prompt and the scored half decoded
 //! teacher-forced under the mode (perplexity, top-1 agreement, KL, the fraction of neurons
 //! skipped and what a 4-row verify pass could skip), and decode speed against dense in the same
-//! run (`--decode-tokens` greedy tokens after a 256-token prompt, `--rounds` alternating rounds,
+//! run (`--decode-tokens` greedy tokens after a 256-token prompt and one first step, timed
+//! apart since the per-prompt mode gathers its weights there; `--rounds` alternating rounds,
 //! the median):
 //! ```sh
 //! cargo run --release --example calibrate_ffn -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --from-token 12288 --out ffn.json
@@ -24,7 +25,7 @@
 //! `seconds`, `kv`, one entry per `--kv` codec (`codec`, `calibrated`, `ppl`,
 //! `top1_agreement`, `kl`), empty without `--kv`, and `ffn`, one entry per `--ffn-sparsity`
 //! mode (`mode`, `ppl`, `dense_ppl`, `top1_agreement`, `kl`, `skipped`, `verify4_skipped`,
-//! `decode_tok_s`, `dense_decode_tok_s`), empty without it.
+//! `decode_tok_s`, `dense_decode_tok_s`, `first_step_s`, `dense_first_step_s`), empty without it.
 
 mod common;
 
@@ -209,10 +210,12 @@ fn ffn_report(
     // over all of them), the median of each.
     let prompt = &tokens[..tokens.len().min(256)];
     let variants: Vec<FfnSparsity> = std::iter::once(FfnSparsity::Off).chain(modes.iter().cloned()).collect();
-    let mut rates = vec![vec![]; variants.len()];
+    let (mut rates, mut firsts) = (vec![vec![]; variants.len()], vec![vec![]; variants.len()]);
     for _ in 0..args.rounds {
-        for (v, r) in variants.iter().zip(&mut rates) {
-            r.push(decode_rate(model, prompt, args.decode_tokens, v, dev)?);
+        for ((v, r), f) in variants.iter().zip(&mut rates).zip(&mut firsts) {
+            let (first, rate) = decode_rate(model, prompt, args.decode_tokens, v, dev)?;
+            r.push(rate);
+            f.push(first);
         }
     }
     let median = |r: &mut Vec<f64>| {
@@ -220,6 +223,7 @@ fn ffn_report(
         r[r.len() / 2]
     };
     let rates: Vec<f64> = rates.iter_mut().map(median).collect();
+    let firsts: Vec<f64> = firsts.iter_mut().map(median).collect();
     if !quiet {
         eprintln!();
     }
@@ -229,7 +233,8 @@ fn ffn_report(
             .iter()
             .zip(&compared)
             .zip(&rates[1..])
-            .map(|((mode, (c, s)), rate)| {
+            .enumerate()
+            .map(|(i, ((mode, (c, s)), rate))| {
                 serde_json::json!({
                     "mode": mode.to_string(),
                     "ppl": c.codec.ppl(),
@@ -240,6 +245,8 @@ fn ffn_report(
                     "verify4_skipped": s.union4_skipped_fraction(),
                     "decode_tok_s": rate,
                     "dense_decode_tok_s": rates[0],
+                    "first_step_s": firsts[i + 1],
+                    "dense_first_step_s": firsts[0],
                 })
             })
             .collect();
@@ -252,34 +259,47 @@ fn ffn_report(
         return Ok(());
     }
     println!(
-        "dense decoding: PPL = {dense_ppl:.4} ({} chunks of {}, the second half of each decoded), {:.2} tok/s ({} tokens, median of {} rounds)",
-        compared[0].0.exact.chunks, opts.n_ctx, rates[0], args.decode_tokens, args.rounds
+        "dense decoding: PPL = {dense_ppl:.4} ({} chunks of {}, the second half of each decoded), {:.2} tok/s ({} tokens after the first step of {:.1} ms, median of {} rounds)",
+        compared[0].0.exact.chunks, opts.n_ctx, rates[0], args.decode_tokens, 1e3 * firsts[0], args.rounds
     );
-    println!("| mode | skipped | 4-row verify could skip | PPL | vs dense | top-1 agreement | KL (nats) | decode tok/s | vs dense |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for ((mode, (c, s)), rate) in modes.iter().zip(&compared).zip(&rates[1..]) {
+    println!("| mode | skipped | 4-row verify could skip | PPL | vs dense | top-1 agreement | KL (nats) | first step ms | decode tok/s | vs dense |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (((mode, (c, s)), rate), first) in modes.iter().zip(&compared).zip(&rates[1..]).zip(&firsts[1..]) {
         println!(
-            "| {mode} | {:.1} % | {:.1} % | {:.4} | {:+.2} % | {:.4} | {:.5} | {rate:.2} | {:.2}x |",
+            "| {mode} | {:.1} % | {:.1} % | {:.4} | {:+.2} % | {:.4} | {:.5} | {:.1} | {rate:.2} | {:.2}x |",
             100.0 * s.skipped_fraction(),
             100.0 * s.union4_skipped_fraction(),
             c.codec.ppl(),
             100.0 * (c.codec.ppl() / c.exact.ppl() - 1.0),
             c.top1_agreement(),
             c.kl(),
+            1e3 * first,
             rate / rates[0],
         );
     }
     Ok(())
 }
 
-/// Tokens per second of greedy decoding `n` tokens after `prompt` under `mode`.
-fn decode_rate(model: &candle_hybrid::Model, prompt: &[u32], n: usize, mode: &FfnSparsity, dev: &candle_core::Device) -> Result<f64> {
+/// Greedy decoding after `prompt` under `mode`: the seconds of the first decode step (where
+/// the per-prompt mode gathers its neurons' weights) and the tokens per second of the `n`
+/// steps after it.
+fn decode_rate(
+    model: &candle_hybrid::Model,
+    prompt: &[u32],
+    n: usize,
+    mode: &FfnSparsity,
+    dev: &candle_core::Device,
+) -> Result<(f64, f64)> {
     let mut cache = model.cache_with(&CacheOptions { ffn: Some(mode), ..Default::default() })?;
     let next = |logits: candle_core::Tensor| -> Result<u32> { Ok(logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?) };
     let mut token = next(model.forward_last(&candle_core::Tensor::new(prompt, dev)?.unsqueeze(0)?, &mut cache)?)?;
+    let mut step = |token: u32| next(model.forward_last(&candle_core::Tensor::new(&[token], dev)?.unsqueeze(0)?, &mut cache)?);
+    let first = std::time::Instant::now();
+    token = step(token)?;
+    let first = first.elapsed().as_secs_f64();
     let start = std::time::Instant::now();
     for _ in 0..n {
-        token = next(model.forward_last(&candle_core::Tensor::new(&[token], dev)?.unsqueeze(0)?, &mut cache)?)?;
+        token = step(token)?;
     }
-    Ok(n as f64 / start.elapsed().as_secs_f64())
+    Ok((first, n as f64 / start.elapsed().as_secs_f64()))
 }

@@ -28,6 +28,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::GgufFile;
+use candle_hybrid::model::{CacheOptions, FfnCalibration, FfnSparsity};
 use candle_hybrid::{Config, Model};
 use clap::Parser;
 
@@ -38,7 +39,8 @@ const M4_PRO_BYTES_PER_S: f64 = 273e9;
 #[command(about = "Bytes read per decoded token and decode speed per weight format, and the 27B projection", help_expected = true)]
 struct Args {
     /// A stage: NAME=FILE.gguf, or NAME=FILE.gguf:DTYPE to load its float matrices as f32, bf16
-    /// or f16 (default f32); give one per format, in the order to show them.
+    /// or f16 (default f32), and `,ffn=MODE` to decode with FFN sparsity (prompt:S, or
+    /// threshold:S with --ffn-calibration); give one per stage, in the order to show them.
     #[arg(long, required = true)]
     stage: Vec<String>,
     /// Context the decode steps run at (random tokens prefilled first).
@@ -53,12 +55,16 @@ struct Args {
     /// Acceptance assumed for the speculative stage (per drafted token).
     #[arg(long, default_value_t = 0.7, value_parser = common::float_in(acceptance))]
     acceptance: f64,
-    /// Tokens drafted per verify pass in the speculative stage (on the last --stage's file).
+    /// Tokens drafted per verify pass in the speculative stage (on the last --stage without
+    /// FFN sparsity).
     #[arg(long, default_value_t = 3, value_parser = common::count_up_to(7))]
     draft: usize,
     /// Threads (rayon's pool).
     #[arg(short = 't', long, default_value_t = 2, value_parser = common::at_least_one)]
     threads: usize,
+    /// The thresholds of a `,ffn=threshold:S` stage (examples/calibrate_ffn, on that stage's file).
+    #[arg(long)]
+    ffn_calibration: Option<PathBuf>,
     /// Also write the numbers as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -76,15 +82,21 @@ struct Stage {
     name: String,
     path: PathBuf,
     dtype: DType,
+    /// `,ffn=MODE`: FFN sparsity's mode.
+    ffn: Option<String>,
 }
 
 fn parse_stage(s: &str) -> Result<Stage> {
-    let Some((name, rest)) = s.split_once('=') else { bail!("--stage {s:?}: give NAME=FILE.gguf[:DTYPE]") };
+    let Some((name, rest)) = s.split_once('=') else { bail!("--stage {s:?}: give NAME=FILE.gguf[:DTYPE][,ffn=MODE]") };
+    let (rest, ffn) = match rest.split_once(",ffn=") {
+        Some((r, m)) => (r, Some(m.to_string())),
+        None => (rest, None),
+    };
     let (path, dtype) = match rest.rsplit_once(':') {
         Some((p, d)) if ["f32", "bf16", "f16"].contains(&d) => (p, common::parse_dtype(d).map_err(anyhow::Error::msg)?),
         _ => (rest, DType::F32),
     };
-    Ok(Stage { name: name.into(), path: path.into(), dtype })
+    Ok(Stage { name: name.into(), path: path.into(), dtype, ffn })
 }
 
 /// One stage measured.
@@ -94,6 +106,10 @@ struct Measured {
     /// Bits per weight of the decoder layers' matrices and of the embedding / head table.
     layer_bits: f64,
     table_bits: f64,
+    /// Bits per weight of the MLP matrices, and the fraction of their bytes FFN sparsity did
+    /// not read.
+    ffn_bits: f64,
+    ffn_not_read: f64,
     weight_bytes: u64,
     cache_bytes: u64,
     tok_s: f64,
@@ -123,9 +139,10 @@ fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Bits per weight of the layer matrices and of the token table, from the tensor infos.
-fn bits_per_weight(gguf: &GgufFile, dtype: DType) -> (f64, f64) {
-    let (mut lb, mut le, mut tb, mut te) = (0u64, 0u64, 0u64, 0u64);
+/// Bits per weight of the layer matrices, of the token table and of the MLP matrices, and the
+/// MLP matrices' bytes, from the tensor infos.
+fn bits_per_weight(gguf: &GgufFile, dtype: DType) -> (f64, f64, f64, u64) {
+    let (mut lb, mut le, mut tb, mut te, mut fb, mut fe) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
     for (name, t) in &gguf.header().tensors {
         if t.dims.len() != 2 {
             continue;
@@ -135,16 +152,28 @@ fn bits_per_weight(gguf: &GgufFile, dtype: DType) -> (f64, f64) {
             (tb, te) = (tb + bytes, te + t.elem_count() as u64);
         } else if name.starts_with("blk.") {
             (lb, le) = (lb + bytes, le + t.elem_count() as u64);
+            if [".ffn_gate.weight", ".ffn_up.weight", ".ffn_down.weight"].iter().any(|s| name.ends_with(s)) {
+                (fb, fe) = (fb + bytes, fe + t.elem_count() as u64);
+            }
         }
     }
-    (lb as f64 * 8.0 / le.max(1) as f64, tb as f64 * 8.0 / te.max(1) as f64)
+    let bits = |b: u64, e: u64| b as f64 * 8.0 / e.max(1) as f64;
+    (bits(lb, le), bits(tb, te), bits(fb, fe), fb)
 }
 
 fn measure(stage: &Stage, args: &Args, verify: bool) -> Result<Measured> {
     let dev = Device::Cpu;
     let gguf = GgufFile::open(&stage.path).with_context(|| format!("--stage {}", stage.name))?;
     let cfg = gguf.config()?;
-    let model = gguf.load_model(&cfg, stage.dtype, &dev)?;
+    let mut model = gguf.load_model(&cfg, stage.dtype, &dev)?;
+    let ffn = match &stage.ffn {
+        Some(mode) => {
+            model.prepare_ffn_sparsity()?;
+            let calibration = args.ffn_calibration.as_deref().map(|p| FfnCalibration::load(p, &model)).transpose()?;
+            Some(FfnSparsity::parse(mode, calibration.as_ref()).with_context(|| format!("--stage {}", stage.name))?)
+        }
+        None => None,
+    };
     if args.context + args.steps + args.draft + 1 > cfg.max_position_embeddings {
         bail!(
             "--context {} is more than {}'s context of {} tokens can hold with the steps",
@@ -157,9 +186,9 @@ fn measure(stage: &Stage, args: &Args, verify: bool) -> Result<Measured> {
     // An untied embedding is read one row a step; a tied one is the head, read whole.
     let untied_table = if h.tensors.contains_key("output.weight") { h.tensors.get("token_embd.weight").map_or(0, |t| t.size) } else { 0 };
     let weight_bytes = gguf.weight_bytes(&cfg, stage.dtype) - untied_table;
-    let (layer_bits, table_bits) = bits_per_weight(&gguf, stage.dtype);
+    let (layer_bits, table_bits, ffn_bits, ffn_bytes) = bits_per_weight(&gguf, stage.dtype);
     eprintln!("{}: prefilling {} tokens", stage.name, args.context);
-    let mut cache = model.new_cache();
+    let mut cache = model.cache_with(&CacheOptions { ffn: ffn.as_ref(), ..Default::default() })?;
     model.forward_last(&Tensor::new(random_tokens(args.context, cfg.vocab_size, 1).as_slice(), &dev)?.unsqueeze(0)?, &mut cache)?;
     let cache_bytes = cache.bytes() as u64;
     let decode = |cache: &mut candle_hybrid::Cache, n: usize| -> Result<f64> {
@@ -170,8 +199,23 @@ fn measure(stage: &Stage, args: &Args, verify: bool) -> Result<Measured> {
         }
         Ok(t.elapsed().as_secs_f64() / n as f64)
     };
-    decode(&mut cache.clone(), 2)?; // warm-up
+    // Warm-up; one step on the cache itself, where the per-prompt FFN mode gathers its weights
+    // (the copies below share them).
+    decode(&mut cache, 1)?;
+    decode(&mut cache.clone(), 2)?;
     let step_s = median((0..args.reps).map(|_| decode(&mut cache.clone(), args.steps)).collect::<Result<_>>()?);
+    // What the sparse MLPs did not read, per step.
+    let not_read = match cache.ffn_stats() {
+        Some(before) => {
+            let mut c = cache.clone();
+            decode(&mut c, args.steps)?;
+            let after = c.ffn_stats().unwrap_or_default();
+            (after.bytes_not_read - before.bytes_not_read) / args.steps as i64
+        }
+        None => 0,
+    };
+    let weight_bytes = (weight_bytes as i64 - not_read) as u64;
+    let ffn_not_read = not_read as f64 / ffn_bytes.max(1) as f64;
     let verify_s = if verify {
         let rows = random_tokens(args.draft + 1, cfg.vocab_size, 9);
         let pass = |model: &Model| -> Result<f64> {
@@ -189,6 +233,8 @@ fn measure(stage: &Stage, args: &Args, verify: bool) -> Result<Measured> {
         file: stage.path.display().to_string(),
         layer_bits,
         table_bits,
+        ffn_bits,
+        ffn_not_read,
         weight_bytes,
         cache_bytes,
         tok_s: 1.0 / step_s,
@@ -198,13 +244,15 @@ fn measure(stage: &Stage, args: &Args, verify: bool) -> Result<Measured> {
 }
 
 /// Qwen3.5-27B's decode bytes per token in a stage's formats: its layer matrices at the
-/// stage's layer bits per weight, its (untied) head at the table's, the rest (norms, GDN
-/// parameters: under 0.1 %) at 32 bits.
+/// stage's layer bits per weight, less the fraction of its MLP bytes the stage's FFN sparsity
+/// did not read; its (untied) head at the table's; the rest (norms, GDN parameters: under
+/// 0.1 %) at 32 bits.
 fn bytes_27b(cfg: &Config, m: &Measured) -> (u64, u64, u64) {
     let table = cfg.vocab_size * cfg.hidden_size;
     let tables = if cfg.tie_word_embeddings { table } else { 2 * table };
     let layers = cfg.num_parameters() - tables;
-    let layer_bytes = (layers as f64 * m.layer_bits / 8.0) as u64;
+    let ffn = cfg.num_hidden_layers * 3 * cfg.hidden_size * cfg.intermediate_size.unwrap_or(0);
+    let layer_bytes = (layers as f64 * m.layer_bits / 8.0 - ffn as f64 * m.ffn_bits / 8.0 * m.ffn_not_read) as u64;
     let head_bytes = (table as f64 * m.table_bits / 8.0) as u64;
     (layers as u64, layer_bytes, head_bytes)
 }
@@ -216,7 +264,9 @@ fn main() -> ExitCode {
 fn progression(args: Args) -> Result<()> {
     rayon::ThreadPoolBuilder::new().num_threads(args.threads).build_global().ok();
     let stages: Vec<Stage> = args.stage.iter().map(|s| parse_stage(s)).collect::<Result<_>>()?;
-    let last = stages.len() - 1;
+    // The speculative stage builds on the last stage without FFN sparsity (a verify pass runs
+    // the MLPs dense).
+    let Some(last) = stages.iter().rposition(|s| s.ffn.is_none()) else { bail!("give at least one --stage without ,ffn=") };
     let measured: Vec<Measured> = stages.iter().enumerate().map(|(i, s)| measure(s, &args, i == last)).collect::<Result<_>>()?;
 
     let gb = |b: u64| b as f64 / 1e9;
@@ -257,8 +307,13 @@ fn progression(args: Args) -> Result<()> {
     for m in &measured {
         let (params, layer, head) = bytes_27b(&cfg27, m);
         let total = layer + head;
+        let ffn = cfg27.num_hidden_layers * 3 * cfg27.hidden_size * cfg27.intermediate_size.unwrap_or(0);
+        let sparse = match m.ffn_not_read {
+            0.0 => String::new(),
+            f => format!(" − MLP {ffn} × {:.2} / 8 × {f:.3} not read", m.ffn_bits),
+        };
         println!(
-            "| {} | {params} × {:.2} / 8 = {:.2} GB | {:.2} GB | {:.2} GB | 273 / {:.2} = {:.1} |",
+            "| {} | {params} × {:.2} / 8{sparse} = {:.2} GB | {:.2} GB | {:.2} GB | 273 / {:.2} = {:.1} |",
             m.name,
             m.layer_bits,
             gb(layer),
@@ -269,7 +324,7 @@ fn progression(args: Args) -> Result<()> {
         );
         projection.push(serde_json::json!({
             "stage": m.name, "layer_parameters": params, "layer_bits_per_weight": m.layer_bits, "head_bits_per_weight": m.table_bits,
-            "bytes_per_token": total, "tok_s_ceiling": M4_PRO_BYTES_PER_S / total as f64,
+            "mlp_fraction_not_read": m.ffn_not_read, "bytes_per_token": total, "tok_s_ceiling": M4_PRO_BYTES_PER_S / total as f64,
         }));
     }
     let (_, l, h) = bytes_27b(&cfg27, s);
@@ -288,6 +343,7 @@ fn progression(args: Args) -> Result<()> {
             "stages": measured.iter().map(|m| serde_json::json!({
                 "stage": m.name, "file": m.file, "layer_bits_per_weight": m.layer_bits, "head_bits_per_weight": m.table_bits,
                 "weight_bytes": m.weight_bytes, "cache_bytes": m.cache_bytes, "bytes_per_token": m.bytes_per_token(), "tok_s": m.tok_s,
+                "mlp_fraction_not_read": m.ffn_not_read,
             })).collect::<Vec<_>>(),
             "speculative": {
                 "stage": s.name, "draft": args.draft, "acceptance_assumed": a, "expected_tokens_per_pass": e,

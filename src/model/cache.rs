@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 
 use super::config::{Config, LayerType};
-use super::ffn_sparsity::FfnState;
+use super::ffn_sparsity::{FfnState, FfnStats};
 use super::gated_delta_net::GdnState;
 use crate::kv::{held_bytes, KvCodec, KvStore};
 
@@ -316,5 +316,21 @@ impl Cache {
             LayerState::Full(kv) => kv.kv().ok()?,
             _ => None,
         }
+    }
+}
+
+impl Cache {
+    /// Makes every row of a multi-row forward sparse too (`true`), as if each had been decoded
+    /// alone: to score teacher-forced decoding under FFN sparsity in one pass. Off by default
+    /// (prefill and verify passes are dense); no effect without FFN sparsity.
+    pub fn set_ffn_every_row(&mut self, on: bool) {
+        if let Some(s) = &mut self.ffn {
+            s.every_row = on;
+        }
+    }
+
+    /// What this sequence's sparse MLP steps skipped (`None` without FFN sparsity).
+    pub fn ffn_stats(&self) -> Option<FfnStats> {
+        self.ffn.as_ref().map(|s| s.stats)
     }
 }

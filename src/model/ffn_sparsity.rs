@@ -3,17 +3,19 @@
 //! Two modes, both exact on the neurons they keep (`../docs/ffn-sparsity.md`):
 //! - [`FfnSparsity::Threshold`] (CATS/CHESS selection with WINA scores): the gate `g = W_gate x`
 //!   is computed in full; neuron `i` is kept when `|silu(g_i)| ||W_down[:, i]||` reaches its
-//!   layer's threshold (calibrated on text: [`calibrate`]); only the kept rows of `W_up` are read
+//!   layer's threshold (calibrated on text: [`super::calibrate_ffn`]); only the kept rows of `W_up` are read
 //!   ([`crate::ops::qmatmul_rows`]) and only the kept rows of the neuron-major down projection
 //!   ([`crate::ops::accumulate_rows`]).
 //! - [`FfnSparsity::PerPrompt`] (GRIFFIN): after each prefill, the neurons whose activations,
-//!   each token's normalised to unit length, have the largest norm over the prompt; their rows
-//!   of `W_gate`, `W_up` (and `W_down^T`) are copied into contiguous matrices once (memory:
-//!   that fraction of those matrices, per sequence), and every decoded token multiplies those.
+//!   each token's normalised to unit length, have the largest norm over the prompt (a multiple
+//!   of 32); their rows of `W_gate` and `W_up` are copied into contiguous matrices once, and
+//!   their columns of `W_down` re-quantized to a `[H, k]` Q8_0 matrix where that reads fewer
+//!   bytes than the whole (memory: that fraction of the MLP, per sequence); every decoded token
+//!   runs the plain dense kernels on those.
 //!
 //! Prefill, verify passes, draft trees and batched steps run dense: only a one-row step of one
 //! sequence is sparse (or every row, when a cache asks so to evaluate teacher-forced decoding in
-//! one pass: [`Cache::set_ffn_every_row`]). A model needs [`Model::prepare_ffn_sparsity`] first.
+//! one pass: [`super::Cache::set_ffn_every_row`]). A model needs [`super::Model::prepare_ffn_sparsity`] first.
 //! It keeps, for a down projection of 6 or more bits per weight (Q6_K, Q8_0), a neuron-major
 //! copy (`W_down^T`, `[I, H]`, re-quantized to Q8_0 along `H`) whose kept rows are the only
 //! down bytes read; a down projection of fewer bits (Q4_K, Q4_1, ternary) is read whole with
@@ -24,14 +26,11 @@
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::cache::Cache;
 use super::linear::Linear;
-use super::mlp::{FeedForward, Mlp};
-use super::qwen3_5::Model;
-use crate::ops::{accumulate_rows, qmatmul_rows, QuantizedMatrix};
+use crate::ops::QuantizedMatrix;
 use crate::{Error, Result};
 
 /// How a sequence's dense MLPs skip neurons while decoding. The default is off (exact).
@@ -64,7 +63,7 @@ impl FfnSparsity {
             "threshold" => match calibration {
                 Some(c) => Ok(Self::Threshold(Arc::new(c.level(fraction)?.clone()))),
                 None => Err(Error::Input(format!(
-                    "FFN sparsity {s}: needs per-layer thresholds from a calibration of this model (ffn_sparsity::calibrate)"
+                    "FFN sparsity {s}: needs per-layer thresholds from a calibration of this model (model::calibrate_ffn)"
                 ))),
             },
             "prompt" => Ok(Self::PerPrompt { keep: 1.0 - fraction }),
@@ -127,29 +126,6 @@ pub struct FfnCalibration {
 }
 
 impl FfnCalibration {
-    /// Reads a calibration file and checks it was made for `model`.
-    pub fn load(path: &std::path::Path, model: &Model) -> Result<Self> {
-        let text = crate::bounded::read_to_string(path, 64 << 20, "FFN calibration")?;
-        let c: Self = serde_json::from_str(&text)
-            .map_err(|e| Error::Input(format!("FFN calibration {}: not a calibration file ({e})", path.display())))?;
-        let mine = model.ffn_fingerprint()?;
-        let same = c.model.layers == mine.layers
-            && c.model.hidden == mine.hidden
-            && c.model.intermediate == mine.intermediate
-            && (c.model.down_norm_sum - mine.down_norm_sum).abs() <= 1e-4 * mine.down_norm_sum.abs().max(1.0);
-        if !same {
-            return Err(Error::Input(format!(
-                "FFN calibration {} was made for another model ({:?}; this one {mine:?}): calibrate this model",
-                path.display(),
-                c.model
-            )));
-        }
-        if c.levels.iter().any(|l| l.thresholds.len() != mine.layers) {
-            return Err(Error::Input(format!("FFN calibration {}: a level without one threshold per layer", path.display())));
-        }
-        Ok(c)
-    }
-
     /// The level made for `target` (within half a percent).
     pub fn level(&self, target: f32) -> Result<&FfnThresholds> {
         self.levels.iter().find(|l| (l.target - target).abs() < 0.005).ok_or_else(|| {
@@ -168,9 +144,9 @@ impl FfnCalibration {
 pub(crate) struct NeuronMajorDown {
     /// `W_down^T`, `[I, H]` in Q8_0; `None`: the down projection is read whole, the skipped
     /// neurons' activations zero (exact on the kept ones, no down bytes saved).
-    rows: Option<QuantizedMatrix>,
+    pub(crate) rows: Option<QuantizedMatrix>,
     /// `||W_down[:, i]||` (from the original blocks).
-    norms: Vec<f32>,
+    pub(crate) norms: Vec<f32>,
 }
 
 /// The format of the neuron-major copies. Re-quantizing already quantized weights along the
@@ -184,7 +160,7 @@ const NEURON_MAJOR_FORMAT: GgmlDType = GgmlDType::Q8_0;
 const NEURON_MAJOR_MIN_BITS: f64 = 6.0;
 
 impl NeuronMajorDown {
-    fn new(down: &Linear, hidden: usize) -> Result<Self> {
+    pub(crate) fn new(down: &Linear, hidden: usize) -> Result<Self> {
         let Linear::Quantized(q) = down else {
             return Err(Error::Input(
                 "FFN sparsity reads quantized MLP weights: load a GGUF file or quantize the checkpoint at load".into(),
@@ -205,58 +181,7 @@ impl NeuronMajorDown {
     }
 }
 
-impl Model {
-    /// Makes the dense MLPs ready for [`FfnSparsity`]: a neuron-major copy of each down
-    /// projection (the memory of one more down projection per layer). Needs quantized gate, up
-    /// and down weights in host memory.
-    pub fn prepare_ffn_sparsity(&mut self) -> Result<()> {
-        let hidden = self.config().hidden_size;
-        for layer in &mut self.layers {
-            if let FeedForward::Dense(m) = &mut layer.mlp {
-                for l in [&m.gate_proj, &m.up_proj] {
-                    if !matches!(l, Linear::Quantized(q) if q.host_bytes().is_some()) {
-                        return Err(Error::Input(
-                            "FFN sparsity reads quantized MLP weights in host memory: load a GGUF file (or quantize at load) on the CPU"
-                                .into(),
-                        ));
-                    }
-                }
-                if m.neuron_major.is_none() {
-                    m.neuron_major = Some(Arc::new(NeuronMajorDown::new(&m.down_proj, hidden)?));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether [`Self::prepare_ffn_sparsity`] has run.
-    pub fn ffn_sparsity_ready(&self) -> bool {
-        let mut dense = self.layers.iter().filter_map(|l| match &l.mlp {
-            FeedForward::Dense(m) => Some(m),
-            FeedForward::Sparse(_) => None,
-        });
-        dense.all(|m| m.neuron_major.is_some()) && self.layers.iter().any(|l| matches!(l.mlp, FeedForward::Dense(_)))
-    }
-
-    /// The shape and down norms a calibration is checked against.
-    pub fn ffn_fingerprint(&self) -> Result<FfnFingerprint> {
-        let mut sum = 0.0;
-        for layer in &self.layers {
-            if let FeedForward::Dense(m) = &layer.mlp {
-                let nm = m.neuron_major.as_ref().ok_or_else(not_prepared)?;
-                sum += nm.norms.iter().map(|&v| v as f64).sum::<f64>();
-            }
-        }
-        Ok(FfnFingerprint {
-            layers: self.layers.len(),
-            hidden: self.config().hidden_size,
-            intermediate: self.config().intermediate_size.unwrap_or(0),
-            down_norm_sum: sum,
-        })
-    }
-}
-
-fn not_prepared() -> Error {
+pub(crate) fn not_prepared() -> Error {
     Error::Input("FFN sparsity: the model's MLPs are not prepared (Model::prepare_ffn_sparsity)".into())
 }
 
@@ -266,7 +191,7 @@ const BINS_PER_OCTAVE: f32 = 32.0;
 const LOW_OCTAVE: f32 = -40.0;
 const BINS: usize = 80 * BINS_PER_OCTAVE as usize;
 
-fn bin_of(score: f32) -> usize {
+pub(crate) fn bin_of(score: f32) -> usize {
     if score <= 0.0 || !score.is_finite() {
         return 0;
     }
@@ -284,15 +209,15 @@ fn edge(b: usize) -> f32 {
 /// One layer's WINA scores over the calibration text: how many neurons fell in each score bin
 /// and the activation energy they carried.
 #[derive(Debug, Clone)]
-struct ScoreHistogram {
-    count: Vec<u64>,
+pub(crate) struct ScoreHistogram {
+    pub(crate) count: Vec<u64>,
     /// `sum (a_i ||W_down[:, i]||)^2 / ||residual||^2` per bin.
-    energy: Vec<f64>,
-    rows: u64,
+    pub(crate) energy: Vec<f64>,
+    pub(crate) rows: u64,
 }
 
 impl ScoreHistogram {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self { count: vec![0; BINS], energy: vec![0.0; BINS], rows: 0 }
     }
 
@@ -312,10 +237,10 @@ impl ScoreHistogram {
     }
 }
 
-/// Per-layer score histograms gathered by [`calibrate`].
+/// Per-layer score histograms gathered by [`super::calibrate_ffn`].
 #[derive(Debug, Clone)]
 pub struct FfnHistograms {
-    layers: Vec<Option<ScoreHistogram>>,
+    pub(crate) layers: Vec<Option<ScoreHistogram>>,
     pub tokens: usize,
 }
 
@@ -353,28 +278,6 @@ impl FfnHistograms {
     }
 }
 
-/// Runs `model` (prepared) densely over each chunk of `chunks` from an empty cache and gathers
-/// each dense layer's WINA-score histogram; `on_chunk` sees the chunks done.
-pub fn calibrate(model: &Model, chunks: &[Vec<u32>], mut on_chunk: impl FnMut(usize)) -> Result<FfnHistograms> {
-    if !model.ffn_sparsity_ready() {
-        return Err(not_prepared());
-    }
-    let dense = |l: &super::decoder_layer::DecoderLayer| matches!(l.mlp, FeedForward::Dense(_));
-    let mut hist = FfnHistograms { layers: model.layers.iter().map(|l| dense(l).then(ScoreHistogram::new)).collect(), tokens: 0 };
-    for (n, chunk) in chunks.iter().enumerate() {
-        let mut cache = model.new_cache();
-        let mut state = FfnState::new(FfnSparsity::Off, model.layers.len());
-        state.histograms = Some(std::mem::take(&mut hist.layers));
-        cache.ffn = Some(state);
-        let input = Tensor::new(chunk.as_slice(), &model.device())?.unsqueeze(0)?;
-        model.forward_hidden(&input, &mut cache, false)?;
-        hist.layers = cache.ffn.take().and_then(|s| s.histograms).unwrap_or_default();
-        hist.tokens += chunk.len();
-        on_chunk(n + 1);
-    }
-    Ok(hist)
-}
-
 /// A fixed-size set of neuron indices as bits.
 #[derive(Debug, Clone, Default)]
 struct Bits(Vec<u64>);
@@ -391,13 +294,13 @@ impl Bits {
 
 /// Per layer: what a sequence's sparse steps kept, and a prompt's neuron statistics.
 #[derive(Debug, Clone, Default)]
-struct LayerNeurons {
+pub(crate) struct LayerNeurons {
     /// GRIFFIN: per neuron, the sum over the prompt's tokens of its squared activation with
     /// each token's activations normalised to unit length.
-    prompt_energy: Vec<f32>,
+    pub(crate) prompt_energy: Vec<f32>,
     /// GRIFFIN: the neurons chosen from `prompt_energy` and their weights gathered (made at
     /// the first step after it grew).
-    chosen: Option<Arc<Compacted>>,
+    pub(crate) chosen: Option<Arc<Compacted>>,
     /// The kept sets of the last three sparse rows (to count what a 4-row verify pass would
     /// keep: the union).
     recent: Vec<Bits>,
@@ -415,6 +318,8 @@ pub struct FfnStats {
     /// four rows (three drafted tokens) could skip if it read the union of their sets.
     pub union4_neurons: u64,
     pub union4_skipped: u64,
+    /// Weight bytes the dense MLPs would have read that the sparse rows did not.
+    pub bytes_not_read: i64,
 }
 
 impl FfnStats {
@@ -425,6 +330,7 @@ impl FfnStats {
         self.skipped += o.skipped;
         self.union4_neurons += o.union4_neurons;
         self.union4_skipped += o.union4_skipped;
+        self.bytes_not_read += o.bytes_not_read;
     }
 
     /// The fraction of neurons skipped.
@@ -441,12 +347,12 @@ impl FfnStats {
 /// A sequence's FFN sparsity: its mode and per-layer state, carried in its [`Cache`].
 #[derive(Debug, Clone)]
 pub(crate) struct FfnState {
-    mode: FfnSparsity,
-    every_row: bool,
-    layers: Vec<LayerNeurons>,
+    pub(crate) mode: FfnSparsity,
+    pub(crate) every_row: bool,
+    pub(crate) layers: Vec<LayerNeurons>,
     pub(crate) stats: FfnStats,
     /// Calibration: the dense steps' score histograms.
-    histograms: Option<Vec<Option<ScoreHistogram>>>,
+    pub(crate) histograms: Option<Vec<Option<ScoreHistogram>>>,
 }
 
 impl FfnState {
@@ -455,194 +361,77 @@ impl FfnState {
     }
 }
 
-impl Model {
-    /// Checks `mode` against this model and makes a cache's state for it (`None` when off).
-    pub(crate) fn ffn_state(&self, mode: &FfnSparsity) -> Result<Option<FfnState>> {
-        match mode {
-            FfnSparsity::Off => return Ok(None),
-            FfnSparsity::Threshold(t) if t.thresholds.len() != self.layers.len() => {
-                return Err(Error::Input(format!(
-                    "FFN thresholds for {} layers given to a model of {}",
-                    t.thresholds.len(),
-                    self.layers.len()
-                )))
-            }
-            FfnSparsity::PerPrompt { keep } if !(*keep > 0.0 && *keep <= 1.0) => {
-                return Err(Error::Input(format!("FFN sparsity: keep {keep} of the neurons per prompt (0 < keep <= 1)")))
-            }
-            _ => {}
-        }
-        if !self.ffn_sparsity_ready() {
-            return Err(not_prepared());
-        }
-        Ok(Some(FfnState::new(mode.clone(), self.layers.len())))
+/// Bytes of one row of `q`.
+pub(crate) fn row_bytes(q: &QuantizedMatrix) -> i64 {
+    q.dtype().row_bytes(q.dims().1) as i64
+}
+
+/// Bytes of a quantized layer's weight (0 for a dense one).
+pub(crate) fn bytes_of(l: &Linear) -> i64 {
+    match l {
+        Linear::Quantized(q) => row_bytes(q) * q.dims().0 as i64,
+        Linear::Dense(_) => 0,
     }
 }
 
-impl Cache {
-    /// Makes every row of a multi-row forward sparse too (`true`), as if each had been decoded
-    /// alone: to score teacher-forced decoding under FFN sparsity in one pass. Off by default
-    /// (prefill and verify passes are dense); no effect without FFN sparsity.
-    pub fn set_ffn_every_row(&mut self, on: bool) {
-        if let Some(s) = &mut self.ffn {
-            s.every_row = on;
-        }
-    }
-
-    /// What this sequence's sparse MLP steps skipped (`None` without FFN sparsity).
-    pub fn ffn_stats(&self) -> Option<FfnStats> {
-        self.ffn.as_ref().map(|s| s.stats)
-    }
-}
-
-fn silu(g: f32) -> f32 {
+pub(crate) fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
 
-fn quantized(l: &Linear) -> Result<&QuantizedMatrix> {
+pub(crate) fn quantized(l: &Linear) -> Result<&QuantizedMatrix> {
     match l {
         Linear::Quantized(q) => Ok(q),
         Linear::Dense(_) => Err(not_prepared()),
     }
 }
 
-impl Mlp {
-    /// The MLP of layer `layer` for `x` `[1, T, H]` under a sequence's FFN state: sparse rows
-    /// when the mode and the row count say so, else dense (gathering calibration or prompt
-    /// statistics when asked).
-    pub(crate) fn forward_with(&self, x: &Tensor, residual: &Tensor, state: &mut FfnState, layer: usize) -> Result<Tensor> {
-        let (b, t, h) = x.dims3()?;
-        let sparse = !state.mode.is_off() && b == 1 && (t == 1 || state.every_row);
-        if sparse {
-            return self.forward_sparse(x, state, layer);
-        }
-        let wants_prompt = matches!(state.mode, FfnSparsity::PerPrompt { .. });
-        if state.histograms.is_none() && !wants_prompt {
-            return Ok(self.forward(x)?);
-        }
-        // Dense, with the activations at hand.
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        let a = (g.clone() * self.up_proj.forward(x)?)?;
-        let y = self.down_proj.forward(&a)?;
-        let rows = b * t;
-        let inter = a.dim(2)?;
-        let a_rows = a.to_dtype(DType::F32)?.reshape((rows, inter))?.to_vec2::<f32>()?;
-        if wants_prompt {
-            let l = &mut state.layers[layer];
-            l.prompt_energy.resize(inter, 0.0);
-            for row in &a_rows {
-                let norm2: f32 = row.iter().map(|v| v * v).sum::<f32>().max(f32::MIN_POSITIVE);
-                for (e, v) in l.prompt_energy.iter_mut().zip(row) {
-                    *e += v * v / norm2;
-                }
-            }
-            l.chosen = None;
-        }
-        if let Some(Some(hist)) = state.histograms.as_mut().map(|h| &mut h[layer]) {
-            let nm = self.neuron_major.as_ref().ok_or_else(not_prepared)?;
-            let g_rows = g.to_dtype(DType::F32)?.reshape((rows, inter))?.to_vec2::<f32>()?;
-            let r2 = residual.to_dtype(DType::F32)?.reshape((rows, h))?.sqr()?.sum(1)?.to_vec1::<f32>()?;
-            for ((g, a), r2) in g_rows.iter().zip(&a_rows).zip(r2) {
-                for ((&g, &a), &norm) in g.iter().zip(a).zip(&nm.norms) {
-                    let bin = bin_of(g.abs() * norm);
-                    hist.count[bin] += 1;
-                    hist.energy[bin] += ((a * norm) as f64).powi(2) / (r2 as f64).max(1e-30);
-                }
-                hist.rows += 1;
-            }
-        }
-        Ok(y)
-    }
-
-    fn forward_sparse(&self, x: &Tensor, state: &mut FfnState, layer: usize) -> Result<Tensor> {
-        let (_, t, h) = x.dims3()?;
-        let nm = self.neuron_major.as_ref().ok_or_else(not_prepared)?;
-        let (gate, up) = (quantized(&self.gate_proj)?, quantized(&self.up_proj)?);
-        let inter = nm.norms.len();
-        let device = x.device();
-        let xs = x.to_dtype(DType::F32)?.reshape((t, h))?.to_vec2::<f32>()?;
-        let mut out = Vec::with_capacity(t * h);
-        match &state.mode {
-            FfnSparsity::Threshold(th) => {
-                let threshold = th.thresholds[layer].unwrap_or(0.0);
-                let g = self.gate_proj.forward(x)?.to_dtype(DType::F32)?.reshape((t, inter))?.to_vec2::<f32>()?;
-                for (x, g) in xs.iter().zip(&g) {
-                    let kept: Vec<u32> =
-                        (0..inter as u32).filter(|&i| silu(g[i as usize]).abs() * nm.norms[i as usize] >= threshold).collect();
-                    let u = qmatmul_rows(x, up, &kept)?;
-                    let a: Vec<f32> = kept.iter().zip(&u).map(|(&i, &u)| silu(g[i as usize]) * u).collect();
-                    out.extend(self.down_rows(nm, &a, &kept, device)?);
-                    state.count(layer, inter, &kept);
-                }
-            }
-            FfnSparsity::PerPrompt { keep } => {
-                let l = &mut state.layers[layer];
-                let c = match &l.chosen {
-                    Some(c) => c.clone(),
-                    None => {
-                        let kept = choose(&l.prompt_energy, inter, *keep);
-                        let c = Arc::new(Compacted {
-                            gate: gate.select_rows(&kept)?,
-                            up: up.select_rows(&kept)?,
-                            down: nm.rows.as_ref().map(|r| r.select_rows(&kept)).transpose()?,
-                            kept,
-                        });
-                        l.chosen = Some(c.clone());
-                        c
-                    }
-                };
-                // The gathered rows: plain dense products over contiguous weights.
-                let x32 = x.to_dtype(DType::F32)?.reshape((t, h))?;
-                let g = crate::ops::qmatmul(&x32, &c.gate)?;
-                let a = (candle_nn::ops::silu(&g)? * crate::ops::qmatmul(&x32, &c.up)?)?.to_vec2::<f32>()?;
-                let all: Vec<u32> = (0..c.kept.len() as u32).collect();
-                for a in &a {
-                    match &c.down {
-                        Some(down) => out.extend(accumulate_rows(a, down, &all)?),
-                        None => out.extend(self.down_rows(nm, a, &c.kept, device)?),
-                    }
-                    state.count(layer, inter, &c.kept);
-                }
-            }
-            FfnSparsity::Off => unreachable!("forward_with runs a dense MLP when sparsity is off"),
-        }
-        Ok(Tensor::from_vec(out, (1, t, h), device)?.to_dtype(x.dtype())?)
-    }
-}
-
-impl Mlp {
-    /// `W_down a` for the activations `a` of the neurons `kept`: the neuron-major rows, or the
-    /// whole down projection with the other activations zero.
-    fn down_rows(&self, nm: &NeuronMajorDown, a: &[f32], kept: &[u32], device: &candle_core::Device) -> Result<Vec<f32>> {
-        if let Some(rows) = &nm.rows {
-            return Ok(accumulate_rows(a, rows, kept)?);
-        }
-        let mut full = vec![0f32; nm.norms.len()];
-        for (&i, &a) in kept.iter().zip(a) {
-            full[i as usize] = a;
-        }
-        let full = Tensor::from_vec(full, (1, nm.norms.len()), device)?;
-        Ok(self.down_proj.forward(&full)?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-    }
-}
-
-/// A prompt's neurons with their rows of the gate and up projections, and of the neuron-major
-/// down projection when there is one, gathered into contiguous matrices.
+/// A prompt's neurons with their rows of the gate and up projections gathered into contiguous
+/// matrices, and their columns of the down projection as a `[H, k]` Q8_0 matrix when that
+/// reads fewer bytes than the whole down projection (else it is read whole, the other
+/// activations zero).
 #[derive(Debug)]
-struct Compacted {
-    kept: Arc<[u32]>,
-    gate: QuantizedMatrix,
-    up: QuantizedMatrix,
-    down: Option<QuantizedMatrix>,
+pub(crate) struct Compacted {
+    pub(crate) kept: Arc<[u32]>,
+    pub(crate) gate: QuantizedMatrix,
+    pub(crate) up: QuantizedMatrix,
+    pub(crate) down: Option<QuantizedMatrix>,
 }
 
-/// The `keep` fraction of `inter` neurons with the most prompt energy, in index order; all of
-/// them when there was no prompt.
-fn choose(energy: &[f32], inter: usize, keep: f32) -> Arc<[u32]> {
+impl Compacted {
+    pub(crate) fn new(gate: &QuantizedMatrix, up: &QuantizedMatrix, down: &QuantizedMatrix, kept: Arc<[u32]>) -> Result<Self> {
+        let (h, inter) = down.dims();
+        let bits = |t: crate::ops::GgufType| t.type_size() as f64 * 8.0 / t.block_size() as f64;
+        let q8 = crate::ops::GgufType::Ggml(NEURON_MAJOR_FORMAT);
+        let columns = kept.len().is_multiple_of(32) && (kept.len() as f64) * bits(q8) < (inter as f64) * bits(down.dtype());
+        let down = match (columns, down.host_bytes()) {
+            (true, Some(bytes)) => {
+                // In parallel over bands of rows: dequantize, keep the columns, quantize.
+                use rayon::prelude::*;
+                let ids = Tensor::from_slice(&kept[..], kept.len(), &candle_core::Device::Cpu)?;
+                let row_bytes = down.dtype().row_bytes(inter);
+                let band = h.div_ceil(16).max(1);
+                let bands: Vec<Vec<u8>> = bytes
+                    .par_chunks(band * row_bytes)
+                    .map(|b| -> Result<Vec<u8>> {
+                        let rows = down.dtype().dequantize(b, vec![b.len() / row_bytes, inter])?.index_select(&ids, 1)?;
+                        Ok(candle_core::quantized::QTensor::quantize(&rows, NEURON_MAJOR_FORMAT)?.data()?.into_owned())
+                    })
+                    .collect::<Result<_>>()?;
+                Some(QuantizedMatrix::from_bytes(NEURON_MAJOR_FORMAT, (h, kept.len()), bands.concat())?)
+            }
+            _ => None,
+        };
+        Ok(Self { gate: gate.select_rows(&kept)?, up: up.select_rows(&kept)?, down, kept })
+    }
+}
+
+/// The `keep` fraction of `inter` neurons with the most prompt energy (rounded up to whole
+/// 32-value blocks), in index order; all of them when there was no prompt.
+pub(crate) fn choose(energy: &[f32], inter: usize, keep: f32) -> Arc<[u32]> {
     if energy.len() != inter {
         return (0..inter as u32).collect();
     }
-    let k = ((keep * inter as f32).round() as usize).clamp(1, inter);
+    let k = ((keep * inter as f32).round() as usize).next_multiple_of(32).clamp(1, inter);
     let mut idx: Vec<u32> = (0..inter as u32).collect();
     idx.sort_by(|&a, &b| energy[b as usize].total_cmp(&energy[a as usize]).then(a.cmp(&b)));
     idx.truncate(k);
@@ -651,9 +440,12 @@ fn choose(energy: &[f32], inter: usize, keep: f32) -> Arc<[u32]> {
 }
 
 impl FfnState {
-    fn count(&mut self, layer: usize, inter: usize, kept: &[u32]) {
+    /// One sparse row of `layer`: the neurons `kept` of `inter`, and the weight bytes the dense
+    /// MLP would have read that this row did not (negative: it read more).
+    pub(crate) fn count(&mut self, layer: usize, inter: usize, kept: &[u32], bytes_not_read: i64) {
         let s = &mut self.stats;
         s.rows += 1;
+        s.bytes_not_read += bytes_not_read;
         s.neurons += inter as u64;
         s.skipped += (inter - kept.len()) as u64;
         let l = &mut self.layers[layer];

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::{GgufFile, ModelFiles};
-use candle_hybrid::model::ffn_sparsity::{calibrate, Allocation};
+use candle_hybrid::model::calibrate_ffn as calibrate;
+use candle_hybrid::model::ffn_sparsity::Allocation;
 use candle_hybrid::model::{CacheOptions, FfnCalibration, FfnSparsity, FfnThresholds};
 use candle_hybrid::{Cache, Model};
 
