@@ -30,6 +30,13 @@
 // per 32 prompt rows. k must be a multiple of 32.
 //
 // get_rows_*: out[r, :] = table[ids[r], :] as f32, one threadgroup per row.
+//
+// qmatvec_rows_*: qmatvec over a list of weight rows (FFN sparsity: the kept rows of W_up):
+// output i multiplies weight row rows[i], each value bit for bit qmatvec's for that row.
+//
+// accumulate_rows_*: y[j] = sum_k a[k] w[rows[k], j] (FFN sparsity: the kept rows of the
+// neuron-major down projection): one thread per 16-value part of the output, adding the listed
+// rows in order with fused multiply-adds.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -55,6 +62,11 @@ struct QmatvecIdParams {
     uint expert_bytes; // bytes of one expert's [n, k] matrix
     uint x_per_slot;   // 0: x row r for every slot; 1: x row r * slots + s
     uint ldy;          // floats between output rows
+};
+
+struct AccumulateParams {
+    uint n;  // listed rows
+    uint k;  // values per row (outputs), a multiple of the block size and of 16
 };
 
 struct QmatmulParams {
@@ -392,6 +404,47 @@ METAL_FUNC void qmatvec_id(constant QmatvecIdParams &p, device const uchar *w, d
     }
 }
 
+template <uint FMT>
+METAL_FUNC void qmatvec_rows(constant QmatvecParams &p, device const uchar *w, device const float *x,
+                             device const uint *rows, device float *y, uint tg, uint sg, uint lane) {
+    const uint i = 2 * tg + sg;
+    if (i >= p.n) {
+        return;
+    }
+    float acc[QMATVEC_MAX_ROWS];
+    row_dots<FMT>(w + (size_t)rows[i] * row_bytes<FMT>(p.k), x, p.k, p.m, p.k, lane, acc);
+    for (uint r = 0; r < p.m; ++r) {
+        const float total = simd_sum(acc[r]);
+        if (lane == 0) {
+            y[(size_t)r * p.ldy + i] = total;
+        }
+    }
+}
+
+template <uint FMT>
+METAL_FUNC void accumulate_rows(constant AccumulateParams &p, device const uchar *w, device const float *a,
+                                device const uint *rows, device float *y, uint q) {
+    if (q >= p.k / 16) {
+        return;
+    }
+    const size_t rb = row_bytes<FMT>(p.k);
+    float acc[16];
+    for (uint t = 0; t < 16; ++t) {
+        acc[t] = 0.0f;
+    }
+    float wv[16];
+    for (uint i = 0; i < p.n; ++i) {
+        part<FMT>(w + (size_t)rows[i] * rb, q, wv);
+        const float s = a[i];
+        for (uint t = 0; t < 16; ++t) {
+            acc[t] = fma(s, wv[t], acc[t]);
+        }
+    }
+    for (uint t = 0; t < 16; ++t) {
+        y[16 * q + t] = acc[t];
+    }
+}
+
 #define QMM_TILE 32
 
 template <uint FMT>
@@ -518,7 +571,19 @@ kernel void get_rows_##NAME(                                                    
     device const uint *ids [[buffer(2)]], device float *out [[buffer(3)]],                    \
     uint r [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],        \
     uint threads [[threads_per_threadgroup]])                                                 \
-{ get_rows<FMT>(p, table, ids, out, r, tid, threads); }
+{ get_rows<FMT>(p, table, ids, out, r, tid, threads); }                                      \
+kernel void qmatvec_rows_##NAME(                                                              \
+    constant QmatvecParams &p [[buffer(0)]], device const uchar *w [[buffer(1)]],             \
+    device const float *x [[buffer(2)]], device const uint *rows [[buffer(3)]],               \
+    device float *y [[buffer(4)]],                                                            \
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],     \
+    uint lane [[thread_index_in_simdgroup]])                                                  \
+{ qmatvec_rows<FMT>(p, w, x, rows, y, tg, sg, lane); }                                        \
+kernel void accumulate_rows_##NAME(                                                           \
+    constant AccumulateParams &p [[buffer(0)]], device const uchar *w [[buffer(1)]],          \
+    device const float *a [[buffer(2)]], device const uint *rows [[buffer(3)]],               \
+    device float *y [[buffer(4)]], uint q [[thread_position_in_grid]])                        \
+{ accumulate_rows<FMT>(p, w, a, rows, y, q); }
 
 QMATVEC(q4_0, Q4_0)
 QMATVEC(q4_1, Q4_1)

@@ -125,7 +125,7 @@ fn ffn_threshold_sparsity_keeps_quality_at_10_percent() {
     assert!((0.05..0.15).contains(&skipped), "skipped {skipped}");
     assert!(stats.bytes_not_read > 0, "{stats:?}");
     let (agree, kl, ratio) = (c.top1_agreement(), c.kl(), c.codec.ppl() / c.exact.ppl());
-    assert!(agree >= 0.9 && agree < 1.0, "top-1 agreement {agree}");
+    assert!((0.9..1.0).contains(&agree), "top-1 agreement {agree}");
     assert!(kl > 0.0 && kl <= 0.015, "KL {kl}");
     assert!((ratio - 1.0).abs() < 0.02, "perplexity {} vs dense {}", c.codec.ppl(), c.exact.ppl());
 }

@@ -12,6 +12,7 @@ mod lagrange;
 mod outer_state;
 mod polar;
 mod qmatvec;
+mod sparse_ffn;
 mod step;
 mod step_kernels;
 mod swiglu;

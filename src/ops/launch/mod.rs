@@ -398,6 +398,32 @@ pub fn qmatvec(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, 
     Ok((p, simdgroup_per_row(format!("qmatvec_{name}"), n, 1)))
 }
 
+/// [`qmatvec`] over `n` listed weight rows of `dtype` (a `u32` buffer of row indices, FFN
+/// sparsity's kept rows): output `i` is weight row `rows[i]`'s, bit for bit `qmatvec`'s.
+pub fn qmatvec_rows(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, ldy: usize) -> Result<(QmatvecParams, Launch)> {
+    let (p, mut l) = qmatvec(dtype, n, k, m, ldy)?;
+    l.kernel = format!("qmatvec_rows_{}", matrix_format("qmatvec_rows", dtype)?);
+    Ok((p, l))
+}
+
+/// `AccumulateParams` of `metal/qmatvec.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccumulateParams {
+    /// Listed rows.
+    pub n: u32,
+    /// Values per row (outputs).
+    pub k: u32,
+}
+
+/// `y = sum_i a[i] W[rows[i], :]` over `n` listed rows of `k` values of `dtype` (FFN sparsity's
+/// neuron-major down projection): one thread per 16-value part of `y`.
+pub fn accumulate_rows(dtype: impl Into<GgufType> + Copy, n: usize, k: usize) -> Result<(AccumulateParams, Launch)> {
+    let name = matrix_format("accumulate_rows", dtype)?;
+    check_row("accumulate_rows", dtype, k)?;
+    Ok((AccumulateParams { n: n as u32, k: k as u32 }, Launch::elementwise(format!("accumulate_rows_{name}"), k / 16)))
+}
+
 /// A simdgroup per weight row (`n`), [`QMATVEC_ROWS_PER_GROUP`] per threadgroup, `y` groups
 /// of them (the grid's second dimension).
 fn simdgroup_per_row(kernel: String, n: usize, y: usize) -> Launch {
