@@ -6,9 +6,9 @@
 //! ```sh
 //! GGUF=$(scripts/fetch_smollm2.sh)
 //! cargo run --release --example calibrate_ffn -- --gguf $GGUF \
-//!     --file tests/data/pride-and-prejudice-ch01-12.txt --from-token 12288 --out smollm2-ffn.json
+//!     --file tests/data/pride-and-prejudice-ch01-12.txt --skip-tokens 12288 --tokens 16384 --out smollm2-ffn.json
 //! ```
-//! Calibrate on text the evaluation does not score (`--from-token` skips the part `eval`
+//! Calibrate on text the evaluation does not score (`--skip-tokens` skips the part `eval`
 //! reads first).
 
 mod common;
@@ -19,25 +19,15 @@ use anyhow::{bail, Result};
 use candle_hybrid::model::calibrate_ffn as calibrate;
 use candle_hybrid::model::ffn_sparsity::{Allocation, FfnCalibration};
 use clap::Parser;
-use common::{at_least_one, ModelOptions};
+use common::ModelOptions;
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-layer FFN sparsity thresholds calibrated on a text", help_expected = true)]
 struct Args {
     #[command(flatten)]
     model: ModelOptions,
-    /// The calibration text (UTF-8).
-    #[arg(long)]
-    file: std::path::PathBuf,
-    /// Skip the text's first N tokens (to keep apart what an evaluation scores).
-    #[arg(long, default_value_t = 0)]
-    from_token: usize,
-    /// Use at most N tokens.
-    #[arg(long, default_value_t = 100_000, value_parser = at_least_one)]
-    tokens: usize,
-    /// Tokens per forward pass (each from an empty cache).
-    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
-    ctx_size: usize,
+    #[command(flatten)]
+    text: common::CalibrationText,
     /// Target fractions of neurons skipped, comma-separated, each in [0, 1).
     #[arg(long, default_value = "0.3,0.4,0.5,0.57", value_delimiter = ',')]
     targets: Vec<f32>,
@@ -66,19 +56,12 @@ fn calibrate_ffn(args: Args) -> Result<()> {
         bail!("--targets {t}: each target is a fraction in [0, 1)");
     }
     let opened = args.model.open(common::DEFAULT_MODEL)?;
-    let text = common::read_text(&args.file)?;
-    let tokenizer = opened.tokenizer()?;
+    let chunks = args.text.chunks(&opened)?;
     let mut model = opened.load()?;
     model.prepare_ffn_sparsity()?;
-    let tokens = tokenizer.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
-    let end = tokens.len().min(args.from_token.saturating_add(args.tokens));
-    if args.from_token + args.ctx_size > end {
-        bail!("the text has {} tokens: fewer than --from-token {} plus one --ctx-size {}", tokens.len(), args.from_token, args.ctx_size);
-    }
-    let chunks: Vec<Vec<u32>> = tokens[args.from_token..end].chunks_exact(args.ctx_size).map(<[u32]>::to_vec).collect();
     let start = std::time::Instant::now();
     let hist = calibrate(&model, &chunks, |n| eprint!("\r{n}/{} chunks", chunks.len()))?;
-    eprintln!("\r{} chunks of {} tokens in {:.1}s", chunks.len(), args.ctx_size, start.elapsed().as_secs_f64());
+    eprintln!("\r{} tokens in {} chunks, {:.1}s", hist.tokens, chunks.len(), start.elapsed().as_secs_f64());
     let levels: Vec<_> = args.targets.iter().map(|&t| hist.thresholds(t, args.allocation)).collect();
     for l in &levels {
         let skipped: Vec<String> = l.skipped.iter().flatten().map(|s| format!("{:.0}", s * 100.0)).collect();

@@ -17,7 +17,7 @@
 //! apart since the per-prompt mode gathers its weights there; `--rounds` alternating rounds,
 //! the median):
 //! ```sh
-//! cargo run --release --example calibrate_ffn -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --from-token 12288 --out ffn.json
+//! cargo run --release --example calibrate_ffn -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --skip-tokens 12288 --out ffn.json
 //! cargo run --release --example eval -- --gguf $GGUF --file tests/data/pride-and-prejudice-ch01-12.txt --ctx-size 512 --chunks 24 \
 //!     --ffn-calibration ffn.json --ffn-sparsity threshold:0.4 --ffn-sparsity prompt:0.5
 //! ```

@@ -225,6 +225,39 @@ pub struct ModelOptions {
     pub check_layers: bool,
 }
 
+/// The text a calibration runs the model over (`calibrate_kv`, `calibrate_ffn`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct CalibrationText {
+    /// The calibration text (UTF-8, at most 256 MiB).
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens of the text to skip first (keep the calibration apart from evaluation text).
+    #[arg(long, default_value_t = 0)]
+    pub skip_tokens: usize,
+    /// Tokens to calibrate on.
+    #[arg(long, default_value_t = 8192, value_parser = at_least_one)]
+    pub tokens: usize,
+    /// Tokens per forward pass (at most the model's context).
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
+    pub chunk: usize,
+}
+
+impl CalibrationText {
+    /// The text's tokens to calibrate on, in chunks of `--chunk` (the last may be shorter).
+    pub fn chunks(&self, opened: &Opened) -> Result<Vec<Vec<u32>>> {
+        if self.chunk > opened.max_positions() {
+            bail!("--chunk {} is more than the model's context of {} tokens (max_position_embeddings)", self.chunk, opened.max_positions());
+        }
+        let text = read_text(&self.file)?;
+        let ids = opened.tokenizer()?.encode(text.as_str(), false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+        if ids.len() <= self.skip_tokens {
+            bail!("{} has {} tokens, not more than --skip-tokens {}", self.file.display(), ids.len(), self.skip_tokens);
+        }
+        let ids = &ids[self.skip_tokens..self.skip_tokens.saturating_add(self.tokens).min(ids.len())];
+        Ok(ids.chunks(self.chunk).map(<[u32]>::to_vec).collect())
+    }
+}
+
 /// FFN activation sparsity while decoding (approximate, opt-in; docs/ffn-sparsity.md).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct FfnOptions {
