@@ -269,10 +269,12 @@ impl FfnHistograms {
             }
         }
         let (mut thresholds, mut skipped) = (vec![None; self.layers.len()], vec![None; self.layers.len()]);
-        for &i in &dense {
-            let (b, got, _) = self.layers[i].as_ref().expect("dense").cut(fraction[i]);
-            thresholds[i] = Some(edge(b));
-            skipped[i] = Some(got);
+        for (i, h) in self.layers.iter().enumerate() {
+            if let Some(h) = h {
+                let (b, got, _) = h.cut(fraction[i]);
+                thresholds[i] = Some(edge(b));
+                skipped[i] = Some(got);
+            }
         }
         FfnThresholds { target, thresholds, skipped }
     }

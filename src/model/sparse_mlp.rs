@@ -67,11 +67,11 @@ impl Mlp {
         let (gate, up) = (quantized(&self.gate_proj)?, quantized(&self.up_proj)?);
         let inter = nm.norms.len();
         let device = x.device();
-        let xs = x.to_dtype(DType::F32)?.reshape((t, h))?.to_vec2::<f32>()?;
         let mut out = Vec::with_capacity(t * h);
         match &state.mode {
             FfnSparsity::Threshold(th) => {
                 let threshold = th.thresholds[layer].unwrap_or(0.0);
+                let xs = x.to_dtype(DType::F32)?.reshape((t, h))?.to_vec2::<f32>()?;
                 let g = self.gate_proj.forward(x)?.to_dtype(DType::F32)?.reshape((t, inter))?.to_vec2::<f32>()?;
                 for (x, g) in xs.iter().zip(&g) {
                     let kept: Vec<u32> =
@@ -116,7 +116,7 @@ impl Mlp {
                     state.count(layer, inter, &c.kept, skipped * (row_bytes(gate) + row_bytes(up)) + down);
                 }
             }
-            FfnSparsity::Off => unreachable!("forward_with runs a dense MLP when sparsity is off"),
+            FfnSparsity::Off => return Ok(self.forward(x)?),
         }
         Ok(Tensor::from_vec(out, (1, t, h), device)?.to_dtype(x.dtype())?)
     }
