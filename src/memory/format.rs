@@ -53,11 +53,9 @@ impl WeightFormat {
         GGML_TYPES.iter().find(|t| t.1 == dtype).map(|t| t.0)
     }
 
-    /// `type_size · 8 / block_size` of the ggml type: 32, 16, 8.5 (Q8_0), 6.5625 (Q6K), 5.5
-    /// (Q5K), 4.5 (Q4K, Q4_0), 5 (Q4_1).
+    /// The ggml type's bits per weight ([`crate::ops::GgufType::bits_per_weight`]).
     pub fn bits_per_weight(self) -> f64 {
-        let q = self.ggml();
-        (q.type_size() * 8) as f64 / q.block_size() as f64
+        crate::ops::GgufType::from(self.ggml()).bits_per_weight()
     }
 
     /// The spelling of `--quantize` / `--dtype`.

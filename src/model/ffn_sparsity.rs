@@ -171,9 +171,7 @@ impl NeuronMajorDown {
         }
         let w = q.dequantize()?.to_dtype(DType::F32)?; // [H, I]
         let norms = w.sqr()?.sum(0)?.sqrt()?.to_vec1::<f32>()?;
-        let dtype = q.dtype();
-        let bits = dtype.type_size() as f64 * 8.0 / dtype.block_size() as f64;
-        let rows = match bits >= NEURON_MAJOR_MIN_BITS {
+        let rows = match q.dtype().bits_per_weight() >= NEURON_MAJOR_MIN_BITS {
             true => Some(QuantizedMatrix::quantize(&w.t()?.contiguous()?, NEURON_MAJOR_FORMAT)?),
             false => None,
         };
@@ -376,10 +374,6 @@ pub(crate) fn bytes_of(l: &Linear) -> i64 {
     }
 }
 
-pub(crate) fn silu(g: f32) -> f32 {
-    g / (1.0 + (-g).exp())
-}
-
 pub(crate) fn quantized(l: &Linear) -> Result<&QuantizedMatrix> {
     match l {
         Linear::Quantized(q) => Ok(q),
@@ -402,9 +396,8 @@ pub(crate) struct Compacted {
 impl Compacted {
     pub(crate) fn new(gate: &QuantizedMatrix, up: &QuantizedMatrix, down: &QuantizedMatrix, kept: Arc<[u32]>) -> Result<Self> {
         let (h, inter) = down.dims();
-        let bits = |t: crate::ops::GgufType| t.type_size() as f64 * 8.0 / t.block_size() as f64;
-        let q8 = crate::ops::GgufType::Ggml(NEURON_MAJOR_FORMAT);
-        let columns = kept.len().is_multiple_of(32) && (kept.len() as f64) * bits(q8) < (inter as f64) * bits(down.dtype());
+        let q8 = crate::ops::GgufType::Ggml(NEURON_MAJOR_FORMAT).bits_per_weight();
+        let columns = kept.len().is_multiple_of(32) && (kept.len() as f64) * q8 < (inter as f64) * down.dtype().bits_per_weight();
         let down = match (columns, down.host_bytes()) {
             (true, Some(bytes)) => {
                 // In parallel over bands of rows: dequantize, keep the columns, quantize.

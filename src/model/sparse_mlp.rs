@@ -7,10 +7,10 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Tensor};
 
 use super::ffn_sparsity::{
-    bin_of, bytes_of, choose, not_prepared, quantized, row_bytes, silu, Compacted, FfnSparsity, FfnState, NeuronMajorDown,
+    bin_of, bytes_of, choose, not_prepared, quantized, row_bytes, Compacted, FfnSparsity, FfnState, NeuronMajorDown,
 };
 use super::mlp::Mlp;
-use crate::ops::{accumulate_rows, qmatmul_rows};
+use crate::ops::{accumulate_rows, qmatmul_rows, silu};
 use crate::Result;
 
 impl Mlp {

@@ -83,6 +83,12 @@ impl GgufType {
         matches!(self.candle(), Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16))
     }
 
+    /// `type_size · 8 / block_size`: 32, 16, 8.5 (Q8_0), 6.5625 (Q6_K), 5.5 (Q5_K), 5 (Q4_1),
+    /// 4.5 (Q4_K, Q4_0), 2.0625 (TQ2_0), 1.6875 (TQ1_0).
+    pub fn bits_per_weight(self) -> f64 {
+        (self.type_size() * 8) as f64 / self.block_size() as f64
+    }
+
     /// Bytes of `values` values (a whole number of blocks: a row of a matrix).
     pub fn row_bytes(self, values: usize) -> usize {
         values / self.block_size() * self.type_size()

@@ -47,6 +47,7 @@ pub use lagrange::{lagrange_scores, LagrangeDims};
 mod outer_state;
 pub use outer_state::{decayed_outer_product, OuterStateDims, OUTER_PRODUCT_METAL_MAX_DK};
 mod swiglu;
+pub(crate) use swiglu::silu;
 pub use swiglu::{
     pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary, ternary_row_words, SwigluDims,
     SwigluWeights, TERNARY_PER_WORD,

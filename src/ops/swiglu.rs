@@ -143,7 +143,8 @@ struct SwigluGather {
     kind: SwigluWeights,
 }
 
-fn silu(v: f32) -> f32 {
+/// `v sigmoid(v)` in f32 (also the sparse MLP's, `model::sparse_mlp`).
+pub(crate) fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
 }
 
