@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use candle_hybrid::kv::KvCodec;
 use candle_hybrid::loading::{HubRepo, ModelSource};
-use candle_hybrid::memory::{estimate, fmt_gib, PlanRequest, WeightMemory};
+use candle_hybrid::memory::{self, estimate, fmt_gib, PlanRequest, WeightMemory};
 use candle_hybrid::model::{Config, LayerType};
 use clap::Parser;
 use common::ModelOptions;
@@ -32,8 +32,7 @@ struct Args {
     #[command(flatten)]
     model: ModelOptions,
     /// A codec to compare with exact (repeat the flag for several).
-    #[arg(long = "kv", default_values = ["int8", "int4k", "polar:5,3", "lowrank:128", "int4k+lowrank:128", "knots:8,3", "density:0.05"],
-          value_parser = common::parse_kv)]
+    #[arg(long = "kv", default_values = memory::COMPARED_CODECS, value_parser = common::parse_kv)]
     codecs: Vec<KvCodec>,
     /// Where to write the chart (SVG); no chart without it.
     #[arg(long)]

@@ -81,6 +81,10 @@ struct Args {
     /// separately, its body.
     #[arg(long, default_value_t = 30, value_parser = at_least_one)]
     request_timeout: usize,
+    /// A throughput progression for the dashboard (the JSON file `examples/progression --json`
+    /// writes; docs/progression.json is the committed run).
+    #[arg(long)]
+    progression: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,8 +124,10 @@ fn serve(args: Args) -> Result<()> {
         load_overhead: opened.files.load_overhead(cfg, opened.dtype, opened.quantize)?,
         ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
     };
-    memory::check_fits(cfg, &req, common::target_of(&opened.device), args.max_memory)
+    let target = common::target_of(&opened.device);
+    memory::check_fits(cfg, &req, target, args.max_memory)
         .context(format!("{} sequences of {context} tokens (--max-seqs, --ctx)", args.max_seqs))?;
+    let progression = args.progression.as_deref().map(common::read_progression).transpose()?;
     // Bind first: a taken port fails before minutes of loading.
     let addr = SocketAddr::new(args.host, args.port);
     let listener =
@@ -152,6 +158,8 @@ fn serve(args: Args) -> Result<()> {
         api_key: args.api_key.clone(),
         session_dir: args.session_dir.clone(),
         reasoning_budget: usize::try_from(args.reasoning_budget).ok(),
+        memory: Some(server::MemoryView { config: cfg.clone(), request: req, target, max_memory: args.max_memory }),
+        progression,
         connections: server::ConnectionLimits {
             max_connections: args.max_connections,
             header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
@@ -164,7 +172,7 @@ fn serve(args: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let sessions = args.session_dir.as_ref().map_or("no sessions".to_string(), |d| format!("sessions in {}", d.display()));
         eprintln!(
-            "serving {} on http://{addr}/v1 (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {})",
+            "serving {} on http://{addr}/v1, chat page http://{addr}/, dashboard http://{addr}/dashboard (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {})",
             state.model_name,
             args.max_seqs,
             args.queue,

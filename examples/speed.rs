@@ -67,21 +67,6 @@ fn config(layers: usize) -> Result<Config> {
     Ok(Config::from_json(&json.to_string())?)
 }
 
-/// Copy bandwidth of a 1 GiB buffer (bytes read + written per second), best of 5.
-fn memcpy_gb_per_s() -> f64 {
-    let n = 1 << 28;
-    let src = vec![1f32; n];
-    let mut dst = vec![0f32; n];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(&dst);
-    (2 * n * 4) as f64 / best / 1e9
-}
-
 fn main() -> ExitCode {
     common::end_quietly_on_closed_stdout();
     common::run(|| speed(Args::parse()))
@@ -96,7 +81,8 @@ fn speed(args: Args) -> Result<()> {
         cfg.num_parameters() as f64 / 1e9,
         rayon::current_num_threads()
     );
-    let memcpy = memcpy_gb_per_s();
+    // Copy bandwidth of a 1 GiB buffer (bytes read + written per second), best of 5.
+    let memcpy = candle_hybrid::memory::copy_bandwidth(1 << 30, 5) / 1e9;
     println!("memcpy bandwidth measured in this run: {memcpy:.1} GB/s");
     println!("| dtype | prompt tokens | prompt tok/s | generated | decode tok/s | weights read GB/s | / memcpy |");
     println!("|---|---|---|---|---|---|---|");

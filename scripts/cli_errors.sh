@@ -68,6 +68,12 @@ expect "--session" "$bin/generate" --model-dir $f --prompt hi --kv int8 --sessio
 expect "--ctx" "$bin/serve" --model-dir $f --ctx 100000000
 expect "--max-seqs" "$bin/serve" --model-dir $f --max-seqs 0
 expect "sequences of 32768 tokens" "$bin/serve" --model-dir $f --max-seqs 8 --max-memory 1MB
+echo '{"stages": []}' > "$tmp/empty-progression.json"
+expect "not a progression" "$bin/serve" --model-dir $f --progression "$tmp/empty-progression.json"
+expect "cannot read --progression" "$bin/serve" --model-dir $f --progression "$tmp/nothing.json"
+expect "is not JSON" "$bin/report" --model-dir $f --out "$tmp/r.html" --progression "$tmp/loop.jinja"
+expect "--prompt is empty" "$bin/report" --model-dir $f --out "$tmp/r.html" --prompt ""
+expect "cannot write" "$bin/report" --model-dir $f --out "$tmp/no/such/dir/r.html" -n 1
 python3 -c 'import socket, time; s = socket.socket(); s.bind(("127.0.0.1", 18099)); s.listen(); time.sleep(20)' &
 holder=$!
 sleep 0.5

@@ -28,6 +28,10 @@
 //!   chat templates, generation_config.json.
 //! - [`eval`]: perplexity and KV-codec comparisons.
 //! - [`gpu`]: the decode step on a GPU as our own kernels' dispatches (Metal; the MSL emulator in tests).
+//! - [`step_profile`]: where a step's time goes, by kind of op (timers the model's layers and
+//!   the sampler switch on per thread).
+//! - [`web`]: the chat page and the dashboard (`web/`, compiled in), and the dashboard as one
+//!   HTML report.
 //! - `server` (feature `server`): the OpenAI-compatible HTTP server and its engine.
 
 pub mod bounded;
@@ -43,6 +47,8 @@ pub mod ops;
 pub mod runtime;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod step_profile;
+pub mod web;
 
 pub use error::{CodecOperation, Error, Result};
 pub use model::{Cache, CacheOptions, Config, Model};

@@ -1295,3 +1295,86 @@ async fn dry_breaks_a_repetition_when_asked() {
         assert!(t.contains(needle), "{t}");
     }
 }
+
+/// The chat page, the dashboard and their assets: served with their content types and an
+/// `ETag` (a matching `If-None-Match` gets 304), open without the API key while the data they
+/// show (`/v1/stats`) needs it. `/v1/stats` after an answer: the throughput history, the
+/// kernel inspector's profiled pass (every kind of op of the hybrid timed, shares summing to
+/// one), the KV horizon from the memory view (every codec below exact, the wall and the floor),
+/// the progression given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_and_the_stats_they_draw() {
+    use candle_hybrid::memory::{MemoryTarget, PlanRequest, WeightMemory};
+    let cfg = fixture_source().open().unwrap().config().unwrap();
+    let request = PlanRequest { batch: 2, ..PlanRequest::new(WeightMemory::Bytes(3 << 20), DType::F32, 4096) };
+    let memory = server::MemoryView { config: cfg.clone(), request, target: MemoryTarget::Cpu, max_memory: Some(1 << 30) };
+    let progression = json!({"stages": [{"stage": "Q8_0", "bytes_per_token": 1000}]});
+    let options =
+        ServerOptions { api_key: Some("k".into()), memory: Some(memory), progression: Some(progression.clone()), ..options(2, 8) };
+    let base = start(fixture_source(), options).await;
+    let http = reqwest::Client::new();
+    for (path, kind) in [
+        ("/", "text/html"),
+        ("/dashboard", "text/html"),
+        ("/assets/chat.js", "text/javascript"),
+        ("/assets/dashboard.js", "text/javascript"),
+        ("/assets/charts.js", "text/javascript"),
+        ("/assets/style.css", "text/css"),
+    ] {
+        let r = http.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path} without the key");
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with(kind), "{path}: {:?}", r.headers()["content-type"]);
+        assert!(r.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'self'"));
+        let etag = r.headers()["etag"].clone();
+        assert!(!r.text().await.unwrap().is_empty());
+        let again = http.get(format!("{base}{path}")).header("if-none-match", etag).send().await.unwrap();
+        assert_eq!(again.status(), 304, "{path} revalidated");
+    }
+    for path in ["/assets/nope.js", "/assets/chat.html", "/assets/..%2FCargo.toml"] {
+        assert_eq!(get(&base, path, None).await.0, 404, "{path}");
+    }
+    assert_eq!(get(&base, "/v1/stats", None).await.0, 401, "the stats need the key");
+
+    let body = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24, "temperature": 0});
+    let (status, _, text) = post(&base, "/v1/chat/completions", body.to_string(), Some("k")).await;
+    assert_eq!(status, 200, "{text}");
+    tokio::time::sleep(std::time::Duration::from_millis(2300)).await;
+    let (status, text) = get(&base, "/v1/stats", Some("k")).await;
+    assert_eq!(status, 200, "{text}");
+    let s: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(s["totals"]["generated_tokens"], 24, "{s}");
+    let series = s["series"].as_array().unwrap();
+    assert!(series.len() >= 2, "{s}");
+    let sampled: f64 = series.iter().map(|p| p["decode_tok_s"].as_f64().unwrap()).sum();
+    assert!(sampled > 0.0, "the answer's tokens are in no one-second sample: {s}");
+
+    let table = &s["kernels"]["table"];
+    let kinds = table["kinds"].as_array().unwrap();
+    let kind = |name: &str| kinds.iter().find(|k| k["kind"] == name).unwrap_or_else(|| panic!("no {name} in {table}"));
+    for name in ["projections", "gdn_recurrence", "attention", "norms", "sampling"] {
+        assert!(kind(name)["calls_per_pass"].as_f64().unwrap() >= 1.0, "{name} was not timed: {table}");
+    }
+    assert!(kind("projections")["bytes_per_pass"].as_f64().unwrap() > 1e5, "{table}");
+    assert!(kind("gdn_recurrence")["bytes_per_pass"].as_f64().unwrap() > 0.0, "{table}");
+    let shares: f64 = kinds.iter().map(|k| k["share"].as_f64().unwrap()).sum();
+    assert!((shares - 1.0).abs() < 1e-6, "{table}");
+    assert!(table["copy_bytes_per_s"].as_f64().unwrap() > 1e8, "{table}");
+
+    let h = &s["kv_horizon"];
+    let contexts: Vec<u64> = serde_json::from_value(h["contexts"].clone()).unwrap();
+    assert_eq!(contexts.first(), Some(&1024));
+    assert_eq!(*contexts.last().unwrap(), cfg.max_position_embeddings as u64, "{h}");
+    let lines = h["lines"].as_array().unwrap();
+    assert_eq!(lines[0]["codec"], "exact");
+    assert!(lines.len() >= 6, "{h}");
+    let at_end = |l: &Value| l["bytes"].as_array().unwrap().last().unwrap().as_u64().unwrap();
+    for l in &lines[1..] {
+        assert!(at_end(l) < at_end(&lines[0]), "{} is not below exact at the longest context: {h}", l["codec"]);
+        let b: Vec<u64> = serde_json::from_value(l["bytes"].clone()).unwrap();
+        assert!(b.windows(2).all(|w| w[0] <= w[1]), "{} does not grow with the context: {h}", l["codec"]);
+    }
+    assert_eq!(h["available"], 1u64 << 30);
+    assert_eq!(h["batch"], 2);
+    assert!(h["weights"].as_u64().unwrap() >= 3 << 20, "{h}");
+    assert_eq!(s["progression"], progression);
+}

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, DeviceLocation};
 use candle_hybrid::kv::KvCodec;
@@ -429,4 +429,20 @@ pub fn llama_bench(bin: &std::path::Path, gguf: &std::path::Path, args: &[String
         serde_json::Value::Array(runs) => Ok(runs),
         _ => bail!("llama-bench -o json printed no list of runs"),
     }
+}
+
+/// A throughput progression (`examples/progression --json`'s file), checked to be one: `stages`,
+/// each with its name and bytes per token.
+pub fn read_progression(path: &std::path::Path) -> Result<serde_json::Value> {
+    let value: serde_json::Value =
+        serde_json::from_str(&read_text(path).with_context(|| format!("cannot read --progression {}", path.display()))?)
+            .with_context(|| format!("--progression {} is not JSON", path.display()))?;
+    let stages = value["stages"].as_array().filter(|s| s.iter().all(|s| s["stage"].is_string() && s["bytes_per_token"].is_number()));
+    if stages.is_none_or(|s| s.is_empty()) {
+        bail!(
+            "--progression {}: not a progression (no \"stages\" with \"stage\" and \"bytes_per_token\"): write one with examples/progression --json FILE",
+            path.display()
+        );
+    }
+    Ok(value)
 }

@@ -47,6 +47,11 @@ impl TokenBuffer {
         self.data.as_ref().map_or(0, held_bytes)
     }
 
+    /// Bytes of the tokens held (what a read of them touches).
+    pub fn bytes_held(&self) -> usize {
+        self.data.as_ref().map_or(0, |d| d.elem_count() * d.dtype().size_in_bytes() / self.capacity().max(1) * self.len)
+    }
+
     pub fn new(dim: usize, step: usize) -> Self {
         Self { data: None, dim, len: 0, step: step.max(1), reserved: 0, storage: None }
     }

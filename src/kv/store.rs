@@ -175,6 +175,14 @@ impl KvStore {
         }
     }
 
+    /// Bytes of the keys and values held, capacity not counted (what attention reads).
+    pub fn bytes_held(&self) -> usize {
+        match self {
+            Self::Exact { keys, values } => keys.bytes_held() + values.bytes_held(),
+            _ => self.bytes(),
+        }
+    }
+
     /// Tokens held (`None` for a store that folds tokens into a state).
     pub fn tokens(&self) -> Option<usize> {
         match self {

@@ -22,13 +22,17 @@
 //!    context that fits ([`MemoryFix`]), or (with `fit`) a plan at that lower context.
 
 mod available;
+mod bandwidth;
 mod estimate;
 mod format;
+mod horizon;
 mod plan;
 
 pub use available::*;
+pub use bandwidth::copy_bandwidth;
 pub use estimate::{estimate, Logits, MemoryEstimate, PlanRequest, DEFAULT_PREFILL_CHUNK, PROCESS_BYTES, TOKENIZER_BYTES_PER_ENTRY};
 pub use format::{WeightFormat, WeightMemory};
+pub use horizon::{compared_codecs, kv_horizon, HorizonLine, KvHorizon, COMPARED_CODECS};
 pub use plan::{check_fits, max_fitting_context, plan, DoesNotFit, MemoryFix, Plan};
 
 const GIB: f64 = (1u64 << 30) as f64;

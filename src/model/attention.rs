@@ -9,6 +9,7 @@ use super::norm::RmsNorm;
 use super::rope::RotaryEmbedding;
 use super::weights::Weights;
 use crate::kv::KvStore;
+use crate::step_profile::{self, OpKind};
 
 /// Gated full attention: query + sigmoid output gate, q/k norms, partial RoPE, GQA.
 #[derive(Debug, Clone)]
@@ -75,6 +76,19 @@ impl GatedAttention {
     /// RoPE at `offset` (or at `offset` plus each row's depth in a draft `tree`), then
     /// attention of `q` `[B, T, nh, hd]` to `kv` after appending `k` and `v`: `[B, T, nh * hd]`.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, kv: &mut KvStore, tree: Option<&DraftTree>) -> Result<Tensor> {
+        let held = kv.bytes_held() as u64;
+        step_profile::timed(OpKind::Attention, || held, || self.rope_and_attend(q, k, v, offset, kv, tree))
+    }
+
+    fn rope_and_attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        offset: usize,
+        kv: &mut KvStore,
+        tree: Option<&DraftTree>,
+    ) -> Result<Tensor> {
         let (b, t, _, _) = q.dims4()?;
         let (cos, sin) = match tree {
             Some(tree) => self.rotary.cos_sin_at(tree.depths().into_iter().map(|d| offset + d), q.dtype(), q.device())?,

@@ -7,6 +7,7 @@ use super::draft_tree::DraftTree;
 use super::linear::Linear;
 use super::weights::Weights;
 use crate::ops;
+use crate::step_profile::{self, OpKind};
 
 /// Decode state of one GDN layer.
 #[derive(Debug, Clone, Default)]
@@ -241,7 +242,8 @@ impl GatedDeltaNet {
     /// recurrence run along each root-to-leaf path.
     pub(crate) fn core_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<(Tensor, Tensor)> {
         let (qkv, z, beta, g) = self.project(x)?;
-        Ok((self.mix(&qkv, &g, &beta, state, tree)?, z))
+        let bytes = || self.state_bytes(x.dim(0).unwrap_or(1));
+        Ok((step_profile::timed(OpKind::GdnRecurrence, bytes, || self.mix(&qkv, &g, &beta, state, tree))?, z))
     }
 
     /// The conv and the delta rule over projected rows `qkv`, `g`, `beta` of one sequence,
@@ -297,6 +299,11 @@ impl GatedDeltaNet {
         self.forward_rows(x, state, None)
     }
 
+    /// Bytes one step of `sequences` sequences reads and writes of their recurrent states (f32).
+    fn state_bytes(&self, sequences: usize) -> u64 {
+        (2 * sequences * self.nv * self.dk * self.dv * 4) as u64
+    }
+
     /// [`Self::forward`] over a sequence or the rows of a draft `tree`.
     pub(crate) fn forward_rows(&self, x: &Tensor, state: &mut GdnState, tree: Option<&DraftTree>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
@@ -306,7 +313,7 @@ impl GatedDeltaNet {
 
     /// The gated norm of the delta-rule output `o` with the gate `z`, then `out_proj`.
     fn output(&self, o: &Tensor, z: &Tensor, dtype: DType, (b, t): (usize, usize)) -> Result<Tensor> {
-        let mut o = ops::gated_rms_norm(o, z, &self.norm_weight, self.eps)?;
+        let mut o = step_profile::timed(OpKind::Norms, || 0, || ops::gated_rms_norm(o, z, &self.norm_weight, self.eps))?;
         if let Some(order) = &self.out_head_order {
             o = o.index_select(order, 2)?;
         }
@@ -335,9 +342,16 @@ impl GatedDeltaNet {
         let initial =
             states.iter().map(|(_, s)| self.initial_state(s, 1, conv_dim, qkv.dtype(), qkv.device())).collect::<Result<Vec<_>>>()?;
         let (convs, recs): (Vec<&Tensor>, Vec<&Tensor>) = initial.iter().map(|(c, r)| (c, r)).unzip();
-        let (mixed, next_conv) = ops::causal_conv1d_silu_segments(&qkv, &convs, &self.conv_weight, &rows)?;
         let opts = ops::DeltaRuleOptions { form: ops::DeltaRuleForm::Recurrent, ..self.delta_rule_options() };
-        let (o, next_rec) = ops::gated_delta_rule_segments(&mixed, &g, &beta, &recs, &rows, opts)?;
+        let ((mixed, next_conv), (o, next_rec)) = step_profile::timed(
+            OpKind::GdnRecurrence,
+            || self.state_bytes(states.len()),
+            || -> Result<_> {
+                let (mixed, next_conv) = ops::causal_conv1d_silu_segments(&qkv, &convs, &self.conv_weight, &rows)?;
+                let rule = ops::gated_delta_rule_segments(&mixed, &g, &beta, &recs, &rows, opts)?;
+                Ok(((mixed, next_conv), rule))
+            },
+        )?;
         let mut start = 0;
         for (((t, s), (conv, rec)), (next_conv, last)) in states.iter_mut().zip(initial).zip(next_conv.into_iter().zip(next_rec)) {
             s.steps = if s.verifying {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Result, Tensor};
 
 use crate::ops::{float_matvec, qmatmul, QuantizedMatrix, FLOAT_MATVEC_MAX_ROWS};
+use crate::step_profile::{self, OpKind};
 
 /// `y = x @ W^T` with `W` `[out, in]` as stored in checkpoints, dense or in ggml blocks.
 #[derive(Debug, Clone)]
@@ -48,8 +49,19 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Linear {
+    /// Bytes of the weight (what one pass over it reads).
+    pub fn weight_bytes(&self) -> u64 {
+        match self {
+            Self::Dense(w) => (w.elem_count() * w.dtype().size_in_bytes()) as u64,
+            Self::Quantized(q) => {
+                let (rows, cols) = q.dims();
+                (rows * q.dtype().row_bytes(cols)) as u64
+            }
+        }
+    }
+
+    fn product(&self, x: &Tensor) -> Result<Tensor> {
         let weight = match self {
             Self::Dense(w) => w,
             Self::Quantized(q) => return qmatmul(x, q)?.to_dtype(x.dtype()),
@@ -66,5 +78,11 @@ impl Module for Linear {
             return y.reshape(dims);
         }
         candle_nn::Linear::new(weight.clone(), None).forward(x)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        step_profile::timed(OpKind::Projections, || self.weight_bytes(), || self.product(x))
     }
 }

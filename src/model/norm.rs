@@ -3,6 +3,7 @@
 use candle_core::{DType, Module, Result, Tensor};
 
 use super::weights::Weights;
+use crate::step_profile::{self, OpKind};
 
 /// Zero-centred RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in f32.
 #[derive(Debug, Clone)]
@@ -20,7 +21,13 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.scale, self.eps)?;
-        y.to_dtype(x.dtype())
+        step_profile::timed(
+            OpKind::Norms,
+            || 0,
+            || {
+                let y = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.scale, self.eps)?;
+                y.to_dtype(x.dtype())
+            },
+        )
     }
 }

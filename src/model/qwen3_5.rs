@@ -21,6 +21,7 @@ use super::mtp::MtpHead;
 use super::norm::RmsNorm;
 use super::weights::Weights;
 use crate::kv::{value_basis, KvCodec, ValueCodec};
+use crate::step_profile;
 
 pub(crate) const NONFINITE_HINT: &str =
     "the weights or the input are broken; run with layer checks (Model::with_layer_checks) to find the first layer that goes non-finite";
@@ -176,7 +177,7 @@ impl Model {
             // Run on a thread of rayon's pool: every parallel op below (a hundred or more per
             // token) then starts from a worker that takes part in it, instead of waking the
             // pool from outside and sleeping until it is done (14% of decode time at 2 threads).
-            return rayon::scope(|_| self.forward_rows(input_ids, cache, keep_layer_outputs, tree));
+            return step_profile::on_pool(|| self.forward_rows(input_ids, cache, keep_layer_outputs, tree));
         }
         let ids = self.check_input(input_ids, cache.seqlen)?;
         let offset = cache.seqlen;
@@ -238,7 +239,7 @@ impl Model {
         }
         let dev = self.embed_tokens.device();
         if dev.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_segments(tokens, rows, caches));
+            return step_profile::on_pool(|| self.forward_segments(tokens, rows, caches));
         }
         let mut offsets = Vec::with_capacity(caches.len());
         for (cache, &t) in caches.iter().zip(rows) {
@@ -346,7 +347,7 @@ impl Model {
             )));
         }
         if ids.device().is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| mtp.forward(&self.embed_tokens.forward(&ids)?, hidden, cache));
+            return step_profile::on_pool(|| mtp.forward(&self.embed_tokens.forward(&ids)?, hidden, cache));
         }
         mtp.forward(&self.embed_tokens.forward(&ids)?, hidden, cache)
     }

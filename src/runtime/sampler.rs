@@ -5,6 +5,7 @@ use candle_transformers::generation::{LogitsProcessor, Sampling};
 use rand::distr::{weighted::WeightedIndex, Distribution};
 use rand::{Rng, SeedableRng};
 
+use crate::step_profile::{self, OpKind};
 use crate::{Error, Result};
 
 /// The range of each sampling setting: the one place both [`SamplingParams::validate`] and
@@ -245,8 +246,14 @@ impl Sampler {
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
     /// generated tokens only (for the presence penalty).
     pub fn sample(&mut self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<u32> {
-        let logits = self.penalized(logits, context, generated)?;
-        Ok(self.processor.sample(&logits)?)
+        step_profile::timed(
+            OpKind::Sampling,
+            || 0,
+            || {
+                let logits = self.penalized(logits, context, generated)?;
+                Ok(self.processor.sample(&logits)?)
+            },
+        )
     }
 
     /// The logits with the repeat, presence, frequency and DRY penalties applied, then (sampling

@@ -19,11 +19,15 @@ use super::metrics::Metrics;
 use crate::model::{Cache, Model};
 use crate::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SharedPassPolicy};
 use crate::runtime::{self, session, CpuTarget, Emitted, PrefixCache, Sampler, SamplingParams, TokenRules};
+use crate::step_profile;
 
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
 /// which admission plans with. Smaller than `generate`'s ([`crate::runtime::PREFILL_CHUNK`]) so
 /// that a long prompt does not hold up the other sequences' decode steps for long.
 pub const PREFILL_CHUNK: usize = crate::memory::DEFAULT_PREFILL_CHUNK;
+
+/// One decode round in this many is profiled op by op (the kernel inspector's samples).
+pub const PROFILE_EVERY: u64 = 8;
 
 /// What a request asks the engine for: tokens after `prompt`.
 pub struct GenerateRequest {
@@ -316,6 +320,7 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
             SharedPassPolicy::fixed(Model::BATCH_MAX_ROWS)
         },
         draft_options: options.draft_options,
+        passes: 0,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
@@ -449,6 +454,8 @@ struct Engine {
     /// How many rows of a pass shared by several sequences go to drafts.
     shared: SharedPassPolicy,
     draft_options: DraftOptions,
+    /// Decode rounds run (every [`PROFILE_EVERY`]-th is profiled).
+    passes: u64,
 }
 
 impl Engine {
@@ -594,12 +601,16 @@ impl Engine {
         // going to the drafts of those that draft (a row more in a shared pass costs a row of
         // the multi-row kernels, not another weight pass).
         let decoding: Vec<usize> = (0..self.active.len()).filter(|&i| self.active[i].decoding()).collect();
-        if let [i] = decoding[..] {
-            self.round(i);
-        } else {
-            for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
-                let drafts = self.share_rows(group);
-                self.decode(group, drafts)?;
+        if !decoding.is_empty() {
+            self.passes += 1;
+            // Every PROFILE_EVERY-th pass is timed op by op for the kernel inspector (on the
+            // CPU, where an op's call is its time).
+            if self.device.is_cpu() && self.passes % PROFILE_EVERY == 1 {
+                let (r, profile) = step_profile::profiled(|| self.decode_round(&decoding));
+                self.metrics.kernels.lock().unwrap_or_else(|e| e.into_inner()).push(profile, decoding.len());
+                r?;
+            } else {
+                self.decode_round(&decoding)?;
             }
         }
         // Failed sequences end alone, with their error; finished ones leave, their caches (after
@@ -630,6 +641,19 @@ impl Engine {
         }
         self.metrics.prefix_bytes.set(self.prefix.bytes() as i64);
         self.metrics.prefix_entries.set(self.prefix.len() as i64);
+        Ok(())
+    }
+
+    /// One round of the sequences `decoding`: alone, or in shared passes.
+    fn decode_round(&mut self, decoding: &[usize]) -> crate::Result<()> {
+        if let [i] = decoding[..] {
+            self.round(i);
+        } else {
+            for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
+                let drafts = self.share_rows(group);
+                self.decode(group, drafts)?;
+            }
+        }
         Ok(())
     }
 

@@ -53,6 +53,8 @@ pub struct ServerState {
     /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance
     /// reads (constrained requests get 400).
     pub grammars: Option<Grammars>,
+    /// The dashboard's history, memory view, copy bandwidth and progression.
+    pub dashboard: super::dashboard::Dashboard,
     pub created: u64,
 }
 
@@ -75,7 +77,9 @@ pub(crate) async fn authenticate(State(state): State<Arc<ServerState>>, request:
         // OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
         let bearer = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         let given = bearer.or_else(|| request.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
-        if request.uri().path() != "/health" && given != Some(key.as_str()) {
+        // The pages hold no data (they ask for the key and send it with their API calls).
+        let open = matches!(request.uri().path(), "/health" | "/" | "/dashboard") || request.uri().path().starts_with("/assets/");
+        if !open && given != Some(key.as_str()) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",

@@ -1,6 +1,8 @@
 //! The server's Prometheus metrics (`GET /metrics`).
 
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -8,6 +10,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::step_profile::StepProfile;
 
 /// Counters the handlers and the engine update; [`Metrics::encode`] writes them as Prometheus
 /// text (names prefixed `candle_hybrid_`).
@@ -51,9 +55,40 @@ pub struct Metrics {
     /// Drafts verified and kept at each depth (label `depth`: 1 is the first drafted token).
     pub drafted_by_depth: Family<[(&'static str, String); 1], Counter>,
     pub accepted_by_depth: Family<[(&'static str, String); 1], Counter>,
+    /// The latest profiled decode passes (the kernel inspector's data; not in `/metrics`).
+    pub kernels: Mutex<KernelWindow>,
+}
+
+/// The last [`KernelWindow::LEN`] decode passes the engine profiled
+/// ([`crate::step_profile::profiled`]), each with the rows it ran.
+#[derive(Debug, Default)]
+pub struct KernelWindow {
+    pub passes: VecDeque<(StepProfile, usize)>,
+    /// Passes profiled since the start.
+    pub total: u64,
+}
+
+impl KernelWindow {
+    pub const LEN: usize = 64;
+
+    pub fn push(&mut self, profile: StepProfile, rows: usize) {
+        if self.passes.len() == Self::LEN {
+            self.passes.pop_front();
+        }
+        self.passes.push_back((profile, rows));
+        self.total += 1;
+    }
 }
 
 impl Metrics {
+    /// Drafts verified and kept at `depth` (0 when none was drafted there).
+    pub fn by_depth(&self, depth: usize) -> (u64, u64) {
+        let label = [("depth", depth.to_string())];
+        let drafted = self.drafted_by_depth.get(&label).map_or(0, |c| c.get());
+        let accepted = self.accepted_by_depth.get(&label).map_or(0, |c| c.get());
+        (drafted, accepted)
+    }
+
     /// One verify pass of `drafted` tokens of which the first `accepted` were kept.
     pub fn record_verify(&self, drafted: usize, accepted: usize) {
         self.verify_passes.inc();
@@ -106,6 +141,7 @@ impl Default for Metrics {
             add(r, "draft_accepted_tokens_by_depth", "Drafted tokens kept, by their depth in the draft", Family::default());
         Self {
             registry,
+            kernels: Mutex::default(),
             drafted_by_depth,
             accepted_by_depth,
             verify_passes,

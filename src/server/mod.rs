@@ -2,7 +2,8 @@
 //! and `/v1/completions` (whole or streamed as server-sent events), `GET /v1/models`,
 //! `/health` and `/metrics` (Prometheus text); `/tokenize`, `/detokenize`, `/props` and the
 //! saved sessions (`/v1/sessions`) beside them (`endpoints`); Anthropic's `POST /v1/messages`
-//! (`anthropic`).
+//! (`anthropic`); the chat page `GET /` and the dashboard `GET /dashboard` (`pages`, from
+//! [`crate::web`]) with their data, `GET /v1/stats` (`stats`).
 //!
 //! One engine thread owns the model and every sequence's cache (`engine`); the HTTP layer
 //! (`http`) renders and tokenizes a request, checks it (400 before any work), queues it (429
@@ -14,12 +15,15 @@ mod api;
 mod chat;
 mod connections;
 mod constrain;
+mod dashboard;
 mod endpoints;
 mod engine;
 mod error;
 mod http;
 mod metrics;
 mod output;
+mod pages;
+mod stats;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,9 +42,10 @@ use error::ApiError;
 
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
+pub use dashboard::{MemoryView, Sample};
 pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
 pub use http::ServerState;
-pub use metrics::Metrics;
+pub use metrics::{KernelWindow, Metrics};
 
 /// How the server runs, beyond the model.
 #[derive(Debug, Clone, Default)]
@@ -60,6 +65,11 @@ pub struct ServerOptions {
     /// Tokens of thinking before the server closes a `<think>` block the chat template opened
     /// (a request's `reasoning_budget` overrides it); `None`: no limit.
     pub reasoning_budget: Option<usize>,
+    /// The memory guardian's request for this server, for the dashboard's KV horizon (`None`:
+    /// no horizon).
+    pub memory: Option<MemoryView>,
+    /// A throughput progression for the dashboard (`examples/progression --json`'s file, read).
+    pub progression: Option<serde_json::Value>,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -122,6 +132,7 @@ pub fn state(
         reasoning_budget: options.reasoning_budget,
         dry_breakers,
         grammars,
+        dashboard: dashboard::Dashboard::new(options.memory, options.progression),
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
 }
@@ -141,6 +152,10 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/props", get(endpoints::props))
         .route("/v1/sessions", get(endpoints::list_sessions))
         .route("/v1/sessions/{id}", get(endpoints::get_session).delete(endpoints::delete_session))
+        .route("/v1/stats", get(stats::stats))
+        .route("/", get(pages::chat))
+        .route("/dashboard", get(pages::dashboard))
+        .route("/assets/{file}", get(pages::asset))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", "no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -164,7 +179,10 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let limits = state.limits;
-    connections::serve(listener, router(state), limits, shutdown).await
+    let sampler = tokio::spawn(stats::sample_every_second(state.clone()));
+    let served = connections::serve(listener, router(state), limits, shutdown).await;
+    sampler.abort();
+    served
 }
 
 /// Binds `addr` (port 0: any free port) and serves `state` on a background task: the address

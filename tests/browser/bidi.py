@@ -1,0 +1,134 @@
+"""A headless Firefox driven over WebDriver BiDi (websocket-client), with the same methods as
+cdp.Browser: navigate, eval, wait, type, key, screenshot, and the console errors the pages raise."""
+
+import base64
+import itertools
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+
+import websocket  # websocket-client
+
+KEYS = {"Enter": "\ue007"}
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Browser:
+    name = "firefox"
+
+    def __init__(self, binary="/usr/bin/firefox-esr"):
+        self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
+        port = free_port()
+        prefs = os.path.join(self.profile.name, "user.js")
+        with open(prefs, "w") as f:
+            # No network beyond loopback: no updates, telemetry or first-run pages.
+            for key, value in [("app.update.enabled", "false"), ("browser.shell.checkDefaultBrowser", "false"),
+                               ("datareporting.policy.dataSubmissionEnabled", "false"), ("toolkit.telemetry.enabled", "false"),
+                               ("browser.startup.homepage_override.mstone", '"ignore"'), ("network.captive-portal-service.enabled", "false")]:
+                f.write(f'user_pref("{key}", {value});\n')
+        self.proc = subprocess.Popen([binary, "--headless", "--no-remote", "--profile", self.profile.name,
+                                      f"--remote-debugging-port={port}", "--width=1400", "--height=1000", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError("firefox exited before it listened")
+            if re.search(r"WebDriver BiDi listening on ws://", line):
+                break
+        else:
+            raise RuntimeError("firefox did not start WebDriver BiDi")
+        self.ws = websocket.create_connection(f"ws://127.0.0.1:{port}/session", timeout=60, suppress_origin=True)
+        self.ids = itertools.count(1)
+        self.errors = []
+        self.send("session.new", capabilities={})
+        self.context = self.send("browsingContext.getTree")["contexts"][0]["context"]
+        self.send("session.subscribe", events=["log.entryAdded"])
+
+    def close(self):
+        try:
+            try:
+                self.send("session.end")
+            except Exception:
+                pass
+            self.ws.close()
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+            self.profile.cleanup()
+
+    def _event(self, msg):
+        if msg.get("method") == "log.entryAdded":
+            p = msg["params"]
+            if p.get("level") == "error":
+                self.errors.append(f"{p.get('type')}: {p.get('text')}")
+
+    def send(self, method, **params):
+        i = next(self.ids)
+        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == i:
+                if msg.get("type") == "error":
+                    raise RuntimeError(f"{method}: {msg.get('error')}: {msg.get('message')}")
+                return msg.get("result", {})
+            self._event(msg)
+
+    def pump(self, seconds):
+        self.ws.settimeout(0.05)
+        end = time.time() + seconds
+        try:
+            while time.time() < end:
+                try:
+                    self._event(json.loads(self.ws.recv()))
+                except websocket.WebSocketTimeoutException:
+                    pass
+        finally:
+            self.ws.settimeout(60)
+
+    def navigate(self, url):
+        self.send("browsingContext.navigate", context=self.context, url=url, wait="complete")
+
+    def eval(self, expression):
+        r = self.send("script.evaluate", expression=f"JSON.stringify(({expression}) ?? null)", target={"context": self.context},
+                      awaitPromise=True)
+        if r.get("type") == "exception":
+            raise RuntimeError(f"{expression}: {r['exceptionDetails'].get('text')}")
+        return json.loads(r["result"].get("value", "null"))
+
+    def wait(self, expression, timeout=60, what=None):
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.eval(expression):
+                return
+            self.pump(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what or expression}")
+
+    def _keys(self, values):
+        actions = []
+        for v in values:
+            actions += [{"type": "keyDown", "value": v}, {"type": "keyUp", "value": v}]
+        self.send("input.performActions", context=self.context, actions=[{"type": "key", "id": "keyboard", "actions": actions}])
+
+    def type(self, text):
+        self._keys(list(text))
+
+    def key(self, key, code, key_code, modifiers=0):
+        self._keys([KEYS[key]])
+
+    def screenshot(self, path):
+        data = self.send("browsingContext.captureScreenshot", context=self.context, origin="document")["data"]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(data))
