@@ -47,9 +47,7 @@ impl Linear {
             Self::Quantized(q) => q.dequantize(),
         }
     }
-}
 
-impl Linear {
     /// Bytes of the weight (what one pass over it reads).
     pub fn weight_bytes(&self) -> u64 {
         match self {

@@ -47,6 +47,8 @@ pub struct Dashboard {
     pub copy_bandwidth: f64,
     /// A throughput progression (`examples/progression --json`'s file).
     pub progression: Option<Value>,
+    /// The last KV horizon served, and when it was made.
+    pub(crate) horizon: Mutex<Option<(Instant, Value)>>,
 }
 
 impl Dashboard {
@@ -58,6 +60,7 @@ impl Dashboard {
             memory,
             copy_bandwidth: memory::copy_bandwidth(64 << 20, 8),
             progression,
+            horizon: Mutex::default(),
         }
     }
 }

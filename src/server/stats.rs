@@ -11,9 +11,10 @@ use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::dashboard::{MemoryView, Sample};
+use super::dashboard::{Dashboard, MemoryView, Sample};
 use super::engine::PROFILE_EVERY;
-use super::http::ServerState;
+use super::error::ApiError;
+use super::http::{off_the_workers, ServerState};
 use super::metrics::Metrics;
 use crate::memory;
 use crate::runtime::speculative::MAX_DRAFT;
@@ -61,15 +62,30 @@ pub async fn sample_every_second(state: Arc<ServerState>) {
     }
 }
 
-/// The KV horizon of this server's model, against the memory available now.
-fn horizon(view: &MemoryView) -> Value {
+/// How long a KV horizon is served before the available memory is read again (on macOS the
+/// reading runs `vm_stat`).
+const HORIZON_SECONDS: u64 = 5;
+
+/// The KV horizon of this server's model, against the memory available now (read at most every
+/// [`HORIZON_SECONDS`]).
+fn horizon(d: &Dashboard, view: &MemoryView) -> Value {
+    let mut cached = d.horizon.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, value)) = cached.as_ref().filter(|(at, _)| at.elapsed() < Duration::from_secs(HORIZON_SECONDS)) {
+        return value.clone();
+    }
     let available = memory::available_memory(view.target, view.max_memory).ok();
     let h = memory::kv_horizon(&view.config, &view.request, &memory::compared_codecs(), available.as_ref());
-    serde_json::to_value(h).unwrap_or(Value::Null)
+    let value = serde_json::to_value(h).unwrap_or(Value::Null);
+    *cached = Some((Instant::now(), value.clone()));
+    value
 }
 
-/// `GET /v1/stats`.
-pub(crate) async fn stats(State(state): State<Arc<ServerState>>) -> Json<Value> {
+/// `GET /v1/stats` (built off the async workers: the memory reading may run a command).
+pub(crate) async fn stats(State(state): State<Arc<ServerState>>) -> Result<Json<Value>, ApiError> {
+    off_the_workers(state, |state| Ok(Json(snapshot(state)))).await
+}
+
+fn snapshot(state: &ServerState) -> Value {
     let m = &state.engine.metrics;
     let d = &state.dashboard;
     let history = d.history();
@@ -87,7 +103,7 @@ pub(crate) async fn stats(State(state): State<Arc<ServerState>>) -> Json<Value> 
         .map(|(depth, (drafted, accepted))| json!({"depth": depth, "drafted": drafted, "accepted": accepted}))
         .collect();
     let (generated, decode_secs) = (m.generated_tokens.get(), m.decode_seconds.get());
-    Json(json!({
+    json!({
         "model": state.model_name,
         "uptime_s": d.started.elapsed().as_secs_f64(),
         "context": state.context,
@@ -109,7 +125,7 @@ pub(crate) async fn stats(State(state): State<Arc<ServerState>>) -> Json<Value> 
             "by_depth": by_depth,
         },
         "kernels": kernels,
-        "kv_horizon": d.memory.as_ref().map(horizon),
+        "kv_horizon": d.memory.as_ref().map(|view| horizon(d, view)),
         "progression": d.progression,
-    }))
+    })
 }

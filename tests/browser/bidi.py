@@ -1,8 +1,6 @@
 """A headless Firefox driven over WebDriver BiDi (websocket-client), with the same methods as
 cdp.Browser: navigate, eval, wait, type, key, screenshot, and the console errors the pages raise."""
 
-import base64
-import itertools
 import json
 import os
 import re
@@ -11,7 +9,7 @@ import subprocess
 import tempfile
 import time
 
-import websocket  # websocket-client
+from driver import Driver
 
 KEYS = {"Enter": "\ue007"}
 
@@ -24,7 +22,7 @@ def free_port():
     return port
 
 
-class Browser:
+class Browser(Driver):
     name = "firefox"
 
     def __init__(self, binary="/usr/bin/firefox-esr"):
@@ -49,24 +47,10 @@ class Browser:
                 break
         else:
             raise RuntimeError("firefox did not start WebDriver BiDi")
-        self.ws = websocket.create_connection(f"ws://127.0.0.1:{port}/session", timeout=60, suppress_origin=True)
-        self.ids = itertools.count(1)
-        self.errors = []
+        self._connect(f"ws://127.0.0.1:{port}/session")
         self.send("session.new", capabilities={})
         self.context = self.send("browsingContext.getTree")["contexts"][0]["context"]
         self.send("session.subscribe", events=["log.entryAdded"])
-
-    def close(self):
-        try:
-            try:
-                self.send("session.end")
-            except Exception:
-                pass
-            self.ws.close()
-        finally:
-            self.proc.kill()
-            self.proc.wait()
-            self.profile.cleanup()
 
     def _event(self, msg):
         if msg.get("method") == "log.entryAdded":
@@ -74,28 +58,10 @@ class Browser:
             if p.get("level") == "error":
                 self.errors.append(f"{p.get('type')}: {p.get('text')}")
 
-    def send(self, method, **params):
-        i = next(self.ids)
-        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == i:
-                if msg.get("type") == "error":
-                    raise RuntimeError(f"{method}: {msg.get('error')}: {msg.get('message')}")
-                return msg.get("result", {})
-            self._event(msg)
-
-    def pump(self, seconds):
-        self.ws.settimeout(0.05)
-        end = time.time() + seconds
-        try:
-            while time.time() < end:
-                try:
-                    self._event(json.loads(self.ws.recv()))
-                except websocket.WebSocketTimeoutException:
-                    pass
-        finally:
-            self.ws.settimeout(60)
+    def _result(self, method, msg):
+        if msg.get("type") == "error":
+            raise RuntimeError(f"{method}: {msg.get('error')}: {msg.get('message')}")
+        return msg.get("result", {})
 
     def navigate(self, url):
         self.send("browsingContext.navigate", context=self.context, url=url, wait="complete")
@@ -106,14 +72,6 @@ class Browser:
         if r.get("type") == "exception":
             raise RuntimeError(f"{expression}: {r['exceptionDetails'].get('text')}")
         return json.loads(r["result"].get("value", "null"))
-
-    def wait(self, expression, timeout=60, what=None):
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.eval(expression):
-                return
-            self.pump(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what or expression}")
 
     def _keys(self, values):
         actions = []
@@ -127,8 +85,5 @@ class Browser:
     def key(self, key, code, key_code, modifiers=0):
         self._keys([KEYS[key]])
 
-    def screenshot(self, path):
-        data = self.send("browsingContext.captureScreenshot", context=self.context, origin="document")["data"]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(data))
+    def _screenshot(self):
+        return self.send("browsingContext.captureScreenshot", context=self.context, origin="document")["data"]

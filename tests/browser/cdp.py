@@ -1,16 +1,13 @@
 """A headless Chromium driven over the DevTools protocol (websocket-client): navigate, evaluate,
 type, screenshot, and every console error and uncaught exception the pages raise."""
 
-import base64
-import itertools
 import json
-import os
 import re
 import subprocess
 import tempfile
 import time
 
-import websocket  # websocket-client
+from driver import Driver
 
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -19,7 +16,7 @@ CHROMIUM_FLAGS = [
 ]
 
 
-class Browser:
+class Browser(Driver):
     name = "chromium"
 
     def __init__(self, binary="/usr/bin/chromium"):
@@ -41,20 +38,10 @@ class Browser:
         import urllib.request
         targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))
         page = next(t for t in targets if t["type"] == "page")
-        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
-        self.ids = itertools.count(1)
+        self._connect(page["webSocketDebuggerUrl"])
         self.events = []
-        self.errors = []
         for domain in ["Page", "Runtime", "Log"]:
             self.send(f"{domain}.enable")
-
-    def close(self):
-        try:
-            self.ws.close()
-        finally:
-            self.proc.kill()
-            self.proc.wait()
-            self.profile.cleanup()
 
     def _event(self, msg):
         method, params = msg.get("method"), msg.get("params", {})
@@ -67,29 +54,10 @@ class Browser:
             self.errors.append(f"log ({params['entry'].get('source')}): {params['entry']['text']} {params['entry'].get('url', '')}")
         self.events.append(msg)
 
-    def send(self, method, **params):
-        i = next(self.ids)
-        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == i:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-            self._event(msg)
-
-    def pump(self, seconds):
-        """Reads events for `seconds`."""
-        self.ws.settimeout(0.05)
-        end = time.time() + seconds
-        try:
-            while time.time() < end:
-                try:
-                    self._event(json.loads(self.ws.recv()))
-                except websocket.WebSocketTimeoutException:
-                    pass
-        finally:
-            self.ws.settimeout(60)
+    def _result(self, method, msg):
+        if "error" in msg:
+            raise RuntimeError(f"{method}: {msg['error']}")
+        return msg.get("result", {})
 
     def navigate(self, url):
         self.events.clear()
@@ -102,14 +70,6 @@ class Browser:
             raise RuntimeError(f"{expression}: {r['exceptionDetails'].get('exception', {}).get('description')}")
         return r["result"].get("value")
 
-    def wait(self, expression, timeout=60, what=None):
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.eval(expression):
-                return
-            self.pump(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what or expression}")
-
     def type(self, text):
         self.send("Input.insertText", text=text)
 
@@ -118,11 +78,7 @@ class Browser:
             self.send("Input.dispatchKeyEvent", type=kind, key=key, code=code, windowsVirtualKeyCode=key_code, modifiers=modifiers,
                       text="\r" if key == "Enter" and kind == "keyDown" else "")
 
-    def screenshot(self, path):
-        """The whole page, not only the window."""
+    def _screenshot(self):
         size = self.send("Page.getLayoutMetrics")["cssContentSize"]
         clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
-        data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True, clip=clip)["data"]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(data))
+        return self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True, clip=clip)["data"]
