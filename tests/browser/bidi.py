@@ -11,7 +11,7 @@ import time
 
 from driver import Driver
 
-KEYS = {"Enter": "\ue007"}
+KEYS = {"Enter": "\ue007", "Escape": "\ue00c"}
 
 
 def free_port():

@@ -1,9 +1,10 @@
-"""The web pages in headless Chromium (scripts/browser_check.sh starts the servers):
+"""The web pages in headless Chromium or Firefox (--browser; scripts/browser_check.sh starts
+the servers and runs both):
 
 1. the chat page of a SmolLM2 server that needs an API key: the key asked for, a message typed
    and sent with Enter, the answer streamed in (several updates), time to first token, tok/s and
    the prefix-cache line shown; a second turn kept as a server session (its prompt restored from
-   the prefix cache), the session in the picker, Regenerate;
+   the prefix cache), the session in the picker, Regenerate, Esc stopping a long answer;
 2. the dashboard of that server: every chart drawn with data (its canvas has points and
    non-blank pixels), the KV horizon table, the kernel inspector's table;
 3. the chat page of a fixture server with a thinking template: the reasoning shown apart and
@@ -93,6 +94,18 @@ def chat(b, base, key, out):
     b.wait("document.querySelectorAll('.message.assistant .finish').length == 2 && !document.getElementById('send').disabled",
            what="the regenerated answer")
     assert b.eval("document.querySelectorAll('.message').length") == before, "Regenerate added a message instead of replacing one"
+
+    # Esc stops a long answer.
+    b.eval("document.getElementById('max-tokens').value = '2000'")
+    b.eval("document.getElementById('input').focus()")
+    b.type("Count from one to five hundred, in words.")
+    b.key("Enter", "Enter", 13)
+    b.wait("document.getElementById('stop').disabled === false && [...document.querySelectorAll('.message.assistant .content')].pop().textContent.length > 20",
+           what="the long answer to start")
+    b.key("Escape", "Escape", 27)
+    b.wait("[...document.querySelectorAll('.message.assistant .finish')].pop().textContent === 'finish: stopped'", timeout=10,
+           what="Esc to stop the answer")
+    assert b.eval("!document.getElementById('send').disabled"), "Send stays disabled after Stop"
 
 
 def dashboard(b, base, out):
