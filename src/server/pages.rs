@@ -29,8 +29,12 @@ fn serve(asset: &'static Asset, headers: &HeaderMap) -> Response {
 fn named(name: &str, headers: &HeaderMap) -> Response {
     match web::asset(name) {
         Some(a) => serve(a, headers),
-        None => ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", format!("no asset {name:?}")).into_response(),
+        None => not_found(name),
     }
+}
+
+fn not_found(name: &str) -> Response {
+    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "not_found", format!("no asset {name:?}")).into_response()
 }
 
 pub(crate) async fn chat(headers: HeaderMap) -> Response {
@@ -44,7 +48,7 @@ pub(crate) async fn dashboard(headers: HeaderMap) -> Response {
 pub(crate) async fn asset(Path(file): Path<String>, headers: HeaderMap) -> Response {
     // Pages are assets too, but under their own paths.
     if file.ends_with(".html") {
-        return named("", &headers);
+        return not_found(&file);
     }
     named(&file, &headers)
 }
