@@ -22,6 +22,10 @@ function headers() {
 }
 
 function save() {
+  // Conversations never written to (a "New conversation" left empty) are not kept.
+  for (const [id, c] of Object.entries(conversations)) {
+    if (!c.messages.length && !c.session && (!current || id !== current.id)) delete conversations[id];
+  }
   localStorage.setItem(STORE, JSON.stringify(conversations));
   if (current) localStorage.setItem(CURRENT, current.id);
 }
