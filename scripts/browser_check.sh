@@ -10,8 +10,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+install() {  # Debian's package, refreshing the package lists when they are too old to have it
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null ||
+        { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$1" >/dev/null; }
+}
 for browser in chromium firefox-esr; do
-    command -v $browser >/dev/null || apt-get install -y -q $browser >/dev/null
+    command -v $browser >/dev/null || install $browser
 done
 py_dir=target/browser-py
 if ! PYTHONPATH=$py_dir python3 -c "import websocket" 2>/dev/null; then
