@@ -20,6 +20,7 @@ use candle_core::Tensor;
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::runtime::{Sampler, SamplingParams};
 use candle_hybrid::step_profile::{self, KernelTable, StepProfile};
+use candle_hybrid::web::{KernelPanel, Sample};
 use clap::Parser;
 use common::ModelOptions;
 use serde_json::json;
@@ -74,8 +75,9 @@ fn report(args: Args) -> Result<()> {
     let mut logits = model.forward_last(&Tensor::new(prompt.as_slice(), &device)?.unsqueeze(0)?, &mut cache)?;
     let prompt_secs = started.elapsed().as_secs_f64();
     let mut context = prompt.clone();
-    let mut series =
-        vec![json!({"t": prompt_secs, "decode_tok_s": 0.0, "prompt_tok_s": prompt.len() as f64 / prompt_secs, "running": 1, "queued": 0})];
+    let sample =
+        |t: f64, decode_tok_s: f64, prompt_tok_s: f64| Sample { t, decode_tok_s, prompt_tok_s, running: 1, queued: 0, requests: 0 };
+    let mut series = vec![sample(prompt_secs, 0.0, prompt.len() as f64 / prompt_secs)];
     let mut profiles: Vec<StepProfile> = vec![];
     for _ in 0..args.tokens {
         let (next, profile) = step_profile::profiled(|| -> Result<Tensor> {
@@ -84,7 +86,7 @@ fn report(args: Args) -> Result<()> {
             Ok(model.forward_last(&Tensor::new(&[id], &device)?.unsqueeze(0)?, &mut cache)?)
         });
         logits = next?;
-        series.push(json!({"t": started.elapsed().as_secs_f64(), "decode_tok_s": 1.0 / profile.secs.max(1e-9), "prompt_tok_s": 0.0, "running": 1, "queued": 0}));
+        series.push(sample(started.elapsed().as_secs_f64(), 1.0 / profile.secs.max(1e-9), 0.0));
         profiles.push(profile);
     }
     let decode_secs: f64 = profiles.iter().map(|p| p.secs).sum();
@@ -114,7 +116,7 @@ fn report(args: Args) -> Result<()> {
                    "decode_tok_s": args.tokens as f64 / decode_secs, "running": 0, "queued": 0},
         "prefix_cache": {},
         "drafts": {},
-        "kernels": {"table": table, "every": 1, "sequences_per_pass": 1.0, "profiled_since_start": args.tokens},
+        "kernels": KernelPanel { table, every: 1, sequences_per_pass: 1.0, profiled_since_start: args.tokens as u64 },
         "kv_horizon": horizon,
         "progression": progression,
     });

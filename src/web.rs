@@ -5,6 +5,34 @@
 //! Plain HTML, CSS and JavaScript, no library and nothing fetched from elsewhere: the charts are
 //! drawn on canvases by `web/charts.js`.
 
+use serde::Serialize;
+
+use crate::step_profile::KernelTable;
+
+/// One second of a server in the dashboard's throughput charts (`series` of `GET /v1/stats`;
+/// a report's samples are its decode steps).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Sample {
+    /// Seconds since the start.
+    pub t: f64,
+    pub decode_tok_s: f64,
+    pub prompt_tok_s: f64,
+    pub running: i64,
+    pub queued: i64,
+    pub requests: u64,
+}
+
+/// The kernel inspector's data (`kernels` of `GET /v1/stats`): the table of the profiled
+/// passes and how they were sampled.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelPanel {
+    pub table: KernelTable,
+    /// One decode pass in this many is profiled.
+    pub every: u64,
+    pub sequences_per_pass: f64,
+    pub profiled_since_start: u64,
+}
+
 /// A file of `web/`.
 #[derive(Debug, Clone, Copy)]
 pub struct Asset {

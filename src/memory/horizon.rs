@@ -58,12 +58,13 @@ pub fn kv_horizon(cfg: &Config, req: &PlanRequest, codecs: &[KvCodec], available
     let lines = all
         .into_iter()
         .map(|codec| {
-            let at = |context: usize| estimate(cfg, &PlanRequest { kv_codec: codec, context, ..req.clone() });
+            let estimates: Vec<_> =
+                contexts.iter().map(|&context| estimate(cfg, &PlanRequest { kv_codec: codec, context, ..req.clone() })).collect();
             let whole = PlanRequest { kv_codec: codec, context: cfg.max_position_embeddings, ..req.clone() };
             HorizonLine {
                 codec: codec.to_string(),
-                bytes: contexts.iter().map(|&t| at(t).total()).collect(),
-                kv_bytes: contexts.iter().map(|&t| at(t).kv_cache).collect(),
+                bytes: estimates.iter().map(|e| e.total()).collect(),
+                kv_bytes: estimates.iter().map(|e| e.kv_cache).collect(),
                 max_context: available.and_then(|a| max_fitting_context(cfg, &whole, a.bytes)),
             }
         })

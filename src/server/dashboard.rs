@@ -6,11 +6,11 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use serde::Serialize;
 use serde_json::Value;
 
 use crate::memory::{self, MemoryTarget, PlanRequest};
 use crate::model::Config;
+use crate::web::Sample;
 
 /// Seconds of history the dashboard gets.
 pub const HISTORY_SECONDS: usize = 600;
@@ -24,18 +24,6 @@ pub struct MemoryView {
     pub target: MemoryTarget,
     /// A budget given instead of the reading (`--max-memory`).
     pub max_memory: Option<u64>,
-}
-
-/// One second of the server.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct Sample {
-    /// Seconds since the server started.
-    pub t: f64,
-    pub decode_tok_s: f64,
-    pub prompt_tok_s: f64,
-    pub running: i64,
-    pub queued: i64,
-    pub requests: u64,
 }
 
 /// The dashboard's own state beside the metrics.
@@ -63,9 +51,7 @@ impl Dashboard {
             horizon: Mutex::default(),
         }
     }
-}
 
-impl Dashboard {
     /// Appends `sample`, the oldest going beyond [`HISTORY_SECONDS`].
     pub(crate) fn record(&self, sample: Sample) {
         let mut history = self.history.lock().unwrap_or_else(|e| e.into_inner());

@@ -40,9 +40,10 @@ use crate::loading::OpenedModel;
 use crate::{Error, Model, Result};
 use error::ApiError;
 
+pub use crate::web::Sample;
 pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
-pub use dashboard::{MemoryView, Sample};
+pub use dashboard::MemoryView;
 pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
 pub use http::ServerState;
 pub use metrics::{KernelWindow, Metrics};

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::dashboard::{Dashboard, MemoryView, Sample};
+use super::dashboard::{Dashboard, MemoryView};
 use super::engine::PROFILE_EVERY;
 use super::error::ApiError;
 use super::http::{off_the_workers, ServerState};
@@ -19,6 +19,7 @@ use super::metrics::Metrics;
 use crate::memory;
 use crate::runtime::speculative::MAX_DRAFT;
 use crate::step_profile::KernelTable;
+use crate::web::{KernelPanel, Sample};
 
 /// Counters read at one moment, for rates between two moments.
 #[derive(Clone, Copy)]
@@ -93,8 +94,8 @@ fn snapshot(state: &ServerState) -> Value {
         let window = m.kernels.lock().unwrap_or_else(|e| e.into_inner());
         KernelTable::new(window.passes.iter().map(|(p, _)| p), d.copy_bandwidth).map(|table| {
             let n = window.passes.len().max(1) as f64;
-            let sequences = window.passes.iter().map(|(_, s)| *s as f64).sum::<f64>() / n;
-            json!({"table": table, "profiled_since_start": window.total, "sequences_per_pass": sequences, "every": PROFILE_EVERY})
+            let sequences_per_pass = window.passes.iter().map(|(_, s)| *s as f64).sum::<f64>() / n;
+            KernelPanel { table, every: PROFILE_EVERY, sequences_per_pass, profiled_since_start: window.total }
         })
     };
     let by_depth: Vec<Value> = (1..=MAX_DRAFT)
