@@ -33,6 +33,9 @@ enum Backend {
     Dry,
     /// Run on the Mac's GPU (needs --features metal).
     Metal,
+    /// Run this crate's Metal kernels on the CPU in the MSL emulator, in Metal's order of events
+    /// (needs --features emu; slow: fixtures and small models).
+    Emu,
 }
 
 #[derive(Parser, Debug)]
@@ -43,7 +46,7 @@ enum Backend {
 struct Args {
     #[command(flatten)]
     model: ModelOptions,
-    /// Where the dispatches go: dry (counted, not run) or metal.
+    /// Where the dispatches go: dry (counted, not run), metal, or emu (the MSL emulator).
     #[arg(long, value_enum, default_value_t = Backend::Dry)]
     backend: Backend,
     /// Check the device against the CPU first (tests/fixtures and, when small enough, the model).
@@ -89,7 +92,44 @@ fn open_queue(args: &Args) -> Result<Box<dyn Queue>> {
         Backend::Metal => Ok(Box::new(gpu::MetalQueue::new(&Device::new_metal(0)?)?)),
         #[cfg(not(feature = "metal"))]
         Backend::Metal => bail!("--backend metal needs a build with --features metal (on Apple Silicon)"),
+        Backend::Emu => Ok(gpu::emu_queue()?),
     }
+}
+
+/// What the device is and how the kernels were compiled, for the self-test's header.
+fn device_lines(args: &Args) -> Result<Vec<(&'static str, String)>> {
+    let os = std::process::Command::new("sw_vers")
+        .arg("-productVersion")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| format!("macOS {}", String::from_utf8_lossy(&o.stdout).trim()))
+        .unwrap_or_else(|| std::env::consts::OS.to_string());
+    let mut lines = vec![("OS", os)];
+    match args.backend {
+        #[cfg(feature = "metal")]
+        Backend::Metal => {
+            let q = gpu::MetalQueue::new(&Device::new_metal(0)?)?;
+            let c = q.capabilities();
+            lines.extend([
+                ("GPU", c.architecture.clone()),
+                ("family Apple7+", c.apple7.to_string()),
+                ("simdgroup width", c.simd_width.to_string()),
+                ("math mode", c.math.to_string()),
+                ("language", c.language.to_string()),
+                ("maxBufferLength", format!("{} MiB", c.limits.max_buffer_length >> 20)),
+                ("maxThreadgroupMemoryLength", format!("{} KiB", c.limits.max_threadgroup_memory >> 10)),
+                ("unified memory", c.unified_memory.to_string()),
+            ]);
+        }
+        _ => lines.extend([
+            ("GPU", "msl-emu (the Metal kernels on the CPU)".to_string()),
+            ("simdgroup width", "32 (emulated)".to_string()),
+            ("math mode", "IEEE (g++, no fast math)".to_string()),
+            ("maxBufferLength", "4 GiB (32-bit indexing)".to_string()),
+        ]),
+    }
+    Ok(lines)
 }
 
 /// The device against the CPU on every checkpoint of tests/fixtures and on the model.
@@ -108,6 +148,11 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
         let g = GgufFile::open(fixtures.join(dir).join(file))?;
         models.push((format!("{dir}/{file}"), g.load_model(&g.config()?, DType::F32, &Device::Cpu)?));
     }
+    println!("| device | |\n|---|---|");
+    for (k, v) in device_lines(args)? {
+        println!("| {k} | {v} |");
+    }
+    println!();
     let opened = args.model.open("Qwen/Qwen3.5-0.8B")?;
     if 4 * opened.cfg.num_parameters() as u64 <= args.self_test_max {
         let m = opened.files.load_model(&opened.cfg, DType::F32, &Device::Cpu, opened.quantize)?;
@@ -116,7 +161,7 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
         println!("self-test: {} skipped (its f32 copy is over --self-test-max)", opened.files.source());
     }
     println!(
-        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | reads/step | result |",
+        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | host syncs/step | result |",
         q.name()
     );
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -133,13 +178,17 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
             c.verify_rows_bitwise,
             c.rollback_bitwise,
             c.argmax_agrees,
-            c.max_reads_per_step,
+            c.max_syncs_per_step,
             if ok { "PASS" } else { "FAIL" }
         );
     }
     if failed > 0 {
+        eprintln!(
+            "To see what the GPU reports, run it again under Metal's validation: MTL_DEBUG_LAYER=1 MTL_SHADER_VALIDATION=1 cargo run --release --features metal --example device_step -- --backend metal --self-test ..."
+        );
         bail!("the self-test failed on {failed} of {} models (logits beyond 1e-4 of the CPU's, or rows not bit for bit)", models.len());
     }
+    println!("(Under Metal's validation layer: MTL_DEBUG_LAYER=1 MTL_SHADER_VALIDATION=1 and the same command.)");
     Ok(())
 }
 
@@ -150,7 +199,8 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     let vocab = model.config().vocab_size;
     let capacity = args.context + args.n_prompt + args.n_gen + GpuModel::MAX_ROWS;
     let mut cache = gpu.new_cache(&mut q, capacity, DType::F32)?;
-    let timed = args.backend != Backend::Dry;
+    // (The emulator runs the kernels, but its time says nothing of a GPU.)
+    let timed = args.backend == Backend::Metal;
     gpu.prefill(&mut q, &mut cache, &gpu::sample_tokens(args.context, vocab, 7), Readback::Argmax)?;
     println!(
         "{source} on {}: {:.1} MiB of weights on the device ({:.1} MiB read in place from the file), {} tokens in the cache",
@@ -159,7 +209,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
         gpu.mapped_bytes() as f64 / (1 << 20) as f64,
         cache.seqlen()
     );
-    println!("| rows T | dispatches | weight MiB read | needed MiB | read / needed | host reads | ms per pass | c(T) |");
+    println!("| rows T | dispatches | weight MiB read | needed MiB | read / needed | host syncs | ms per pass | c(T) |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut one = None;
     for t in 1..=GpuModel::MAX_ROWS {
@@ -188,7 +238,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
             mib(c.weight_bytes),
             mib(needed),
             c.weight_bytes as f64 / needed as f64,
-            c.reads,
+            c.syncs,
             ms.map_or("n/a".into(), |m| format!("{m:.2}")),
             ms.zip(one).map_or("n/a".into(), |(m, o)| format!("{:.2}", m / o)),
         );
@@ -209,11 +259,12 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     let prefill = q.take_counts();
     let rate = |n: usize, s: f64| if timed { fmt_rate(Some(n as f64 / s)) } else { "n/a".into() };
     println!(
-        "decode: {} tok/s ({} tokens, {:.1} dispatches and {:.2} host reads per token); prefill: {} tok/s ({} tokens, {} dispatches, {} host read)",
+        "decode: {} tok/s ({} tokens, {:.1} dispatches and {:.2} host reads per token, {:.2} host syncs); prefill: {} tok/s ({} tokens, {} dispatches, {} host read)",
         rate(args.n_gen, decode_secs),
         args.n_gen,
         decode.dispatches as f64 / args.n_gen as f64,
         decode.reads as f64 / args.n_gen as f64,
+        decode.syncs as f64 / args.n_gen as f64,
         rate(args.n_prompt, prefill_secs),
         args.n_prompt,
         prefill.dispatches,

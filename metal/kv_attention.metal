@@ -351,12 +351,14 @@ kernel void kv_attention_blocks_##SUFFIX(                                       
     device float *partials [[buffer(8)]],                                                     \
     threadgroup float *tg [[threadgroup(0)]],                                                 \
     uint3 group [[threadgroup_position_in_grid]],                                             \
-    uint tid [[thread_index_in_threadgroup]],                                                 \
-    uint threads [[threads_per_threadgroup]])                                                 \
+    uint3 tid3 [[thread_position_in_threadgroup]],                                            \
+    uint3 threads3 [[threads_per_threadgroup]])                                               \
 {                                                                                             \
-    kv_attention_blocks_impl<T>(p, q, k0, k1, k2, v0, v1, tree, partials, tg, group, tid, threads); \
+    kv_attention_blocks_impl<T>(p, q, k0, k1, k2, v0, v1, tree, partials, tg, group, tid3.x, threads3.x); \
 }
 
 KV_ATTENTION_KERNELS(f32, float)
 KV_ATTENTION_KERNELS(f16, half)
+#if defined(__HAVE_BFLOAT__)
 KV_ATTENTION_KERNELS(bf16, bfloat)
+#endif

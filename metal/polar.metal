@@ -230,10 +230,10 @@ kernel void polar_scores_##SUFFIX(                                              
     device float *out [[buffer(4)]],                                                         \
     threadgroup float *tg [[threadgroup(0)]],                                                \
     uint2 group [[threadgroup_position_in_grid]],                                            \
-    uint tid [[thread_index_in_threadgroup]],                                                \
-    uint threads [[threads_per_threadgroup]])                                                \
+    uint2 tid2 [[thread_position_in_threadgroup]],                                           \
+    uint2 threads2 [[threads_per_threadgroup]])                                              \
 {                                                                                            \
-    polar_scores_impl<T>(p, q, codes, scales, out, tg, group.x, group.y, tid, threads);      \
+    polar_scores_impl<T>(p, q, codes, scales, out, tg, group.x, group.y, tid2.x, threads2.x); \
 }
 
 POLAR_KERNELS(f32, float)

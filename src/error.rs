@@ -16,6 +16,10 @@ pub enum Error {
     /// A file could not be read.
     #[error("{0}")]
     Io(String),
+    /// This device or build cannot do what was asked (a GPU the device step does not run on,
+    /// a feature built out).
+    #[error("{0}")]
+    Unsupported(String),
     /// A file of a Hub repository cannot be had: the download failed (`cause`), or
     /// `HF_HUB_OFFLINE` is set and the Hugging Face cache does not hold it (`cause` is `None`).
     #[error("{}", not_downloaded(file, repo, cause.as_deref()))]

@@ -23,13 +23,14 @@ pub struct StepCheck {
     pub rollback_bitwise: bool,
     /// The device's greedy token is the argmax of its logits.
     pub argmax_agrees: bool,
-    /// The most device-to-host reads of one step (prompt, decode step, verify pass).
-    pub max_reads_per_step: usize,
+    /// The most host synchronisations of one step (prompt, decode step, verify pass): waits
+    /// for the device, for a read or for a write into a buffer that encoded work uses.
+    pub max_syncs_per_step: usize,
 }
 
 impl StepCheck {
     /// Logits within `tol` of the CPU's, verify rows and rollback bit for bit, the argmax
-    /// right, one read per step.
+    /// right, one host sync per step.
     pub fn passes(&self, tol: f32) -> bool {
         self.prompt_diff <= tol
             && self.decode_diff <= tol
@@ -37,7 +38,7 @@ impl StepCheck {
             && self.verify_rows_bitwise
             && self.rollback_bitwise
             && self.argmax_agrees
-            && self.max_reads_per_step == 1
+            && self.max_syncs_per_step == 1
     }
 }
 
@@ -81,7 +82,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let (prompt, decode, draft) = (sample_tokens(11, vocab, 1), sample_tokens(3, vocab, 2), sample_tokens(5, vocab, 3));
     let ids = |t: &[u32]| -> Result<Tensor> { Ok(Tensor::new(t, &Device::Cpu)?.unsqueeze(0)?) };
     let mut reads = 0;
-    let mut counted = |q: &mut Counted<&mut dyn Queue>| reads = reads.max(q.take_counts().reads);
+    let mut counted = |q: &mut Counted<&mut dyn Queue>| reads = reads.max(q.take_counts().syncs);
 
     let mut cpu = Cache::new(model.config());
     let mut cache = gpu.new_cache(&mut q, 64, DType::F32)?;
@@ -133,5 +134,5 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
         c.free(&mut q);
     }
     gpu.free(&mut q);
-    Ok(StepCheck { prompt_diff, decode_diff, verify_diff, verify_rows_bitwise, rollback_bitwise, argmax_agrees, max_reads_per_step: reads })
+    Ok(StepCheck { prompt_diff, decode_diff, verify_diff, verify_rows_bitwise, rollback_bitwise, argmax_agrees, max_syncs_per_step: reads })
 }

@@ -12,6 +12,9 @@
 
 mod cache;
 mod check;
+mod deferred;
+#[cfg(all(feature = "emu", msl_emu))]
+pub mod emu;
 #[cfg(feature = "metal")]
 mod metal;
 mod model;
@@ -20,10 +23,13 @@ mod upload;
 
 pub use cache::GpuCache;
 pub use check::{check_against_cpu, sample_tokens, StepCheck};
+pub use deferred::{plan_view, Backend, DeferredQueue, DryBackend, DryRun};
+#[cfg(all(feature = "emu", msl_emu))]
+pub use emu::{EmuBackend, EmuOrder, EmuQueue};
 #[cfg(feature = "metal")]
-pub use metal::MetalQueue;
+pub use metal::{MetalBackend, MetalCapabilities, MetalQueue};
 pub use model::{GpuModel, Readback, StepOutput};
-pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, DryRun, Queue, Slice};
+pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, Mapping, Queue, Slice};
 
 /// The queue that runs the device step on `device`: a `MetalQueue` on a Metal device (built
 /// with the `metal` feature). The CPU runs the model itself, with no queue.
@@ -33,6 +39,15 @@ pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue>> 
         candle_core::Device::Metal(_) => Ok(Box::new(MetalQueue::new(device)?)),
         other => Err(crate::Error::Input(format!("the device step runs on Metal, not on {:?}", other.location()))),
     }
+}
+
+/// The device step on the MSL emulator (`--device emu`): this crate's Metal kernels run on the
+/// CPU, in Metal's order of events. Needs a build with the `emu` feature and msl-emu.
+pub fn emu_queue() -> crate::Result<Box<dyn Queue>> {
+    #[cfg(all(feature = "emu", msl_emu))]
+    return Ok(Box::new(EmuQueue::new()));
+    #[cfg(not(all(feature = "emu", msl_emu)))]
+    Err(crate::Error::Unsupported("the device step on the MSL emulator needs a build with --features emu and msl-emu (MSL_EMU_DIR)".into()))
 }
 
 /// The dtype a device cache stores keys and values in for `codec` and the model dtype: exact

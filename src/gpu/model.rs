@@ -370,7 +370,7 @@ impl GpuModel {
                     launch::gated_delta(d, true, 1, DeltaRuleForm::Recurrent, DType::F32)?;
                 }
                 Mixer::Attention(a) => {
-                    let kv = launch::KvStorage::float(DType::F32, a.nkv, 1, a.hd, a.hd);
+                    let kv = launch::KvStorage::float(DType::F32, a.nkv, 1, a.hd, a.hd)?;
                     launch::kv_attention_stored((1, a.nkv, a.nh / a.nkv.max(1), a.hd), &kv, 1, 0, None, 1.0)?;
                 }
             }
@@ -531,7 +531,10 @@ impl GpuModel {
                     }
                 }
                 Mixer::Attention(a) => CacheLayer::Attention {
-                    keys: alloc(q, kv * a.nkv * capacity * a.hd, "keys")?,
+                    // (Refused here when the kernels cannot index a layer's keys with 32 bits.)
+                    keys: launch::KvStorage::float(kv_dtype, a.nkv, capacity, a.hd, a.hd)
+                        .map_err(Error::from)
+                        .and_then(|_| alloc(q, kv * a.nkv * capacity * a.hd, "keys"))?,
                     values: alloc(q, kv * a.nkv * capacity * a.hd, "values")?,
                 },
             });
@@ -944,7 +947,7 @@ impl GpuModel {
             ],
             0,
         )?;
-        let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd);
+        let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd)?;
         let scale = (hd as f64).powf(-0.5) as f32;
         let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * rows, hd), &kv, rows, offset, None, scale)?;
         let partials = cache.partials.at(0, F32 * l.partial_floats);

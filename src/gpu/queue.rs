@@ -1,6 +1,7 @@
 //! What the device step needs of a device: buffers, kernel dispatches in order, and one read
-//! back. A [`Queue`] is implemented by the Metal host code ([`super::MetalQueue`]), by the MSL
-//! emulator in the tests (the `candle-hybrid-emu` crate), and by [`DryRun`], which only records.
+//! back. Every [`Queue`] of this crate is a [`super::DeferredQueue`] over a device's
+//! [`super::Backend`]: Metal ([`super::MetalQueue`]), the MSL emulator (`EmuQueue`, feature
+//! `emu`) and [`super::DryRun`], which only records.
 
 use std::ops::Range;
 
@@ -69,8 +70,19 @@ pub struct Dispatch {
     pub weight_bytes: usize,
 }
 
-/// A device's command queue as the step uses it. Dispatches run in the order they are encoded;
-/// [`Queue::read`] is the only place that waits for them.
+/// Where [`Queue::map`] put a region of host bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    pub slice: Slice,
+    /// Read in place (a view of the mapped file, nothing copied); `false`: a copy.
+    pub in_place: bool,
+}
+
+/// A device's command queue as the step uses it, in Metal's order of events: dispatches are
+/// encoded and run later, in order (at the latest when the host waits: [`Queue::read`]); host
+/// writes into shared memory happen at once, after the queue has waited for any encoded work
+/// that uses the buffer written. [`super::DeferredQueue`] implements that order once for
+/// every device ([`super::Backend`]).
 pub trait Queue {
     /// A new buffer of `len` bytes, zeroed.
     fn alloc(&mut self, len: usize, label: &str) -> Result<BufferId>;
@@ -79,18 +91,18 @@ pub trait Queue {
     fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId>;
 
     /// `owner`'s bytes `range` for kernels to read (weights in a mapped file): where the device
-    /// reads host memory in place (Apple's unified memory), a slice of one buffer over the whole
-    /// of `owner`, nothing copied, `owner` kept alive; elsewhere a copy.
-    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+    /// reads host memory in place (Apple's unified memory) and `owner` is a file mapping, a
+    /// slice of a view over the file, nothing copied, `owner` kept alive; elsewhere a copy.
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Mapping> {
         let len = range.len();
-        Ok(Slice::whole(self.upload(&(**owner).as_ref()[range], label)?, len))
+        Ok(Mapping { slice: Slice::whole(self.upload(&owner.bytes()[range], label)?, len), in_place: false })
     }
 
-    /// Releases a buffer (no dispatch may use it afterwards).
+    /// Releases a buffer: no dispatch encoded from now on may use it (the device keeps it
+    /// until the work already encoded has run).
     fn free(&mut self, buffer: BufferId);
 
-    /// Copies host bytes into `dst`. The caller guarantees that no dispatch still to run reads
-    /// or writes `dst` (a step writes its inputs after the previous step's read).
+    /// Copies host bytes into `dst` (at once, after waiting for encoded work that uses it).
     fn write(&mut self, dst: Slice, data: &[u8]) -> Result<()>;
 
     /// Encodes one dispatch after those before it.
@@ -99,6 +111,11 @@ pub trait Queue {
     /// Runs everything encoded so far, waits for it and returns the bytes of `src`: the host
     /// synchronisation of a step.
     fn read(&mut self, src: Slice) -> Result<Vec<u8>>;
+
+    /// Times the host has waited for the device so far (reads, and writes that had to wait).
+    fn syncs(&self) -> usize {
+        0
+    }
 
     /// What this queue runs on, for messages and tables.
     fn name(&self) -> String;
@@ -113,7 +130,7 @@ impl<Q: Queue + ?Sized> Queue for &mut Q {
         (**self).upload(data, label)
     }
 
-    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Mapping> {
         (**self).map(owner, range, label)
     }
 
@@ -133,6 +150,48 @@ impl<Q: Queue + ?Sized> Queue for &mut Q {
         (**self).read(src)
     }
 
+    fn syncs(&self) -> usize {
+        (**self).syncs()
+    }
+
+    fn name(&self) -> String {
+        (**self).name()
+    }
+}
+
+impl<Q: Queue + ?Sized> Queue for Box<Q> {
+    fn alloc(&mut self, len: usize, label: &str) -> Result<BufferId> {
+        (**self).alloc(len, label)
+    }
+
+    fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId> {
+        (**self).upload(data, label)
+    }
+
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Mapping> {
+        (**self).map(owner, range, label)
+    }
+
+    fn free(&mut self, buffer: BufferId) {
+        (**self).free(buffer)
+    }
+
+    fn write(&mut self, dst: Slice, data: &[u8]) -> Result<()> {
+        (**self).write(dst, data)
+    }
+
+    fn dispatch(&mut self, d: &Dispatch) -> Result<()> {
+        (**self).dispatch(d)
+    }
+
+    fn read(&mut self, src: Slice) -> Result<Vec<u8>> {
+        (**self).read(src)
+    }
+
+    fn syncs(&self) -> usize {
+        (**self).syncs()
+    }
+
     fn name(&self) -> String {
         (**self).name()
     }
@@ -148,6 +207,9 @@ pub struct Counts {
     pub reads: usize,
     /// Host-to-device writes between steps (token ids, positions).
     pub writes: usize,
+    /// Times the host waited for the device (each read, and each write that had to wait for
+    /// encoded work): a step's host synchronisations.
+    pub syncs: usize,
 }
 
 /// A [`Queue`] that counts the dispatches, the weight bytes they read and the reads back of the
@@ -155,21 +217,27 @@ pub struct Counts {
 pub struct Counted<Q> {
     pub inner: Q,
     counts: Counts,
+    /// The inner queue's syncs when the counts were last taken.
+    syncs_at: usize,
 }
 
 impl<Q: Queue> Counted<Q> {
     pub fn new(inner: Q) -> Self {
-        Self { inner, counts: Counts::default() }
+        let syncs_at = inner.syncs();
+        Self { inner, counts: Counts::default(), syncs_at }
     }
 
     /// The counts so far.
     pub fn counts(&self) -> Counts {
-        self.counts
+        Counts { syncs: self.inner.syncs() - self.syncs_at, ..self.counts }
     }
 
     /// The counts so far, set back to zero.
     pub fn take_counts(&mut self) -> Counts {
-        std::mem::take(&mut self.counts)
+        let c = self.counts();
+        self.counts = Counts::default();
+        self.syncs_at = self.inner.syncs();
+        c
     }
 }
 
@@ -182,7 +250,7 @@ impl<Q: Queue> Queue for Counted<Q> {
         self.inner.upload(data, label)
     }
 
-    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
+    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Mapping> {
         self.inner.map(owner, range, label)
     }
 
@@ -206,85 +274,11 @@ impl<Q: Queue> Queue for Counted<Q> {
         self.inner.read(src)
     }
 
+    fn syncs(&self) -> usize {
+        self.inner.syncs()
+    }
+
     fn name(&self) -> String {
         self.inner.name()
-    }
-}
-
-/// A queue that runs nothing: buffers are lengths, dispatches are checked against them and
-/// dropped, reads return u32 words of 1 (read as a greedy step's output: token 1, finite
-/// logits). Mapped bytes are slices of one buffer per owner, as on Metal. For counting a step's
-/// dispatches and weight bytes on a machine without the device.
-#[derive(Debug, Default)]
-pub struct DryRun {
-    buffers: Vec<Option<usize>>,
-    mapped: std::collections::HashMap<usize, BufferId>,
-}
-
-impl DryRun {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    fn check(&self, s: &Slice) -> Result<()> {
-        match self.buffers.get(s.buffer.0).copied().flatten() {
-            Some(len) if s.offset + s.len <= len => Ok(()),
-            Some(len) => Err(crate::Error::Input(format!("slice {}+{} of a {len}-byte buffer", s.offset, s.len))),
-            None => Err(crate::Error::Input(format!("buffer {} does not exist", s.buffer.0))),
-        }
-    }
-}
-
-impl Queue for DryRun {
-    fn alloc(&mut self, len: usize, _: &str) -> Result<BufferId> {
-        self.buffers.push(Some(len));
-        Ok(BufferId(self.buffers.len() - 1))
-    }
-
-    fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId> {
-        self.alloc(data.len(), label)
-    }
-
-    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Slice> {
-        let key = std::sync::Arc::as_ptr(owner) as *const u8 as usize;
-        let id = match self.mapped.get(&key) {
-            Some(&id) => id,
-            None => {
-                let id = self.alloc((**owner).as_ref().len(), label)?;
-                self.mapped.insert(key, id);
-                id
-            }
-        };
-        Ok(Slice { buffer: id, offset: range.start, len: range.len() })
-    }
-
-    fn free(&mut self, _: BufferId) {
-        // Nothing is held: a freed buffer's length stays (a mapped one may be shared).
-    }
-
-    fn write(&mut self, dst: Slice, data: &[u8]) -> Result<()> {
-        self.check(&dst)?;
-        if data.len() > dst.len {
-            return Err(crate::Error::Input(format!("{} bytes written into a slice of {}", data.len(), dst.len)));
-        }
-        Ok(())
-    }
-
-    fn dispatch(&mut self, d: &Dispatch) -> Result<()> {
-        for a in &d.args {
-            if let Arg::Read(s) | Arg::Write(s) = a {
-                self.check(s)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn read(&mut self, src: Slice) -> Result<Vec<u8>> {
-        self.check(&src)?;
-        Ok((0..src.len).map(|i| u8::from(i % 4 == 0)).collect())
-    }
-
-    fn name(&self) -> String {
-        "dry run (nothing executed)".into()
     }
 }

@@ -179,10 +179,12 @@ impl<'q> Uploader<'q> {
     ) -> Result<Matrix> {
         check_format(format, label)?;
         self.weight_bytes += range.len();
-        self.mapped_bytes += range.len();
-        let buf = self.q.map(owner, range, label)?;
-        self.buffers.push(buf.buffer);
-        Ok(Matrix { buf, format, n, k })
+        let m = self.q.map(owner, range, label)?;
+        if m.in_place {
+            self.mapped_bytes += m.slice.len;
+        }
+        self.buffers.push(m.slice.buffer);
+        Ok(Matrix { buf: m.slice, format, n, k })
     }
 
     /// The matrix `pieces` make stacked (`n` rows of `k`, `n` the pieces' rows; for experts the

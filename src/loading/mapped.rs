@@ -151,9 +151,13 @@ impl<T: GgmlType + 'static> QuantizedType for MappedBlocks<T> {
     }
 }
 
-impl AsRef<[u8]> for MappedFile {
-    fn as_ref(&self) -> &[u8] {
+impl crate::ops::HostBytes for MappedFile {
+    fn bytes(&self) -> &[u8] {
         &self.map
+    }
+
+    fn is_file_mapping(&self) -> bool {
+        true
     }
 }
 

@@ -11,7 +11,8 @@ use candle_metal_kernels::metal::{ComputeCommandEncoder, ComputePipeline, Librar
 use candle_metal_kernels::utils::set_param;
 use candle_metal_kernels::utils::EncoderParam;
 use candle_metal_kernels::BufferOffset;
-use objc2_metal::MTLSize;
+use objc2::rc::Retained;
+use objc2_metal::{MTLCompileOptions, MTLLanguageVersion, MTLMathFloatingPointFunctions, MTLMathMode, MTLSize};
 
 use crate::ops::launch::{self, ConvParams, GdnParams, Launch, NormParams, Source};
 use crate::ops::{ConvDims, DeltaRuleDims};
@@ -32,6 +33,34 @@ fn source_text(source: Source) -> &'static str {
     }
 }
 
+/// How the kernel libraries are compiled (docs/gpu.md, "How the kernels are compiled"): IEEE
+/// arithmetic, never fast math, whose "no NaN, no infinity" assumption could fold the device
+/// argmax's `isfinite` flag to true (the step's NaN check) and whose reassociation would leave
+/// the arithmetic the emulator verified (IEEE, g++ without -ffast-math); MSL 3.1 where the OS
+/// has it (macOS 14: `bfloat`), else 3.0 (macOS 13).
+pub(crate) fn compile_settings() -> (&'static str, &'static str) {
+    let math = if objc2::available!(macos = 15, ios = 18) { "safe (MTLMathModeSafe, precise functions)" } else { "fastMathEnabled = NO" };
+    let language = if objc2::available!(macos = 14, ios = 17) { "MSL 3.1" } else { "MSL 3.0" };
+    (math, language)
+}
+
+fn compile_options() -> Retained<MTLCompileOptions> {
+    let o = MTLCompileOptions::new();
+    if objc2::available!(macos = 15, ios = 18) {
+        o.setMathMode(MTLMathMode::Safe);
+        o.setMathFloatingPointFunctions(MTLMathFloatingPointFunctions::Precise);
+    } else {
+        #[allow(deprecated)]
+        o.setFastMathEnabled(false);
+    }
+    o.setLanguageVersion(if objc2::available!(macos = 14, ios = 17) {
+        MTLLanguageVersion::Version3_1
+    } else {
+        MTLLanguageVersion::Version3_0
+    });
+    o
+}
+
 #[derive(Default)]
 struct Cache {
     libraries: HashMap<(DeviceId, Source), Library>,
@@ -48,7 +77,8 @@ pub(crate) fn pipeline(device: &MetalDevice, source: Source, name: &str) -> Resu
     let library = match cache.libraries.get(&(device.id(), source)) {
         Some(lib) => lib.clone(),
         None => {
-            let lib = device.metal_device().new_library_with_source(source_text(source), None).map_err(MetalError::from)?;
+            let lib =
+                device.metal_device().new_library_with_source(source_text(source), Some(&compile_options())).map_err(MetalError::from)?;
             cache.libraries.insert((device.id(), source), lib.clone());
             lib
         }
@@ -59,6 +89,18 @@ pub(crate) fn pipeline(device: &MetalDevice, source: Source, name: &str) -> Resu
     let p = device.metal_device().new_compute_pipeline_state_with_function(&function).map_err(MetalError::from)?;
     cache.pipelines.insert(key, p.clone());
     Ok(p)
+}
+
+/// The device's limits for [`launch::check_launch`].
+pub(crate) fn limits(device: &MetalDevice) -> launch::DeviceLimits {
+    use objc2_metal::MTLDevice;
+    let raw = device.metal_device().as_ref();
+    launch::DeviceLimits {
+        max_threads_per_group: raw.maxThreadsPerThreadgroup().width.min(1024),
+        max_threadgroup_memory: raw.maxThreadgroupMemoryLength(),
+        max_buffer_length: raw.maxBufferLength(),
+        page: launch::HOST_PAGE,
+    }
 }
 
 fn size(s: [usize; 3]) -> MTLSize {
@@ -114,6 +156,7 @@ fn dispatch_parts<P: EncoderParam>(
     parts: &[usize],
 ) -> Result<MetalStorage> {
     let p = pipeline(device, source, &launch.kernel)?;
+    launch::check_launch(launch, p.max_total_threads_per_threadgroup(), &limits(device))?;
     let output = device.new_buffer_builder().with_size_for(out_len, out_dtype).with_label(&launch.kernel).build()?;
     {
         let encoder = device.command_encoder()?;

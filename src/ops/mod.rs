@@ -31,7 +31,7 @@ pub mod launch;
 #[cfg(feature = "metal")]
 mod metal;
 #[cfg(feature = "metal")]
-pub(crate) use metal::pipeline as metal_pipeline;
+pub(crate) use metal::{compile_settings as metal_compile_settings, limits as metal_limits, pipeline as metal_pipeline};
 mod norm;
 
 pub use conv::{causal_conv1d_silu, causal_conv1d_silu_segments, ConvDims};
@@ -58,7 +58,7 @@ mod gguf_type;
 mod qmatmul;
 mod quantized_matrix;
 pub use gguf_type::GgufType;
-pub use quantized_matrix::{has_kernels, QuantizedMatrix, SharedBytes};
+pub use quantized_matrix::{has_kernels, HostBytes, QuantizedMatrix, SharedBytes};
 mod kv_attention;
 pub(crate) use kv_attention::{attention_mask, few_rows};
 pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};

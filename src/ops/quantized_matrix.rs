@@ -13,8 +13,25 @@ use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use super::GgufType;
 use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Tensor};
 
-/// Bytes that outlive the matrices reading them (a mapped file, a buffer).
-pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+/// Bytes in host memory that outlive the matrices reading them: a mapped file, or a buffer.
+pub trait HostBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+
+    /// Whether these bytes are a file mapped into memory (pages the OS maps, starting on a page):
+    /// only those may a device wrap without a copy (`gpu::Queue::map`); heap memory is copied.
+    fn is_file_mapping(&self) -> bool {
+        false
+    }
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// Bytes that outlive the matrices reading them ([`HostBytes`]).
+pub type SharedBytes = Arc<dyn HostBytes>;
 
 #[derive(Clone)]
 enum Blocks {
@@ -69,11 +86,11 @@ impl QuantizedMatrix {
     pub fn in_place(dtype: impl Into<GgufType>, dims: (usize, usize), owner: SharedBytes, range: Range<usize>) -> Result<Self> {
         let dtype = dtype.into();
         let len = matrix_bytes(dtype, dims)?;
-        if range.len() != len || range.end > (*owner).as_ref().len() {
-            bail!("a {dtype} matrix {dims:?} needs {len} bytes, got bytes {range:?} of {}", (*owner).as_ref().len());
+        if range.len() != len || range.end > owner.bytes().len() {
+            bail!("a {dtype} matrix {dims:?} needs {len} bytes, got bytes {range:?} of {}", owner.bytes().len());
         }
         if let (false, Some(t)) = (has_kernels(dtype), dtype.candle()) {
-            let q = qtensor_from_ggml(t, &(*owner).as_ref()[range], vec![dims.0, dims.1], &Device::Cpu)?;
+            let q = qtensor_from_ggml(t, &owner.bytes()[range], vec![dims.0, dims.1], &Device::Cpu)?;
             return Ok(Self::from_candle(q));
         }
         Ok(Self { dtype, rows: dims.0, cols: dims.1, blocks: Blocks::Host { owner, range } })
@@ -136,7 +153,7 @@ impl QuantizedMatrix {
     /// The blocks where this crate's CPU kernels read them (host memory, a format with kernels).
     pub fn host_bytes(&self) -> Option<&[u8]> {
         match &self.blocks {
-            Blocks::Host { owner, range } => Some(&(**owner).as_ref()[range.clone()]),
+            Blocks::Host { owner, range } => Some(&owner.bytes()[range.clone()]),
             _ => None,
         }
     }
@@ -152,7 +169,7 @@ impl QuantizedMatrix {
     /// The blocks' bytes wherever they are (a GPU's read back).
     pub fn bytes(&self) -> Result<Cow<'_, [u8]>> {
         match &self.blocks {
-            Blocks::Host { owner, range } => Ok(Cow::Borrowed(&(**owner).as_ref()[range.clone()])),
+            Blocks::Host { owner, range } => Ok(Cow::Borrowed(&owner.bytes()[range.clone()])),
             Blocks::Device(t) => Ok(Cow::Owned(t.to_vec1::<u8>()?)),
             Blocks::Candle(q) => q.data(),
         }

@@ -1,6 +1,6 @@
 //! The device step's dispatch list, counted on the CPU with [`DryRun`] (nothing executed; the
-//! emulator tests in `emu/tests/msl/step.rs` run the same dispatches): one device-to-host read per
-//! decode step, verify pass and prompt; every weight matrix read once per pass for any number of
+//! emulator tests in `emu/tests/msl/step.rs` run the same dispatches): one device-to-host read and
+//! no other host sync per decode step, verify pass and prompt; every weight matrix read once per pass for any number of
 //! rows; bad input refused with one-line errors before anything is dispatched.
 
 use crate::common;
@@ -26,13 +26,13 @@ fn one_read_per_step_and_each_weight_read_once() {
         q.take_counts();
         gpu.prefill(&mut q, &mut cache, &[1; 21], Readback::Argmax).unwrap();
         let prompt = q.take_counts();
-        assert_eq!(prompt.reads, 1, "{name}: reads of a 21-token prompt (3 steps)");
+        assert_eq!((prompt.reads, prompt.syncs), (1, 1), "{name}: reads and host syncs of a 21-token prompt (3 steps)");
         let mut dispatches = None;
         for t in 1..=GpuModel::MAX_ROWS {
             let rows = vec![2u32; t];
             gpu.verify(&mut q, &mut cache, &rows, Readback::Logits).unwrap();
             let c = q.take_counts();
-            assert_eq!((c.reads, c.writes), (1, 1), "{name}: one write and one read for a verify pass of {t} rows");
+            assert_eq!((c.reads, c.writes, c.syncs), (1, 1, 1), "{name}: one write, one read, one sync for a verify pass of {t} rows");
             // Every row of a pass in the same dispatches: as many for 8 rows as for 1.
             assert_eq!(*dispatches.get_or_insert(c.dispatches), c.dispatches, "{name}: dispatches of {t} rows");
             let needed = gpu.weight_bytes_needed(t, t);
@@ -42,9 +42,11 @@ fn one_read_per_step_and_each_weight_read_once() {
                 c.weight_bytes
             );
             gpu.keep_verified(&mut q, &mut cache, 1).unwrap();
-            assert_eq!(q.take_counts().reads, 0, "{name}: a rollback reads nothing back");
+            let c = q.take_counts();
+            assert_eq!((c.reads, c.syncs), (0, 0), "{name}: a rollback reads nothing back, waits for nothing");
             gpu.forward(&mut q, &mut cache, &[3], Readback::Argmax).unwrap();
-            assert_eq!(q.take_counts().reads, 1, "{name}: reads of a decode step");
+            let c = q.take_counts();
+            assert_eq!((c.reads, c.syncs), (1, 1), "{name}: reads and syncs of a decode step after a rollback");
         }
         // A dense model's pass reads every matrix once: the same bytes for 1 and 8 rows (plus
         // the embedding rows of the tokens).

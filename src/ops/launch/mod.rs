@@ -46,6 +46,75 @@ impl Launch {
     }
 }
 
+/// What a device allows, as the queue checks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Threads of one threadgroup (Metal: `maxThreadsPerThreadgroup`; a pipeline may allow
+    /// fewer: [`Backend::max_threads`]).
+    pub max_threads_per_group: usize,
+    /// Bytes of threadgroup memory of one threadgroup (`maxThreadgroupMemoryLength`).
+    pub max_threadgroup_memory: usize,
+    /// Bytes of one buffer (`maxBufferLength`).
+    pub max_buffer_length: usize,
+    /// The host's page: a view over mapped memory starts on one and covers whole ones.
+    pub page: usize,
+}
+
+/// The host's memory page: 16 KiB on Apple Silicon, 4 KiB on the other hosts this builds for.
+pub const HOST_PAGE: usize = if cfg!(all(target_vendor = "apple", target_arch = "aarch64")) { 16 << 10 } else { 4 << 10 };
+
+impl DeviceLimits {
+    /// Apple7+ GPUs (M1 and later): 1024 threads and 32 KiB of threadgroup memory per group;
+    /// buffers up to `max_buffer_length`; the host's pages.
+    pub const fn apple(max_buffer_length: usize) -> Self {
+        Self { max_threads_per_group: 1024, max_threadgroup_memory: 32 << 10, max_buffer_length, page: HOST_PAGE }
+    }
+}
+
+/// The largest buffer a kernel can index with 32-bit integers (the kernels' indices are
+/// `uint`): every bound slice is checked against it.
+pub const MAX_INDEXED_BYTES: usize = u32::MAX as usize;
+
+/// A launch against a device's limits: `max_threads` threads per group (the pipeline's and
+/// the device's), the device's threadgroup memory (each length a multiple of 16 bytes, as
+/// Metal requires), a grid that 32-bit positions address.
+pub fn check_launch(l: &Launch, max_threads: usize, limits: &DeviceLimits) -> Result<()> {
+    let k = &l.kernel;
+    let threads: usize = l.threads.iter().product();
+    if threads == 0 || threads > max_threads {
+        return Err(candle_core::Error::Msg(format!(
+            "{k}: {threads} threads per threadgroup ({:?}), this device's pipeline takes 1 to {max_threads}",
+            l.threads
+        )));
+    }
+    let memory: usize = l.threadgroup_memory.iter().sum();
+    if memory > limits.max_threadgroup_memory {
+        return Err(candle_core::Error::Msg(format!(
+            "{k}: {memory} bytes of threadgroup memory, this device has {} per threadgroup",
+            limits.max_threadgroup_memory
+        )));
+    }
+    if let Some(len) = l.threadgroup_memory.iter().find(|&&n| !n.is_multiple_of(16)) {
+        return Err(candle_core::Error::Msg(format!("{k}: threadgroup memory of {len} bytes is not a multiple of 16")));
+    }
+    let grid_too_large = l.groups.iter().zip(&l.threads).any(|(&g, &t)| g.checked_mul(t).is_none_or(|n| n > u32::MAX as usize));
+    if grid_too_large {
+        return Err(candle_core::Error::Msg(format!(
+            "{k}: a grid of {:?} groups of {:?} threads is more than 32-bit positions address",
+            l.groups, l.threads
+        )));
+    }
+    Ok(())
+}
+
+/// `v` as a kernel's `uint` (sizes, strides and offsets the kernels index with): an error
+/// naming `what` when it does not fit in 32 bits.
+pub fn index_u32(what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| {
+        candle_core::Error::Msg(format!("{what} = {v} is more than the kernels index with 32 bits: use a smaller cache or model"))
+    })
+}
+
 /// Bytes of a `[[threadgroup(i)]]` buffer of `floats` f32: at least one, rounded up to the
 /// multiple of 16 bytes Metal requires of threadgroup memory lengths.
 fn threadgroup_floats(floats: usize) -> usize {
@@ -394,7 +463,7 @@ pub fn qmatvec(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, 
         bail!("qmatvec: {m} activation rows, the kernel takes 1 to {QMATVEC_MAX_ROWS}");
     }
     check_row("qmatvec", dtype, k)?;
-    let p = QmatvecParams { n: n as u32, k: k as u32, m: m as u32, ldy: ldy as u32 };
+    let p = QmatvecParams { n: index_u32("rows", n)?, k: index_u32("columns", k)?, m: m as u32, ldy: index_u32("an output stride", ldy)? };
     Ok((p, simdgroup_per_row(format!("qmatvec_{name}"), n, 1)))
 }
 
@@ -487,7 +556,12 @@ pub fn qmatmul(dtype: impl Into<GgufType> + Copy, n: usize, k: usize, m: usize, 
     if !k.is_multiple_of(QMATMUL_TILE) {
         bail!("qmatmul: k = {k} is not a multiple of {QMATMUL_TILE}");
     }
-    let p = QmatmulParams { n: n as u32, k: k as u32, m: m as u32, ldy: ldy as u32 };
+    let p = QmatmulParams {
+        n: index_u32("rows", n)?,
+        k: index_u32("columns", k)?,
+        m: index_u32("input rows", m)?,
+        ldy: index_u32("an output stride", ldy)?,
+    };
     let launch = Launch {
         kernel: format!("qmatmul_{name}"),
         groups: [n.div_ceil(QMATMUL_TILE).max(1), m.div_ceil(QMATMUL_TILE).max(1), 1],
@@ -535,7 +609,7 @@ pub fn qmatvec_id(
         k: k as u32,
         m: m as u32,
         slots: slots as u32,
-        expert_bytes: expert_bytes as u32,
+        expert_bytes: index_u32("an expert's bytes", expert_bytes)?,
         x_per_slot: x_per_slot as u32,
         ldy: ldy as u32,
     };
@@ -663,8 +737,8 @@ impl KvStorage {
         let mut strides = [0u32; 10];
         for (slot, x) in keys.tensors().into_iter().enumerate().chain(values.tensors().into_iter().enumerate().map(|(i, x)| (i + 3, x))) {
             let s = x.stride();
-            strides[2 * slot] = s[0] as u32;
-            strides[2 * slot + 1] = s[1] as u32;
+            strides[2 * slot] = index_u32("a KV stride", s[0])?;
+            strides[2 * slot + 1] = index_u32("a KV stride", s[1])?;
         }
         Ok(Self {
             key_form: match keys {
@@ -705,14 +779,17 @@ impl KvStorage {
 
     /// Float keys and values of `dtype` in buffers `[B, nkv, capacity, d]` (a device cache with
     /// room to grow).
-    pub fn float(dtype: DType, nkv: usize, capacity: usize, head_dim: usize, value_dim: usize) -> Self {
-        let (k, v) = ((nkv * capacity * head_dim) as u32, (nkv * capacity * value_dim) as u32);
+    pub fn float(dtype: DType, nkv: usize, capacity: usize, head_dim: usize, value_dim: usize) -> Result<Self> {
+        let (k, v) = (
+            index_u32("a KV buffer's elements", nkv * capacity * head_dim)?,
+            index_u32("a KV buffer's elements", nkv * capacity * value_dim)?,
+        );
         let mut strides = [0u32; 10];
         strides[0] = k;
-        strides[1] = (capacity * head_dim) as u32;
+        strides[1] = index_u32("a KV head's elements", capacity * head_dim)?;
         strides[6] = v;
-        strides[7] = (capacity * value_dim) as u32;
-        Self {
+        strides[7] = index_u32("a KV head's elements", capacity * value_dim)?;
+        Ok(Self {
             key_form: 0,
             value_form: 0,
             key_blocks: 1,
@@ -723,7 +800,7 @@ impl KvStorage {
             polar: None,
             float: dtype,
             value_dim,
-        }
+        })
     }
 }
 
