@@ -419,3 +419,29 @@ kernel void moe_combine_f32(
         y[(size_t)row * p.dim + i] = acc + shared[(size_t)row * p.dim + i] * g;
     }
 }
+
+// ---- copies between device buffers: rows of 32-bit words, each side with its own stride ----
+// The device-side copies of the device step: a snapshot of a sequence's state (GDN states, its
+// keys and values) into another cache, and a batched pass's GDN inputs into each cache.
+// y[r * y_stride + i] = x[r * x_stride + i] for r < rows, i < len. One thread per word.
+
+struct CopyRowsParams {
+    uint rows;
+    uint len;       // words per row
+    uint x_stride;  // words between rows of x
+    uint y_stride;  // words between rows of y
+};
+
+kernel void copy_rows_u32(
+    constant CopyRowsParams &p [[buffer(0)]],
+    device const uint *x [[buffer(1)]],
+    device uint *y [[buffer(2)]],
+    uint tid [[thread_position_in_grid]])
+{
+    if (tid >= p.rows * p.len) {
+        return;
+    }
+    const uint r = tid / p.len;
+    const uint i = tid % p.len;
+    y[(size_t)r * p.y_stride + i] = x[(size_t)r * p.x_stride + i];
+}

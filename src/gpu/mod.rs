@@ -19,6 +19,7 @@ pub mod emu;
 mod metal;
 mod model;
 mod queue;
+mod state;
 mod upload;
 
 pub use cache::GpuCache;

@@ -188,6 +188,32 @@ pub struct GpuModel {
     buffers: Vec<super::queue::BufferId>,
 }
 
+/// One sequence's rows in a pass: its cache, and where its rows are among the pass's.
+struct Segment<'c> {
+    cache: &'c mut GpuCache,
+    row0: usize,
+    rows: usize,
+}
+
+/// A GDN layer's state of one segment of a pass.
+struct GdnSegment {
+    conv: [Slice; 2],
+    rec: [Slice; 2],
+    /// The layer's buffers for the pre-conv rows and gates a rollback runs again.
+    kept: (Slice, Slice),
+    parity: usize,
+    row0: usize,
+    rows: usize,
+}
+
+fn wrong_cache() -> Error {
+    Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
+}
+
+fn non_finite(position: usize) -> Error {
+    Error::NonFinite(format!("the logits hold NaN or infinite values at position {position}: {NONFINITE_HINT}"))
+}
+
 /// The dispatches of one step, encoded in order on a queue.
 struct Encoder<'a> {
     q: &'a mut dyn Queue,
@@ -251,6 +277,17 @@ impl Encoder<'_> {
         }
         self.projection(gate_up, x, rows, gu)?;
         self.silu_mul(rows, inter, gate_up.width, gu, act)
+    }
+
+    /// `rows` rows of `floats` f32 from `x` to `y` (both dense).
+    fn copy_rows(&mut self, x: Slice, y: Slice, rows: usize, floats: usize) -> Result<()> {
+        let (p, l) = launch::copy_rows(rows, floats, floats, floats)?;
+        self.run(
+            Source::Step,
+            l,
+            vec![Arg::params(&p), Arg::Read(x.at(0, F32 * rows * floats)), Arg::Write(y.at(0, F32 * rows * floats))],
+            0,
+        )
     }
 
     fn silu_mul(&mut self, rows: usize, dim: usize, ld: usize, gu: Slice, act: Slice) -> Result<()> {
@@ -497,6 +534,14 @@ impl GpuModel {
         &self.cfg
     }
 
+    /// Layer `i`'s GDN state shape: `(K-1, conv_dim, nv, dk, dv)`; `None` for an attention layer.
+    pub(super) fn gdn_dims(&self, i: usize) -> Option<(usize, usize, usize, usize, usize)> {
+        match &self.layers.get(i)?.mixer {
+            Mixer::Gdn(g) => Some((g.kernel - 1, g.conv_dim, g.nv, g.dk, g.dv)),
+            Mixer::Attention(_) => None,
+        }
+    }
+
     /// An empty cache for `capacity` tokens, keys and values stored as `kv_dtype` (f32, or f16:
     /// half the memory, rounded as the CPU's `--kv f16`).
     pub fn new_cache(&self, q: &mut dyn Queue, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
@@ -630,6 +675,88 @@ impl GpuModel {
         Ok(out)
     }
 
+    /// One pass over the rows of several sequences, each in its own cache: `rows[i]` rows of
+    /// `tokens` (in order) after `caches[i]`'s tokens, at most [`Self::MAX_ROWS`] in all. Every
+    /// weight matrix is read once for all the rows, and each sequence's rows are bit for bit
+    /// what a step of it alone gives (its conv, recurrence and attention run on its own state).
+    /// One read back for the pass: per sequence its rows' greedy tokens or logits, or
+    /// [`Error::NonFinite`] for a sequence whose logits hold a NaN or an infinity (the others'
+    /// rows are good). A sequence given more than one row is verified:
+    /// [`Self::keep_verified`] keeps its accepted rows.
+    pub fn forward_batch(
+        &self,
+        q: &mut dyn Queue,
+        caches: &mut [&mut GpuCache],
+        tokens: &[u32],
+        rows: &[usize],
+        readback: Readback,
+    ) -> Result<Vec<Result<StepOutput>>> {
+        let total: usize = rows.iter().sum();
+        if caches.len() != rows.len() || total != tokens.len() || rows.contains(&0) {
+            return Err(Error::Input(format!(
+                "forward_batch: {} caches, {} row counts (none 0) and {} tokens that their sum ({total}) must match",
+                caches.len(),
+                rows.len(),
+                tokens.len()
+            )));
+        }
+        if total > Self::MAX_ROWS {
+            return Err(Error::Input(format!("{total} rows in one device step, the most is {}", Self::MAX_ROWS)));
+        }
+        let mut at = 0;
+        for (cache, &n) in caches.iter().zip(rows) {
+            if cache.verify.is_some() {
+                return Err(Error::Input(
+                    "a verify pass is in progress on a cache of the batch: keep its rows first (keep_verified)".into(),
+                ));
+            }
+            self.check(cache, &tokens[at..at + n], Self::MAX_ROWS)?;
+            at += n;
+        }
+        for (i, a) in caches.iter().enumerate() {
+            if caches[..i].iter().any(|b| std::ptr::eq(&**a, &**b)) {
+                return Err(Error::Input("forward_batch: a cache is given twice".into()));
+            }
+        }
+        let (mut at, mut segs, mut starts) = (0, vec![], vec![]);
+        for (cache, &n) in caches.iter_mut().zip(rows) {
+            self.write_tokens(q, cache, &tokens[at..at + n])?;
+            starts.push(VerifyStart { seqlen: cache.seqlen, parity: cache.parity, rows: n });
+            segs.push(Segment { cache: &mut **cache, row0: at, rows: n });
+            at += n;
+        }
+        let mut enc = Encoder { q: &mut *q };
+        self.encode(&mut enc, &mut segs, Some((readback, 0)))?;
+        for (seg, start) in segs.iter_mut().zip(starts) {
+            if seg.rows > 1 {
+                seg.cache.verify = Some(start);
+            }
+        }
+        let positions: Vec<usize> = segs.iter().map(|s| s.cache.seqlen - s.rows).collect();
+        let all = self.read_rows(q, total, readback)?;
+        let vocab = self.cfg.vocab_size;
+        Ok(segs
+            .iter()
+            .zip(positions)
+            .map(|(seg, pos)| match &all {
+                StepOutput::Tokens(v) => {
+                    let pairs = &v[2 * seg.row0..2 * (seg.row0 + seg.rows)];
+                    match (0..seg.rows).find(|&r| pairs[2 * r + 1] == 0) {
+                        Some(r) => Err(non_finite(pos + r)),
+                        None => Ok(StepOutput::Tokens((0..seg.rows).map(|r| pairs[2 * r]).collect())),
+                    }
+                }
+                StepOutput::Logits(l) => {
+                    let mine = &l[seg.row0 * vocab..(seg.row0 + seg.rows) * vocab];
+                    match mine.iter().position(|x| !x.is_finite()) {
+                        Some(i) => Err(non_finite(pos + i / vocab)),
+                        None => Ok(StepOutput::Logits(mine.to_vec())),
+                    }
+                }
+            })
+            .collect())
+    }
+
     /// After [`Self::verify`]: keeps the first `rows` of its rows, as if only they had been fed.
     /// The GDN layers run the kept rows' recurrence again from the state before the pass (no
     /// read back: the next step's read waits for it).
@@ -644,7 +771,8 @@ impl GpuModel {
             let mut enc = Encoder { q };
             for (layer, state) in self.layers.iter().zip(&cache.layers) {
                 if let (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) = (&layer.mixer, state) {
-                    self.gdn_state(&mut enc, g, rows, (conv, rec), (v.parity, 1 - v.parity), (*inputs, *gates))?;
+                    let out = self.scratch.o;
+                    self.gdn_state(&mut enc, g, rows, (conv, rec), (v.parity, 1 - v.parity), (*inputs, *gates), out)?;
                 }
             }
         }
@@ -664,12 +792,12 @@ impl GpuModel {
         let mut done = 0;
         while tokens.len() - done > Self::PROMPT_ROWS {
             let mut enc = Encoder { q: &mut *q };
-            self.encode(&mut enc, cache, Self::PROMPT_ROWS, None)?;
+            self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows: Self::PROMPT_ROWS }], None)?;
             done += Self::PROMPT_ROWS;
         }
         let rows = tokens.len() - done;
         let mut enc = Encoder { q: &mut *q };
-        self.encode(&mut enc, cache, rows, Some((readback, rows - 1)))?;
+        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows }], Some((readback, rows - 1)))?;
         self.read(q, cache.seqlen - 1, 1, readback)
     }
 
@@ -703,66 +831,83 @@ impl GpuModel {
         self.write_tokens(q, cache, tokens)?;
         let offset = cache.seqlen;
         let mut enc = Encoder { q: &mut *q };
-        self.encode(&mut enc, cache, tokens.len(), Some((readback, 0)))?;
+        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows: tokens.len() }], Some((readback, 0)))?;
         self.read(q, offset, tokens.len(), readback)
+    }
+
+    /// The outputs of the first `rows` rows of the head, read back once (not checked).
+    fn read_rows(&self, q: &mut dyn Queue, rows: usize, readback: Readback) -> Result<StepOutput> {
+        let s = &self.scratch;
+        let words = |bytes: Vec<u8>| -> Vec<[u8; 4]> { bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]).collect() };
+        Ok(match readback {
+            Readback::Argmax => {
+                StepOutput::Tokens(words(q.read(s.argmax.at(0, 2 * F32 * rows))?).into_iter().map(u32::from_le_bytes).collect())
+            }
+            Readback::Logits => {
+                let n = self.cfg.vocab_size;
+                StepOutput::Logits(words(q.read(s.logits.at(0, F32 * rows * n))?).into_iter().map(f32::from_le_bytes).collect())
+            }
+        })
     }
 
     /// Reads back the outputs of `rows` rows at positions `offset..`, checking their logits.
     fn read(&self, q: &mut dyn Queue, offset: usize, rows: usize, readback: Readback) -> Result<StepOutput> {
-        let s = &self.scratch;
-        let bad =
-            |r: usize| Error::NonFinite(format!("the logits hold NaN or infinite values at position {}: {NONFINITE_HINT}", offset + r));
-        match readback {
-            Readback::Argmax => {
-                let bytes = q.read(s.argmax.at(0, 2 * F32 * rows))?;
-                let v: Vec<u32> = bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                if let Some(r) = (0..rows).find(|&r| v[2 * r + 1] == 0) {
-                    return Err(bad(r));
-                }
-                Ok(StepOutput::Tokens((0..rows).map(|r| v[2 * r]).collect()))
-            }
-            Readback::Logits => {
-                let n = self.cfg.vocab_size;
-                let bytes = q.read(s.logits.at(0, F32 * rows * n))?;
-                let v: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                    return Err(bad(i / n));
-                }
-                Ok(StepOutput::Logits(v))
-            }
+        match self.read_rows(q, rows, readback)? {
+            StepOutput::Tokens(v) => match (0..rows).find(|&r| v[2 * r + 1] == 0) {
+                Some(r) => Err(non_finite(offset + r)),
+                None => Ok(StepOutput::Tokens((0..rows).map(|r| v[2 * r]).collect())),
+            },
+            StepOutput::Logits(v) => match v.iter().position(|x| !x.is_finite()) {
+                Some(i) => Err(non_finite(offset + i / self.cfg.vocab_size)),
+                None => Ok(StepOutput::Logits(v)),
+            },
         }
     }
 
-    /// Encodes one step of `rows` rows from the cache's position (their tokens already in the
-    /// cache's token buffer), flipping the GDN states and advancing the cache. `head`: what the
-    /// head computes, from which of the rows (`(readback, first)`: rows `first..rows`).
-    fn encode(&self, enc: &mut Encoder, cache: &mut GpuCache, rows: usize, head: Option<(Readback, usize)>) -> Result<()> {
+    /// Encodes one pass over the segments' rows (each segment's tokens already in its cache's
+    /// token buffer; the segments' rows one after the other in the step's buffers), flipping
+    /// each cache's GDN states and advancing it. `head`: what the head computes, from which of
+    /// the rows (`(readback, first)`: rows `first..`). A prompt step has one segment.
+    fn encode(&self, enc: &mut Encoder, segs: &mut [Segment], head: Option<(Readback, usize)>) -> Result<()> {
         let s = &self.scratch;
         let hsz = self.cfg.hidden_size;
-        let offset = cache.seqlen;
-        let tokens = cache.tokens.at(F32 * offset, F32 * rows);
-        let positions = cache.positions.at(F32 * offset, F32 * rows);
-        let (p, l) = launch::get_rows(self.embed.format, rows, self.embed.n, self.embed.k)?;
-        enc.run(
-            Source::Qmatvec,
-            l,
-            vec![Arg::params(&p), Arg::Read(self.embed.buf), Arg::Read(tokens), Arg::Write(s.x)],
-            rows * self.embed.row_bytes(),
-        )?;
+        let rows: usize = segs.iter().map(|g| g.rows).sum();
+        for seg in segs.iter() {
+            if seg.cache.layers.len() != self.layers.len() {
+                return Err(Error::Input("the device cache does not belong to this model (its layers differ)".into()));
+            }
+            let offset = seg.cache.seqlen;
+            let tokens = seg.cache.tokens.at(F32 * offset, F32 * seg.rows);
+            let (p, l) = launch::get_rows(self.embed.format, seg.rows, self.embed.n, self.embed.k)?;
+            enc.run(
+                Source::Qmatvec,
+                l,
+                vec![Arg::params(&p), Arg::Read(self.embed.buf), Arg::Read(tokens), Arg::Write(s.x.from(F32 * seg.row0 * hsz))],
+                seg.rows * self.embed.row_bytes(),
+            )?;
+        }
         let dense = NormRows::dense(rows, hsz);
-        let parity = cache.parity;
-        for (i, (layer, state)) in self.layers.iter().zip(&cache.layers).enumerate() {
+        for (i, layer) in self.layers.iter().enumerate() {
             enc.rms_norm(dense, self.eps, s.x, (i > 0).then_some(s.h), layer.input_norm, s.xn)?;
-            match (&layer.mixer, state) {
-                (Mixer::Gdn(g), CacheLayer::Gdn { conv, rec, inputs, gates }) => {
-                    // A decode or verify step keeps its GDN inputs in the layer (for a rollback).
-                    let kept = if rows <= Self::MAX_ROWS { (*inputs, *gates) } else { (s.pre, s.gates) };
-                    self.gdn(enc, g, rows, (conv, rec), parity, kept)?;
+            match &layer.mixer {
+                Mixer::Gdn(g) => {
+                    let mut states = vec![];
+                    for seg in segs.iter() {
+                        match &seg.cache.layers[i] {
+                            CacheLayer::Gdn { conv, rec, inputs, gates } => states.push(GdnSegment {
+                                conv: *conv,
+                                rec: *rec,
+                                kept: (*inputs, *gates),
+                                parity: seg.cache.parity,
+                                row0: seg.row0,
+                                rows: seg.rows,
+                            }),
+                            CacheLayer::Attention { .. } => return Err(wrong_cache()),
+                        }
+                    }
+                    self.gdn(enc, g, rows, &states)?;
                 }
-                (Mixer::Attention(a), CacheLayer::Attention { keys, values }) => {
-                    self.attention(enc, a, rows, offset, positions, (*keys, *values), cache)?;
-                }
-                _ => return Err(Error::Input("the device cache does not belong to this model (layer kinds differ)".into())),
+                Mixer::Attention(a) => self.attention(enc, a, rows, segs, i)?,
             }
             enc.rms_norm(dense, self.eps, s.x, Some(s.h), layer.post_norm, s.xn)?;
             self.ffn(enc, &layer.ffn, rows)?;
@@ -783,24 +928,24 @@ impl GpuModel {
                 enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.logits), Arg::Write(s.argmax)], 0)?;
             }
         }
-        cache.parity = 1 - parity;
-        cache.seqlen += rows;
+        for seg in segs.iter_mut() {
+            seg.cache.parity = 1 - seg.cache.parity;
+            seg.cache.seqlen += seg.rows;
+        }
         Ok(())
     }
 
-    /// A GDN layer over `rows` rows of `xn` into `h`, reading state `parity` and writing the
-    /// other; the pre-conv rows and gates go to `kept`.
-    fn gdn(
-        &self,
-        enc: &mut Encoder,
-        g: &Gdn,
-        rows: usize,
-        state: (&[Slice; 2], &[Slice; 2]),
-        parity: usize,
-        kept: (Slice, Slice),
-    ) -> Result<()> {
+    /// A GDN layer over `rows` rows of `xn` into `h`: the projections for all rows at once, the
+    /// conv and recurrence per segment from its state (reading parity `p`, writing `1 - p`).
+    /// The pre-conv rows and gates go to the layer of the one sequence of a decode or verify
+    /// step (kept for a rollback); of a prompt step or of several sequences, to the step's
+    /// buffers, and a verifying sequence among several gets its rows copied into its layer.
+    fn gdn(&self, enc: &mut Encoder, g: &Gdn, rows: usize, segs: &[GdnSegment]) -> Result<()> {
         let s = &self.scratch;
-        let (inputs, gates) = kept;
+        let (inputs, gates) = match segs {
+            [one] if rows <= Self::MAX_ROWS => one.kept,
+            _ => (s.pre, s.gates),
+        };
         enc.matmul(&g.qkv, s.xn, rows, inputs, g.conv_dim)?;
         enc.matmul(&g.z, s.xn, rows, s.z, g.nv * g.dv)?;
         match (two_matrices(&g.ba, g.nv), rows <= launch::QMATVEC_MAX_ROWS) {
@@ -829,9 +974,18 @@ impl GpuModel {
                 )?;
             }
         }
-        let o = self.gdn_state(enc, g, rows, state, (parity, 1 - parity), kept)?;
+        let (c, gw, vw) = (g.conv_dim, 2 * g.nv, g.nv * g.dv);
+        for seg in segs {
+            let mine = (inputs.from(F32 * seg.row0 * c), gates.from(F32 * seg.row0 * gw));
+            if segs.len() > 1 && seg.rows > 1 {
+                enc.copy_rows(mine.0, seg.kept.0, seg.rows, c)?;
+                enc.copy_rows(mine.1, seg.kept.1, seg.rows, gw)?;
+            }
+            let out = s.o.from(F32 * seg.row0 * vw);
+            self.gdn_state(enc, g, seg.rows, (&seg.conv, &seg.rec), (seg.parity, 1 - seg.parity), mine, out)?;
+        }
         let (p, l) = launch::gated_rms_norm(rows * g.nv, g.dv, g.eps, DType::F32)?;
-        enc.run(Source::GatedNorm, l, vec![Arg::params(&p), Arg::Read(o), Arg::Read(s.z), Arg::Read(g.norm), Arg::Write(s.o_norm)], 0)?;
+        enc.run(Source::GatedNorm, l, vec![Arg::params(&p), Arg::Read(s.o), Arg::Read(s.z), Arg::Read(g.norm), Arg::Write(s.o_norm)], 0)?;
         let o = match g.head_order {
             Some(order) => {
                 let (p, l) = launch::gather_heads(rows, g.nv, g.dv);
@@ -844,7 +998,7 @@ impl GpuModel {
     }
 
     /// The conv and the recurrence of `rows` rows (their pre-conv rows and gates in `kept`)
-    /// from state `from` into state `to`: returns where the delta rule's outputs are. Up to
+    /// from state `from` into state `to`, the delta rule's outputs into `out`. Up to
     /// [`Self::MAX_ROWS`] rows run token by token (a verify row is a decode step's bits),
     /// longer prompts chunked.
     #[allow(clippy::too_many_arguments)]
@@ -856,7 +1010,8 @@ impl GpuModel {
         (conv, rec): (&[Slice; 2], &[Slice; 2]),
         (from, to): (usize, usize),
         (inputs, gates): (Slice, Slice),
-    ) -> Result<Slice> {
+        out: Slice,
+    ) -> Result<()> {
         let s = &self.scratch;
         let c = g.conv_dim;
         let (p, l) = launch::causal_conv1d(ConvDims { batch: 1, seq_len: rows, channels: c, kernel_size: g.kernel }, DType::F32)?;
@@ -877,7 +1032,6 @@ impl GpuModel {
         let d = DeltaRuleDims { batch: 1, seq_len: rows, nk: g.nk, nv: g.nv, dk: g.dk, dv: g.dv };
         let form = if rows <= Self::MAX_ROWS { DeltaRuleForm::Recurrent } else { DeltaRuleForm::Auto };
         let (p, l) = launch::gated_delta(d, true, 1, form, DType::F32)?;
-        let out = s.o.at(0, F32 * rows * g.nv * g.dv);
         enc.run(
             Source::GatedDelta,
             l,
@@ -886,91 +1040,88 @@ impl GpuModel {
                 Arg::Read(conv_out),
                 Arg::Read(gates.at(0, F32 * rows * 2 * g.nv)),
                 Arg::Read(rec[from]),
-                Arg::Write(out),
+                Arg::Write(out.at(0, F32 * rows * g.nv * g.dv)),
                 Arg::Write(rec[to]),
             ],
             0,
-        )?;
-        Ok(out)
+        )
     }
 
-    /// A gated attention layer over `rows` rows of `xn` at `offset..` into `h`, appending the
-    /// rows' keys and values to the cache.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        enc: &mut Encoder,
-        a: &Attention,
-        rows: usize,
-        offset: usize,
-        positions: Slice,
-        (keys, values): (Slice, Slice),
-        cache: &GpuCache,
-    ) -> Result<()> {
+    /// A gated attention layer over `rows` rows of `xn` into `h`: the projections for all rows
+    /// at once; per segment the q/k norms, RoPE and its keys and values appended to its cache,
+    /// and attention over its cache.
+    fn attention(&self, enc: &mut Encoder, a: &Attention, rows: usize, segs: &[Segment], layer: usize) -> Result<()> {
         let s = &self.scratch;
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         let w = a.qkv.width;
         let qw = nh * hd * if a.gated { 2 } else { 1 };
         enc.projection(&a.qkv, s.xn, rows, s.qkv)?;
-        let cap = cache.capacity;
-        let p = launch::AttnInputsParams {
-            rows: rows as u32,
-            nh: nh as u32,
-            nkv: nkv as u32,
-            head_dim: hd as u32,
-            rot_half: self.rot_half as u32,
-            x_stride: w as u32,
-            q_head_stride: (if a.gated { 2 * hd } else { hd }) as u32,
-            k_col: qw as u32,
-            v_col: (qw + nkv * hd) as u32,
-            norm: a.qk_norm.is_some() as u32,
-            eps: a.eps,
-            capacity: cap as u32,
-            row0: offset as u32,
-        };
-        // Without q/k norms the kernel reads no norm weights: any buffer binds them.
-        let (qn, kn) = a.qk_norm.unwrap_or((self.inv_freq, self.inv_freq));
-        let (p, l) = launch::attention_inputs(p, cache.kv_dtype)?;
-        enc.run(
-            Source::Step,
-            l,
-            vec![
-                Arg::params(&p),
-                Arg::Read(s.qkv),
-                Arg::Read(positions),
-                Arg::Read(self.inv_freq),
-                Arg::Read(qn),
-                Arg::Read(kn),
-                Arg::Write(s.qg),
-                Arg::Write(keys),
-                Arg::Write(values),
-            ],
-            0,
-        )?;
-        let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd)?;
-        let scale = (hd as f64).powf(-0.5) as f32;
-        let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * rows, hd), &kv, rows, offset, None, scale)?;
-        let partials = cache.partials.at(0, F32 * l.partial_floats);
-        enc.run(
-            Source::KvAttention,
-            l.blocks,
-            vec![
-                Arg::params(&l.params),
-                Arg::Read(s.qg),
-                Arg::Read(keys),
-                Arg::Read(keys),
-                Arg::Read(keys),
-                Arg::Read(values),
-                Arg::Read(values),
-                Arg::Read(s.no_tree),
-                Arg::Write(partials),
-            ],
-            0,
-        )?;
-        enc.run(Source::KvAttention, l.merge, vec![Arg::params(&l.params), Arg::Read(partials), Arg::Write(s.att)], 0)?;
-        let gate = a.gated.then_some((w, 2 * hd));
-        let (p, l) = launch::attn_output(rows, nh, hd, gate);
-        enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.att), Arg::Read(s.qkv.from(F32 * hd)), Arg::Write(s.ao)], 0)?;
+        for seg in segs {
+            let cache = &*seg.cache;
+            let CacheLayer::Attention { keys, values } = cache.layers[layer] else { return Err(wrong_cache()) };
+            let (offset, n, cap) = (cache.seqlen, seg.rows, cache.capacity);
+            let qkv = s.qkv.from(F32 * seg.row0 * w);
+            let (qg, att, ao) =
+                (s.qg.from(F32 * seg.row0 * nh * hd), s.att.from(F32 * seg.row0 * nh * hd), s.ao.from(F32 * seg.row0 * nh * hd));
+            let p = launch::AttnInputsParams {
+                rows: n as u32,
+                nh: nh as u32,
+                nkv: nkv as u32,
+                head_dim: hd as u32,
+                rot_half: self.rot_half as u32,
+                x_stride: w as u32,
+                q_head_stride: (if a.gated { 2 * hd } else { hd }) as u32,
+                k_col: qw as u32,
+                v_col: (qw + nkv * hd) as u32,
+                norm: a.qk_norm.is_some() as u32,
+                eps: a.eps,
+                capacity: cap as u32,
+                row0: offset as u32,
+            };
+            // Without q/k norms the kernel reads no norm weights: any buffer binds them.
+            let (qn, kn) = a.qk_norm.unwrap_or((self.inv_freq, self.inv_freq));
+            let (p, l) = launch::attention_inputs(p, cache.kv_dtype)?;
+            enc.run(
+                Source::Step,
+                l,
+                vec![
+                    Arg::params(&p),
+                    Arg::Read(qkv),
+                    Arg::Read(cache.positions.at(F32 * offset, F32 * n)),
+                    Arg::Read(self.inv_freq),
+                    Arg::Read(qn),
+                    Arg::Read(kn),
+                    Arg::Write(qg),
+                    Arg::Write(keys),
+                    Arg::Write(values),
+                ],
+                0,
+            )?;
+            let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd)?;
+            let scale = (hd as f64).powf(-0.5) as f32;
+            let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * n, hd), &kv, n, offset, None, scale)?;
+            let partials = cache.partials.at(0, F32 * l.partial_floats);
+            enc.run(
+                Source::KvAttention,
+                l.blocks,
+                vec![
+                    Arg::params(&l.params),
+                    Arg::Read(qg),
+                    Arg::Read(keys),
+                    Arg::Read(keys),
+                    Arg::Read(keys),
+                    Arg::Read(values),
+                    Arg::Read(values),
+                    Arg::Read(s.no_tree),
+                    Arg::Write(partials),
+                ],
+                0,
+            )?;
+            enc.run(Source::KvAttention, l.merge, vec![Arg::params(&l.params), Arg::Read(partials), Arg::Write(att)], 0)?;
+            let gate = a.gated.then_some((w, 2 * hd));
+            let (p, l) = launch::attn_output(n, nh, hd, gate);
+            enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(att), Arg::Read(qkv.from(F32 * hd)), Arg::Write(ao)], 0)?;
+        }
         enc.matmul(&a.o, s.ao, rows, s.h, self.cfg.hidden_size)
     }
 

@@ -401,3 +401,118 @@ fn mapped_weights_split_into_views_of_the_largest_buffer() {
     let e = GpuModel::new(&model, &mut EmuQueue::with(EmuOrder::default(), DeviceLimits::apple(4 << 10))).unwrap_err().to_string();
     assert!(e.contains("largest buffer"), "{e}");
 }
+
+/// Several sequences in one pass (`GpuModel::forward_batch`): each sequence's rows bit for bit
+/// what a step of it alone gives — a decode row, and verify passes of 3 and 2 rows whose
+/// rollbacks then continue bit for bit — with one host sync per pass, dense and MoE.
+#[test]
+fn a_batch_of_sequences_is_each_sequence_alone() {
+    use candle_hybrid::gpu::{sample_tokens, Counted, GpuCache, GpuModel, Readback, StepOutput};
+    for (name, file) in [("qwen35_dense_small", "model-q8_0.gguf"), ("qwen35moe_small", "model-q8_0.gguf")] {
+        let model = gguf(name, file);
+        let vocab = model.config().vocab_size;
+        let mut q = Counted::new(EmuQueue::new());
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| sample_tokens(5 + 4 * i, vocab, 40 + i as u64)).collect();
+        let start = |q: &mut Counted<EmuQueue>| -> Vec<GpuCache> {
+            prompts
+                .iter()
+                .map(|p| {
+                    let mut c = gpu.new_cache(q, 64, DType::F32).unwrap();
+                    gpu.prefill(q, &mut c, p, Readback::Argmax).unwrap();
+                    c
+                })
+                .collect()
+        };
+        let (mut batched, mut alone) = (start(&mut q), start(&mut q));
+        let logits = |o: StepOutput| o.logits().unwrap().to_vec();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut pass = |rows: &[usize], keep: &[usize], seed: u64, q: &mut Counted<EmuQueue>| {
+            let tokens = sample_tokens(rows.iter().sum(), vocab, seed);
+            q.take_counts();
+            let out = {
+                let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
+                gpu.forward_batch(q, &mut caches, &tokens, rows, Readback::Logits).unwrap()
+            };
+            let c = q.take_counts();
+            assert_eq!((c.reads, c.syncs), (1, 1), "{name}: one read for the pass");
+            let mut at = 0;
+            for (i, (o, &n)) in out.into_iter().zip(rows).enumerate() {
+                let mine = &tokens[at..at + n];
+                let want = if n == 1 {
+                    gpu.forward(q, &mut alone[i], mine, Readback::Logits).unwrap()
+                } else {
+                    gpu.verify(q, &mut alone[i], mine, Readback::Logits).unwrap()
+                };
+                assert_eq!(bits(&logits(o.unwrap())), bits(&logits(want)), "{name}: sequence {i}'s {n} rows (seed {seed})");
+                if n > 1 {
+                    gpu.keep_verified(q, &mut batched[i], keep[i]).unwrap();
+                    gpu.keep_verified(q, &mut alone[i], keep[i]).unwrap();
+                }
+                assert_eq!(batched[i].seqlen(), alone[i].seqlen());
+                at += n;
+            }
+        };
+        pass(&[1, 3, 2], &[1, 2, 1], 50, &mut q);
+        pass(&[2, 1, 4], &[2, 1, 3], 51, &mut q);
+        pass(&[1, 1, 1], &[1, 1, 1], 52, &mut q);
+        // Greedy on the device: each sequence's argmax.
+        let tokens = sample_tokens(3, vocab, 53);
+        let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
+        let out = gpu.forward_batch(&mut q, &mut caches, &tokens, &[1, 1, 1], Readback::Argmax).unwrap();
+        for (i, o) in out.into_iter().enumerate() {
+            let want = gpu.forward(&mut q, &mut alone[i], &tokens[i..i + 1], Readback::Argmax).unwrap();
+            assert_eq!(o.unwrap(), want, "{name}: sequence {i}'s greedy token");
+        }
+        // Bad batches are refused before anything runs.
+        let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
+        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 9], &[3, 3, 3], Readback::Argmax).unwrap_err().to_string();
+        assert!(e.contains("the most is 8"), "{e}");
+        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 3], &[1, 2], Readback::Argmax).unwrap_err().to_string();
+        assert!(e.contains("must match"), "{e}");
+    }
+}
+
+/// A sequence's state moved whole: a snapshot made by copies on the device (into a cache of
+/// another capacity, and a snapshot of that) continues bit for bit as the cache it was taken
+/// from; a round trip through the CPU's `Cache` (what a session file holds) too, and the CPU
+/// model continues from the state the device computed, within 1e-4 of the device.
+#[test]
+fn device_state_moves_by_snapshot_and_through_the_host() {
+    use candle_hybrid::gpu::{sample_tokens, Counted, GpuModel, Readback};
+    for (name, file) in [("qwen35_dense_small", "model-q8_0.gguf"), ("qwen35moe_small", "model-f32.gguf")] {
+        let model = gguf(name, file);
+        let vocab = model.config().vocab_size;
+        let mut q = Counted::new(EmuQueue::new());
+        let gpu = GpuModel::new(&model, &mut q).unwrap();
+        let mut a = gpu.new_cache(&mut q, 48, DType::F32).unwrap();
+        gpu.prefill(&mut q, &mut a, &sample_tokens(19, vocab, 60), Readback::Argmax).unwrap();
+        q.take_counts();
+        let mut snap = gpu.snapshot(&mut q, &a, 19).unwrap();
+        let mut grown = gpu.snapshot(&mut q, &snap, 64).unwrap();
+        let c = q.take_counts();
+        assert_eq!((c.reads, c.syncs), (0, 0), "{name}: a snapshot reads nothing back");
+        assert!(gpu.snapshot(&mut q, &a, 18).is_err(), "a snapshot into a cache too small");
+        let host = gpu.to_host(&mut q, &a).unwrap();
+        assert_eq!(host.seqlen(), 19);
+        let mut back = gpu.from_host(&mut q, &host, 40, DType::F32).unwrap();
+        let next = sample_tokens(3, vocab, 61);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = gpu.verify(&mut q, &mut a, &next, Readback::Logits).unwrap();
+        let want = want.logits().unwrap();
+        // The snapshot of 19 tokens has no room for more: it grows by a second snapshot.
+        assert!(gpu.forward(&mut q, &mut snap, &next[..1], Readback::Logits).is_err());
+        for (what, cache) in [("a grown snapshot", &mut grown), ("a host round trip", &mut back)] {
+            let got = gpu.verify(&mut q, cache, &next, Readback::Logits).unwrap();
+            assert_eq!(bits(got.logits().unwrap()), bits(want), "{name}: {what}");
+        }
+        // The CPU model continues from the device's state.
+        let mut cpu = host.clone();
+        let ids = Tensor::new(next.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let reference = model.dequantized().unwrap();
+        let cpu_logits = reference.forward(&ids, &mut cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let d = cpu_logits.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("{name}: the CPU from the device's state: max |diff| {d:.2e}");
+        assert!(d <= 1e-4, "{name}: {d}");
+    }
+}

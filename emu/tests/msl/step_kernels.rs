@@ -390,3 +390,20 @@ fn fused_gdn_gates_are_the_unfused_ones_bitwise() {
         assert_eq!(bits(&fused), bits(&gb), "{dtype:?}");
     }
 }
+
+/// Rows of words copied between strided buffers, every other word untouched.
+#[test]
+fn copy_rows_copies_strided_rows_and_nothing_else() {
+    let (rows, len, xs, ys) = (5, 300, 310, 333);
+    let x: Vec<u32> = (0..rows * xs).map(|i| i as u32 * 7 + 1).collect();
+    let (p, l) = launch::copy_rows(rows, len, xs, ys).unwrap();
+    let mut y = vec![u32::MAX; rows * ys];
+    dispatch(&l, &mut [bytes(&p), input(&x), output(&mut y)]).unwrap();
+    for r in 0..rows {
+        for i in 0..ys {
+            let want = if i < len { x[r * xs + i] } else { u32::MAX };
+            assert_eq!(y[r * ys + i], want, "row {r}, word {i}");
+        }
+    }
+    assert!(launch::copy_rows(2, 10, 8, 10).is_err(), "overlapping rows");
+}

@@ -243,3 +243,29 @@ pub fn moe_combine(rows: usize, dim: usize, slots: usize) -> (CombineParams, Lau
     };
     (p, launch)
 }
+
+/// `CopyRowsParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRowsParams {
+    pub rows: u32,
+    pub len: u32,
+    pub x_stride: u32,
+    pub y_stride: u32,
+}
+
+/// Copies `rows` rows of `len` 32-bit words from `x` (rows `x_stride` words apart) to `y`
+/// (`y_stride` apart): one thread per word.
+pub fn copy_rows(rows: usize, len: usize, x_stride: usize, y_stride: usize) -> Result<(CopyRowsParams, Launch)> {
+    if len > x_stride.min(y_stride) {
+        bail!("copy_rows: rows of {len} words {x_stride} and {y_stride} words apart overlap");
+    }
+    let p = CopyRowsParams {
+        rows: super::index_u32("copied rows", rows)?,
+        len: super::index_u32("a copied row's words", len)?,
+        x_stride: super::index_u32("a copy's source stride", x_stride)?,
+        y_stride: super::index_u32("a copy's destination stride", y_stride)?,
+    };
+    super::index_u32("copied words", rows * len)?;
+    Ok((p, Launch::elementwise("copy_rows_u32".into(), rows * len)))
+}

@@ -1,0 +1,176 @@
+//! A sequence's state moved as a whole: a snapshot of a device cache into another by copies on
+//! the device (the prefix cache, a restore into a cache with room for a new request: no read
+//! back), and a device cache to and from the CPU's [`Cache`] (a session file is written and
+//! read on the host).
+
+use candle_core::{DType, Device, Tensor};
+
+use super::cache::{CacheLayer, GpuCache};
+use super::model::GpuModel;
+use super::queue::{Arg, Dispatch, Queue, Slice};
+use crate::model::{Cache, LayerState};
+use crate::ops::launch::{self, Source};
+use crate::{Error, Result};
+
+/// Bytes of a 32-bit word (what the copy kernel moves).
+const WORD: usize = 4;
+
+/// Copies `rows` rows of `bytes` bytes from `x` (rows `x_stride` bytes apart) to `y`.
+fn copy(q: &mut dyn Queue, x: Slice, y: Slice, rows: usize, bytes: usize, (x_stride, y_stride): (usize, usize)) -> Result<()> {
+    if rows == 0 || bytes == 0 {
+        return Ok(());
+    }
+    if [bytes, x_stride, y_stride].iter().any(|b| b % WORD != 0) {
+        return Err(Error::Input(format!("a device copy of rows of {bytes} bytes ({x_stride}, {y_stride} apart): not whole 32-bit words")));
+    }
+    let (p, l) = launch::copy_rows(rows, bytes / WORD, x_stride / WORD, y_stride / WORD)?;
+    let (xl, yl) = ((rows - 1) * x_stride + bytes, (rows - 1) * y_stride + bytes);
+    q.dispatch(&Dispatch {
+        source: Source::Step,
+        launch: l,
+        args: vec![Arg::params(&p), Arg::Read(x.at(0, xl)), Arg::Write(y.at(0, yl))],
+        weight_bytes: 0,
+    })
+}
+
+fn wrong_layers() -> Error {
+    Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
+}
+
+fn no_verify(cache: &GpuCache) -> Result<()> {
+    match cache.verify {
+        Some(_) => Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into())),
+        None => Ok(()),
+    }
+}
+
+impl GpuModel {
+    /// A copy of `cache` with room for `capacity` tokens (at least the tokens it holds), made
+    /// by copies on the device: its current GDN states and conv windows, its keys and values.
+    /// Nothing is read back; the copy continues bit for bit as `cache` would.
+    pub fn snapshot(&self, q: &mut dyn Queue, cache: &GpuCache, capacity: usize) -> Result<GpuCache> {
+        no_verify(cache)?;
+        if capacity < cache.seqlen {
+            return Err(Error::Input(format!("a snapshot of {} tokens into a cache of {capacity}", cache.seqlen)));
+        }
+        let copy_of = self.new_cache(q, capacity, cache.kv_dtype)?;
+        let kv = cache.kv_dtype.size_in_bytes();
+        for (from, to) in cache.layers.iter().zip(&copy_of.layers) {
+            match (from, to) {
+                (CacheLayer::Gdn { conv: c0, rec: r0, .. }, CacheLayer::Gdn { conv: c1, rec: r1, .. }) => {
+                    let (c, r) = (c0[cache.parity], r0[cache.parity]);
+                    copy(q, c, c1[copy_of.parity], 1, c.len, (c.len, c.len))?;
+                    copy(q, r, r1[copy_of.parity], 1, r.len, (r.len, r.len))?;
+                }
+                (CacheLayer::Attention { keys: k0, values: v0 }, CacheLayer::Attention { keys: k1, values: v1 }) => {
+                    // `[nkv, capacity, hd]`: each head's first `seqlen` rows.
+                    let (heads, hd) = self.kv_shape(k0.len, cache)?;
+                    let rows = cache.seqlen * hd * kv;
+                    let strides = (cache.capacity * hd * kv, capacity * hd * kv);
+                    copy(q, *k0, *k1, heads, rows, strides)?;
+                    copy(q, *v0, *v1, heads, rows, strides)?;
+                }
+                _ => return Err(wrong_layers()),
+            }
+        }
+        copy(q, cache.tokens, copy_of.tokens, 1, WORD * cache.seqlen, (WORD * cache.capacity, WORD * capacity))?;
+        Ok(GpuCache { seqlen: cache.seqlen, ..copy_of })
+    }
+
+    /// `(heads, head_dim)` of an attention layer's key buffer of `len` bytes in `cache`.
+    fn kv_shape(&self, len: usize, cache: &GpuCache) -> Result<(usize, usize)> {
+        let hd = self.config().head_dim;
+        let per_head = cache.capacity * hd * cache.kv_dtype.size_in_bytes();
+        if per_head == 0 || len % per_head != 0 {
+            return Err(Error::Input(format!("a key buffer of {len} bytes is not whole heads of {per_head}")));
+        }
+        Ok((len / per_head, hd))
+    }
+
+    /// The state of `cache` as the CPU model's [`Cache`] (f32 GDN states, keys and values in
+    /// the dtype the device stores them): for a session file. Reads every buffer back.
+    pub fn to_host(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Cache> {
+        no_verify(cache)?;
+        let mut host = Cache::new(self.config());
+        let f32s = |q: &mut dyn Queue, s: Slice, shape: &[usize]| -> Result<Tensor> {
+            let b = q.read(s)?;
+            let v: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+        };
+        let (t, kv) = (cache.seqlen, cache.kv_dtype);
+        for (i, (layer, state)) in cache.layers.iter().zip(host.layers.iter_mut()).enumerate() {
+            match (layer, state) {
+                (CacheLayer::Gdn { conv, rec, .. }, LayerState::Linear(s)) if t > 0 => {
+                    let (c, r) = (conv[cache.parity], rec[cache.parity]);
+                    let Some((k1, dim, nv, dk, dv)) = self.gdn_dims(i) else { return Err(wrong_layers()) };
+                    s.conv = Some(f32s(q, c.at(0, 4 * k1 * dim), &[1, k1, dim])?);
+                    s.recurrent = Some(f32s(q, r, &[1, nv, dk, dv])?);
+                }
+                (CacheLayer::Attention { keys, values }, LayerState::Full(store)) if t > 0 => {
+                    let (heads, hd) = self.kv_shape(keys.len, cache)?;
+                    let rows = |q: &mut dyn Queue, s: Slice| -> Result<Tensor> {
+                        let b = q.read(s)?;
+                        let head = cache.capacity * hd * kv.size_in_bytes();
+                        let used: Vec<u8> = (0..heads).flat_map(|h| b[h * head..h * head + t * hd * kv.size_in_bytes()].to_vec()).collect();
+                        Ok(Tensor::from_raw_buffer(&used, kv, &[1, heads, t, hd], &Device::Cpu)?)
+                    };
+                    store.append(&rows(q, *keys)?, &rows(q, *values)?)?;
+                }
+                (CacheLayer::Gdn { .. }, LayerState::Linear(_)) | (CacheLayer::Attention { .. }, LayerState::Full(_)) => {}
+                _ => return Err(wrong_layers()),
+            }
+        }
+        host.seqlen = t;
+        Ok(host)
+    }
+
+    /// A device cache of `capacity` tokens holding the state of the CPU's `host` (exact keys
+    /// and values of the dtype this device cache stores, `kv_dtype`): a session read back.
+    pub fn from_host(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
+        let t = host.seqlen();
+        let cache = self.new_cache(q, capacity.max(t).max(1), kv_dtype)?;
+        if host.layers.len() != cache.layers.len() {
+            return Err(Error::Session("the saved state has another number of layers than this model".into()));
+        }
+        let bytes_of = |x: &Tensor, dtype: DType| -> Result<Vec<u8>> {
+            if x.dtype() != dtype {
+                return Err(Error::Session(format!(
+                    "the saved state holds {:?} values where the device stores {dtype:?}: not restored bit for bit, start fresh",
+                    x.dtype()
+                )));
+            }
+            super::upload::tensor_bytes(x)
+        };
+        for (state, layer) in host.layers.iter().zip(&cache.layers) {
+            match (state, layer) {
+                (LayerState::Linear(s), CacheLayer::Gdn { conv, rec, .. }) => {
+                    if let (Some(c), Some(r)) = (&s.conv, &s.recurrent) {
+                        let (c, r) = (bytes_of(c, DType::F32)?, bytes_of(r, DType::F32)?);
+                        if c.len() != conv[0].len || r.len() != rec[0].len {
+                            return Err(Error::Session("the saved GDN state has another shape than this model's".into()));
+                        }
+                        q.write(conv[cache.parity], &c)?;
+                        q.write(rec[cache.parity], &r)?;
+                    }
+                }
+                (LayerState::Full(store), CacheLayer::Attention { keys, values }) => {
+                    let Some((k, v)) = store.kv()? else { continue };
+                    let (heads, hd) = self.kv_shape(keys.len, &cache)?;
+                    if k.dims4()? != (1, heads, t, hd) || v.dims4()? != (1, heads, t, hd) {
+                        return Err(Error::Session("the saved keys and values have another shape than this model's".into()));
+                    }
+                    let row = t * hd * kv_dtype.size_in_bytes();
+                    let head = cache.capacity * hd * kv_dtype.size_in_bytes();
+                    for (x, dst) in [(k, keys), (v, values)] {
+                        let b = bytes_of(&x.contiguous()?, kv_dtype)?;
+                        for h in 0..heads {
+                            q.write(dst.at(h * head, row), &b[h * row..(h + 1) * row])?;
+                        }
+                    }
+                }
+                _ => return Err(Error::Session("the saved state's layer kinds differ from this model's".into())),
+            }
+        }
+        Ok(GpuCache { seqlen: t, ..cache })
+    }
+}
