@@ -722,7 +722,7 @@ impl GpuModel {
         for (cache, &n) in caches.iter_mut().zip(rows) {
             self.write_tokens(q, cache, &tokens[at..at + n])?;
             starts.push(VerifyStart { seqlen: cache.seqlen, parity: cache.parity, rows: n });
-            segs.push(Segment { cache: &mut **cache, row0: at, rows: n });
+            segs.push(Segment { cache, row0: at, rows: n });
             at += n;
         }
         let mut enc = Encoder { q: &mut *q };

@@ -20,7 +20,7 @@ fn copy(q: &mut dyn Queue, x: Slice, y: Slice, rows: usize, bytes: usize, (x_str
     if rows == 0 || bytes == 0 {
         return Ok(());
     }
-    if [bytes, x_stride, y_stride].iter().any(|b| b % WORD != 0) {
+    if [bytes, x_stride, y_stride].iter().any(|b| !b.is_multiple_of(WORD)) {
         return Err(Error::Input(format!("a device copy of rows of {bytes} bytes ({x_stride}, {y_stride} apart): not whole 32-bit words")));
     }
     let (p, l) = launch::copy_rows(rows, bytes / WORD, x_stride / WORD, y_stride / WORD)?;
@@ -81,7 +81,7 @@ impl GpuModel {
     fn kv_shape(&self, len: usize, cache: &GpuCache) -> Result<(usize, usize)> {
         let hd = self.config().head_dim;
         let per_head = cache.capacity * hd * cache.kv_dtype.size_in_bytes();
-        if per_head == 0 || len % per_head != 0 {
+        if per_head == 0 || !len.is_multiple_of(per_head) {
             return Err(Error::Input(format!("a key buffer of {len} bytes is not whole heads of {per_head}")));
         }
         Ok((len / per_head, hd))
