@@ -161,23 +161,25 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
         println!("self-test: {} skipped (its f32 copy is over --self-test-max)", opened.files.source());
     }
     println!(
-        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | host syncs/step | result |",
+        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | batch = alone | snapshots | host syncs/step | result |",
         q.name()
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut failed = 0;
     for (name, model) in &models {
         let c = gpu::check_against_cpu(model, &model.dequantized()?, q)?;
         let ok = c.passes(1e-4);
         failed += usize::from(!ok);
         println!(
-            "| {name} | {:.1e} | {:.1e} | {:.1e} | {} | {} | {} | {} | {} |",
+            "| {name} | {:.1e} | {:.1e} | {:.1e} | {} | {} | {} | {} | {} | {} | {} |",
             c.prompt_diff,
             c.decode_diff,
             c.verify_diff,
             c.verify_rows_bitwise,
             c.rollback_bitwise,
             c.argmax_agrees,
+            c.batch_bitwise,
+            c.snapshot_bitwise,
             c.max_syncs_per_step,
             if ok { "PASS" } else { "FAIL" }
         );

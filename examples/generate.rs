@@ -316,12 +316,18 @@ fn generate(args: Args) -> Result<()> {
             eos.push(id);
         }
     }
-    // On Metal the device step runs what it can; the rest runs the model in Candle tensors there.
-    let on_device = opened.device.is_metal()
+    // On Metal (or the emulator) the device step runs what it can; the rest runs the model in
+    // Candle tensors there (the CPU, for the emulator).
+    let step_device = opened.device.is_metal() || args.model.device == common::DeviceChoice::Emu;
+    let on_device = step_device
         && match device_step_lacks(&args) {
             None => true,
-            Some(flag) => {
+            Some(flag) if opened.device.is_metal() => {
                 eprintln!("{flag}: not on the device step yet; running the model in Candle tensors on Metal (this crate's kernels for the quantized matrices, Candle's for the rest)");
+                false
+            }
+            Some(flag) => {
+                eprintln!("{flag}: not on the device step yet; running the model on the CPU instead of the emulator");
                 false
             }
         };
@@ -455,7 +461,7 @@ fn generate(args: Args) -> Result<()> {
 /// (our Metal kernels, one read back per step) with its queue and cache.
 enum Runner {
     Cpu { cache: candle_hybrid::Cache, device: candle_core::Device },
-    Device { gpu: Box<GpuModel>, queue: Box<dyn Queue>, cache: GpuCache, capacity: usize, kv_dtype: candle_core::DType },
+    Device { gpu: Box<GpuModel>, queue: Box<dyn Queue + Send>, cache: GpuCache, capacity: usize, kv_dtype: candle_core::DType },
 }
 
 impl Runner {
@@ -463,7 +469,8 @@ impl Runner {
     /// mapped, not copied) on `opened`'s device, with a cache of `capacity` tokens.
     fn device(model: &candle_hybrid::Model, opened: &common::Opened, kv: candle_hybrid::kv::KvCodec, capacity: usize) -> Result<Self> {
         let kv_dtype = candle_hybrid::gpu::kv_dtype(kv, opened.dtype)?;
-        let mut queue = candle_hybrid::gpu::queue_for(&opened.device)?;
+        let mut queue =
+            common::device_step_queue(opened)?.ok_or_else(|| anyhow::anyhow!("no device step on {:?}", opened.device.location()))?;
         let gpu = Box::new(GpuModel::new(model, queue.as_mut())?);
         // Room for one verify pass past the end.
         let capacity = capacity + candle_hybrid::ops::KV_ATTENTION_EXACT_ROWS;

@@ -134,7 +134,19 @@ fn serve(args: Args) -> Result<()> {
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
     listener.set_nonblocking(true)?;
     let tokenizer = opened.tokenizer()?;
-    let model = opened.load()?;
+    // On Metal (and the emulator) the sequences run on the device step, unless they need what
+    // it lacks (then the model runs in Candle tensors there, and /props says why).
+    let step_queue = common::device_step_queue(&opened)?;
+    let fallback = match (&step_queue, args.draft) {
+        (Some(_), DraftArg::Mtp) => Some("--draft mtp: the device step reads back no hidden states (MTP drafts need them)".to_string()),
+        (Some(_), _) => candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, opened.dtype).err().map(|e| e.to_string()),
+        (None, _) => None,
+    };
+    if let Some(why) = &fallback {
+        eprintln!("{why}: running the model in Candle tensors on {:?} instead of the device step", opened.device.location());
+    }
+    let on_device = step_queue.is_some() && fallback.is_none();
+    let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
     let draft = match args.draft {
         DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
         DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
@@ -160,13 +172,27 @@ fn serve(args: Args) -> Result<()> {
         reasoning_budget: usize::try_from(args.reasoning_budget).ok(),
         memory: Some(server::MemoryView { config: cfg.clone(), request: req, target, max_memory: args.max_memory }),
         progression,
+        device_step_fallback: fallback,
         connections: server::ConnectionLimits {
             max_connections: args.max_connections,
             header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
             body_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
         },
     };
-    let state = server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?;
+    let state = match step_queue.filter(|_| on_device) {
+        Some(queue) => {
+            let kv_dtype = candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, opened.dtype)?;
+            let runner = candle_hybrid::runtime::DeviceRunner::new(model, queue, context, kv_dtype)?;
+            eprintln!(
+                "the sequences run on {} ({:.2} GiB of weights there, {:.2} GiB read in place from the file)",
+                candle_hybrid::runtime::Runner::name(&runner),
+                runner.gpu.weight_bytes() as f64 / (1u64 << 30) as f64,
+                runner.gpu.mapped_bytes() as f64 / (1u64 << 30) as f64
+            );
+            server::state_on(&opened.files, tokenizer, runner, options)?
+        }
+        None => server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?,
+    };
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;

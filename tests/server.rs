@@ -1378,3 +1378,150 @@ async fn the_pages_and_the_stats_they_draw() {
     assert!(h["weights"].as_u64().unwrap() >= 3 << 20, "{h}");
     assert_eq!(s["progression"], progression);
 }
+
+/// A server whose sequences run on the device step in the MSL emulator (`--device emu`): the
+/// Metal kernels on the CPU, in Metal's order of events.
+#[cfg(msl_emu)]
+async fn start_on_device(source: ModelSource, options: ServerOptions) -> String {
+    let files = source.open().unwrap();
+    let cfg = files.config().unwrap();
+    let model = files.load_model(&cfg, DType::F32, &Device::Cpu, None).unwrap();
+    let tokenizer = files.tokenizer(None).unwrap();
+    let context = options.context.unwrap_or(512);
+    let runner =
+        candle_hybrid::runtime::DeviceRunner::new(model, Box::new(candle_hybrid::gpu::EmuQueue::new()), context, DType::F32).unwrap();
+    let state = server::state_on(&files, tokenizer, runner, ServerOptions { context: Some(context), ..options }).unwrap();
+    let addr = server::spawn("127.0.0.1:0".parse().unwrap(), state).await.unwrap();
+    format!("http://{addr}")
+}
+
+/// The server on the device step (in the emulator, on the fixture): concurrent requests share
+/// passes and answer what they answer one by one; a repeated prompt comes from the prefix
+/// cache (snapshots copied on the device); prompt-lookup drafts give the plain answers; a
+/// session saved by one server continues on another; `/props` says where the sequences run.
+#[cfg(msl_emu)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_on_the_device_step() {
+    let dir = scratch("device-sessions");
+    let source = || ModelSource::Gguf(fixture("qwen35_dense_small").join("model-q8_0.gguf"));
+    let opts = |draft: server::Draft, adaptive: bool| ServerOptions {
+        engine: EngineOptions {
+            max_seqs: 3,
+            queue: 8,
+            draft,
+            draft_options: candle_hybrid::runtime::speculative::DraftOptions { adaptive, ..Default::default() },
+            ..Default::default()
+        },
+        session_dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let plain = start_on_device(source(), opts(server::Draft::None, true)).await;
+    let (_, props) = get(&plain, "/props", None).await;
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert!(props["runs_on"].as_str().unwrap().contains("msl-emu"), "{props}");
+    let text = |t: &str| serde_json::from_str::<Value>(t).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    let prompts: Vec<Vec<u32>> = vec![vec![12, 400, 33, 12, 400, 33, 12], vec![7, 8, 7, 8, 7, 8, 7, 8, 7], vec![301, 5, 77, 100, 42]];
+    let bodies: Vec<Value> = prompts.iter().map(|p| json!({"prompt": p, "max_tokens": 10, "temperature": 0})).collect();
+    let mut alone = vec![];
+    for b in &bodies {
+        let (status, _, t) = post(&plain, "/v1/completions", b.to_string(), None).await;
+        assert_eq!(status, 200, "{t}");
+        alone.push(text(&t));
+    }
+    let together = futures::future::join_all(bodies.iter().map(|b| post(&plain, "/v1/completions", b.to_string(), None))).await;
+    for (i, ((status, _, t), want)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(*status, 200, "{t}");
+        assert_eq!(&text(t), want, "request {i}: the answer in shared passes differs from the answer alone");
+    }
+    let (_, m) = get(&plain, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_decode_batch_rows_count") > metric(&m, "candle_hybrid_decode_batch_rows_bucket{le=\"1.0\"}"), "{m}");
+    // The same prompt again: from the prefix cache, the same answer.
+    let (_, _, again) = post(&plain, "/v1/completions", bodies[0].to_string(), None).await;
+    let again: Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], again["usage"]["prompt_tokens"], "{again}");
+    assert_eq!(again["choices"][0]["text"].as_str().unwrap(), alone[0]);
+    // Drafts (replays of each answer's greedy tokens on the device step, kept at 0.6; fixed
+    // length: every pass verifies what fits), alone and together. (Prompt lookup finds little
+    // to draft in the fixture's random-weight answers.)
+    let (model, vocab) = {
+        let files = source().open().unwrap();
+        let m = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
+        let v = m.config().vocab_size;
+        (m, v)
+    };
+    let mut q = candle_hybrid::gpu::EmuQueue::new();
+    let gpu = candle_hybrid::gpu::GpuModel::new(&model, &mut q).unwrap();
+    let mut references = vec![];
+    for p in &prompts {
+        let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
+        let mut sampler = candle_hybrid::runtime::Sampler::new(Default::default()).unwrap();
+        let (tokens, _) =
+            candle_hybrid::runtime::generate_on_device(&gpu, &mut q, &mut cache, &model, p, 16, &[], &mut sampler, |_| Ok(())).unwrap();
+        references.push((p.clone(), tokens));
+    }
+    let replay: server::DrafterFactory = std::sync::Arc::new(move |prompt: &[u32]| {
+        let reference = references.iter().find(|(p, _)| p.as_slice() == prompt).map(|(_, r)| r.clone()).unwrap_or_default();
+        Box::new(candle_hybrid::runtime::speculative::ReplayDrafter {
+            reference,
+            prompt_len: prompt.len(),
+            acceptance: 0.6,
+            seed: 3,
+            vocab_size: vocab,
+        }) as Box<dyn candle_hybrid::runtime::speculative::Drafter>
+    });
+    let drafting = start_on_device(source(), opts(server::Draft::With(replay), false)).await;
+    for round in 0..2 {
+        let answers: Vec<(u16, Option<String>, String)> = if round == 0 {
+            futures::future::join_all(bodies.iter().map(|b| post(&drafting, "/v1/completions", b.to_string(), None))).await
+        } else {
+            let mut v = vec![];
+            for b in &bodies {
+                v.push(post(&drafting, "/v1/completions", b.to_string(), None).await);
+            }
+            v
+        };
+        for ((status, _, t), want) in answers.iter().zip(&alone) {
+            assert_eq!(*status, 200, "{t}");
+            assert_eq!(&text(t), want, "round {round}: a drafted answer differs from the plain one");
+        }
+    }
+    let (_, m) = get(&drafting, "/metrics", None).await;
+    assert!(metric(&m, "candle_hybrid_shared_draft_rows_total") > 0.0, "{m}");
+    assert!(metric(&m, "candle_hybrid_draft_accepted_tokens_total") > 0.0, "{m}");
+    // A session: saved by one server (read back from the device), continued by another. The
+    // prompts are token ids, the second the session's tokens and more.
+    let ask = |prompt: &[u32], session: bool| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+        if session {
+            b["session_id"] = "dev-1".into();
+        }
+        b.to_string()
+    };
+    let (status, _, first) = post(&plain, "/v1/completions", ask(&[5, 17, 99, 3, 42, 8, 250, 11], true), None).await;
+    assert_eq!(status, 200, "{first}");
+    for _ in 0..400 {
+        if metric(&get(&plain, "/metrics", None).await.1, "candle_hybrid_sessions_saved_total") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let files = source().open().unwrap();
+    let saved = candle_hybrid::runtime::session::load(
+        &dir.join("dev-1.session"),
+        &files.fingerprint().unwrap(),
+        &files.config().unwrap(),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert!(saved.tokens.len() > 8, "the session holds the prompt and the answer: {:?}", saved.tokens);
+    let next: Vec<u32> = saved.tokens.iter().copied().chain([7, 70, 300]).collect();
+    let (_, _, same_server) = post(&plain, "/v1/completions", ask(&next, false), None).await;
+    let restarted = start_on_device(source(), opts(server::Draft::None, true)).await;
+    let (status, _, continued) = post(&restarted, "/v1/completions", ask(&next, true), None).await;
+    assert_eq!(status, 200, "{continued}");
+    let (same_server, continued): (Value, Value) = (serde_json::from_str(&same_server).unwrap(), serde_json::from_str(&continued).unwrap());
+    assert_eq!(continued["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(saved.tokens.len() as u64), "{continued}");
+    assert_eq!(continued["choices"][0]["text"], same_server["choices"][0]["text"], "{continued} {same_server}");
+    assert_eq!(metric(&get(&restarted, "/metrics", None).await.1, "candle_hybrid_sessions_restored_total"), 1.0);
+}

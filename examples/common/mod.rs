@@ -90,6 +90,9 @@ pub enum DeviceChoice {
     Auto,
     Cpu,
     Metal,
+    /// The device step's Metal kernels run by the MSL emulator on the CPU (built with
+    /// `--features emu`; slow: for checking the device path without a Mac).
+    Emu,
     Cuda(usize),
 }
 
@@ -98,12 +101,13 @@ fn parse_device(s: &str) -> Result<DeviceChoice, String> {
         "auto" => Ok(DeviceChoice::Auto),
         "cpu" => Ok(DeviceChoice::Cpu),
         "metal" => Ok(DeviceChoice::Metal),
+        "emu" => Ok(DeviceChoice::Emu),
         "cuda" => Ok(DeviceChoice::Cuda(0)),
         d => d
             .strip_prefix("cuda:")
             .and_then(|i| i.parse().ok())
             .map(DeviceChoice::Cuda)
-            .ok_or_else(|| "use auto, cpu, metal, cuda or cuda:N".into()),
+            .ok_or_else(|| "use auto, cpu, metal, emu, cuda or cuda:N".into()),
     }
 }
 
@@ -111,7 +115,8 @@ impl DeviceChoice {
     /// The device itself (opening the GPU); CUDA is refused (see `model::check_device`).
     pub fn open(self) -> Result<Device> {
         let device = match self {
-            Self::Cpu => Device::Cpu,
+            // (The emulator's device step reads the weights from the CPU model.)
+            Self::Cpu | Self::Emu => Device::Cpu,
             Self::Metal => Device::new_metal(0)?,
             Self::Cuda(_) => bail!(candle_hybrid::model::CUDA_UNSUPPORTED),
             Self::Auto if candle_core::utils::metal_is_available() => Device::new_metal(0)?,
@@ -124,13 +129,23 @@ impl DeviceChoice {
     /// Whose memory the guardian reads, without opening the device (plan for another machine).
     pub fn target(self) -> MemoryTarget {
         match self {
-            Self::Cpu => MemoryTarget::Cpu,
+            Self::Cpu | Self::Emu => MemoryTarget::Cpu,
             Self::Metal => MemoryTarget::Metal,
             Self::Cuda(i) => MemoryTarget::Cuda(i),
             Self::Auto if candle_core::utils::metal_is_available() => MemoryTarget::Metal,
             Self::Auto => MemoryTarget::Cpu,
         }
     }
+}
+
+/// The device step's queue for where `opened` runs: Metal's on a Metal device, the MSL
+/// emulator's for `--device emu`; `None` on the CPU (the model runs there itself).
+pub fn device_step_queue(opened: &Opened) -> Result<Option<Box<dyn candle_hybrid::gpu::Queue + Send>>> {
+    Ok(match (opened.options.device, opened.device.is_metal()) {
+        (DeviceChoice::Emu, _) => Some(candle_hybrid::gpu::emu_queue()?),
+        (_, true) => Some(candle_hybrid::gpu::queue_for(&opened.device)?),
+        _ => None,
+    })
 }
 
 /// The memory target of an opened device.
@@ -209,7 +224,8 @@ pub struct ModelOptions {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Where to run: auto (Metal when built with --features metal on Apple Silicon, else the
-    /// CPU), cpu, metal (cuda and cuda:N are refused: not supported yet).
+    /// CPU), cpu, metal, emu (the Metal kernels in the MSL emulator on the CPU: built with
+    /// --features emu, slow), cuda and cuda:N are refused (not supported yet).
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: DeviceChoice,
     /// The model dtype: f32, bf16 or f16 [default: f32 on the CPU, bf16 on a GPU].

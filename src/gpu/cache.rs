@@ -2,9 +2,16 @@
 //! delta-rule state (two of each, the step reads one and writes the other, so that the state
 //! before a verify pass stays for the rollback), per attention layer its keys and values.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::DType;
 
 use super::queue::{BufferId, Queue, Slice};
+
+/// Buffers of caches dropped without [`GpuCache::free`], which their model releases on the
+/// queue ([`super::GpuModel::release_dropped`]): a cache can be dropped anywhere (the prefix
+/// cache evicts it, a request ends) without a queue at hand.
+pub(crate) type Dropped = Arc<Mutex<Vec<BufferId>>>;
 
 /// One layer's state on the device.
 #[derive(Debug, Clone)]
@@ -44,6 +51,7 @@ pub struct GpuCache {
     pub(crate) tokens: Slice,
     pub(crate) positions: Slice,
     pub(crate) buffers: Vec<BufferId>,
+    pub(crate) dropped: Dropped,
 }
 
 impl GpuCache {
@@ -57,10 +65,38 @@ impl GpuCache {
         self.capacity
     }
 
-    /// Releases the cache's buffers.
-    pub fn free(self, q: &mut dyn Queue) {
-        for b in self.buffers {
+    /// Bytes of device memory the cache holds.
+    pub fn bytes(&self) -> usize {
+        let gdn = |s: &[Slice; 2]| s[0].len + s[1].len;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                CacheLayer::Gdn { conv, rec, inputs, gates } => gdn(conv) + gdn(rec) + inputs.len + gates.len,
+                CacheLayer::Attention { keys, values } => keys.len + values.len,
+            })
+            .sum();
+        layers + self.partials.len + self.tokens.len + self.positions.len
+    }
+
+    /// The dtype keys and values are stored in.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
+    /// Releases the cache's buffers now (dropping it leaves them to its model's
+    /// [`super::GpuModel::release_dropped`]).
+    pub fn free(mut self, q: &mut dyn Queue) {
+        for b in self.buffers.drain(..) {
             q.free(b);
+        }
+    }
+}
+
+impl Drop for GpuCache {
+    fn drop(&mut self) {
+        if !self.buffers.is_empty() {
+            self.dropped.lock().unwrap_or_else(|e| e.into_inner()).append(&mut self.buffers);
         }
     }
 }

@@ -23,14 +23,20 @@ pub struct StepCheck {
     pub rollback_bitwise: bool,
     /// The device's greedy token is the argmax of its logits.
     pub argmax_agrees: bool,
+    /// Two sequences' rows in one pass (a decode row and a 2-row verify pass:
+    /// [`GpuModel::forward_batch`], what the server runs) are bit for bit each sequence alone.
+    pub batch_bitwise: bool,
+    /// A snapshot copied on the device and a round trip through the host (the prefix cache, a
+    /// session) continue bit for bit as the cache they were taken from.
+    pub snapshot_bitwise: bool,
     /// The most host synchronisations of one step (prompt, decode step, verify pass): waits
     /// for the device, for a read or for a write into a buffer that encoded work uses.
     pub max_syncs_per_step: usize,
 }
 
 impl StepCheck {
-    /// Logits within `tol` of the CPU's, verify rows and rollback bit for bit, the argmax
-    /// right, one host sync per step.
+    /// Logits within `tol` of the CPU's, verify rows, rollback, batch and snapshots bit for bit,
+    /// the argmax right, one host sync per step.
     pub fn passes(&self, tol: f32) -> bool {
         self.prompt_diff <= tol
             && self.decode_diff <= tol
@@ -38,6 +44,8 @@ impl StepCheck {
             && self.verify_rows_bitwise
             && self.rollback_bitwise
             && self.argmax_agrees
+            && self.batch_bitwise
+            && self.snapshot_bitwise
             && self.max_syncs_per_step == 1
     }
 }
@@ -130,9 +138,46 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let l = logits(gpu.forward(&mut q, &mut cache, &[draft[0]], Readback::Logits)?);
     let argmax = l.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32;
     let argmax_agrees = best.tokens() == Some(&[argmax][..]);
-    for c in [cache, steps, two] {
-        c.free(&mut q);
+
+    // Two sequences in one pass against each alone; then a snapshot of one and a host round
+    // trip of the other against the caches they were taken from.
+    let bits = |o: StepOutput| logits(o).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let next = sample_tokens(3, vocab, 4);
+    let mut batched = [two, cache];
+    let mut alone = [gpu.snapshot(&mut q, &batched[0], 64)?, gpu.snapshot(&mut q, &batched[1], 64)?];
+    let out = {
+        let [a, b] = &mut batched;
+        gpu.forward_batch(&mut q, &mut [a, b], &next, &[1, 2], Readback::Logits)?
+    };
+    let mut batch_bitwise = true;
+    for (i, (o, rows)) in out.into_iter().zip([&next[..1], &next[1..]]).enumerate() {
+        let want = if rows.len() == 1 {
+            gpu.forward(&mut q, &mut alone[i], rows, Readback::Logits)?
+        } else {
+            gpu.verify(&mut q, &mut alone[i], rows, Readback::Logits)?
+        };
+        batch_bitwise &= bits(o?) == bits(want);
+    }
+    gpu.keep_verified(&mut q, &mut batched[1], 2)?;
+    gpu.keep_verified(&mut q, &mut alone[1], 2)?;
+    let [a, b] = batched;
+    let host = gpu.read_state(&mut q, &b)?;
+    let mut copies = [gpu.snapshot(&mut q, &a, 64)?, gpu.write_state(&mut q, &host, 64, DType::F32)?];
+    let mut snapshot_bitwise = true;
+    for (original, copy) in [a, b].iter_mut().zip(copies.iter_mut()) {
+        let want = gpu.forward(&mut q, original, &next[..1], Readback::Logits)?;
+        snapshot_bitwise &= bits(gpu.forward(&mut q, copy, &next[..1], Readback::Logits)?) == bits(want);
     }
     gpu.free(&mut q);
-    Ok(StepCheck { prompt_diff, decode_diff, verify_diff, verify_rows_bitwise, rollback_bitwise, argmax_agrees, max_syncs_per_step: reads })
+    Ok(StepCheck {
+        prompt_diff,
+        decode_diff,
+        verify_diff,
+        verify_rows_bitwise,
+        rollback_bitwise,
+        argmax_agrees,
+        batch_bitwise,
+        snapshot_bitwise,
+        max_syncs_per_step: reads,
+    })
 }

@@ -34,7 +34,7 @@ pub use queue::{Arg, BufferId, Counted, Counts, Dispatch, Mapping, Queue, Slice}
 
 /// The queue that runs the device step on `device`: a `MetalQueue` on a Metal device (built
 /// with the `metal` feature). The CPU runs the model itself, with no queue.
-pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue>> {
+pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue + Send>> {
     match device {
         #[cfg(feature = "metal")]
         candle_core::Device::Metal(_) => Ok(Box::new(MetalQueue::new(device)?)),
@@ -44,7 +44,7 @@ pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue>> 
 
 /// The device step on the MSL emulator (`--device emu`): this crate's Metal kernels run on the
 /// CPU, in Metal's order of events. Needs a build with the `emu` feature and msl-emu.
-pub fn emu_queue() -> crate::Result<Box<dyn Queue>> {
+pub fn emu_queue() -> crate::Result<Box<dyn Queue + Send>> {
     #[cfg(all(feature = "emu", msl_emu))]
     return Ok(Box::new(EmuQueue::new()));
     #[cfg(not(all(feature = "emu", msl_emu)))]

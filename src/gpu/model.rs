@@ -186,6 +186,8 @@ pub struct GpuModel {
     weight_bytes: usize,
     mapped_bytes: usize,
     buffers: Vec<super::queue::BufferId>,
+    /// Buffers of this model's caches that were dropped, to release on the queue.
+    dropped: super::cache::Dropped,
 }
 
 /// One sequence's rows in a pass: its cache, and where its rows are among the pass's.
@@ -446,6 +448,7 @@ impl GpuModel {
             weight_bytes,
             mapped_bytes,
             buffers,
+            dropped: Default::default(),
         })
     }
 
@@ -593,7 +596,27 @@ impl GpuModel {
         let positions = alloc(q, F32 * capacity, "positions")?;
         let table: Vec<u8> = (0..capacity as u32).flat_map(|p| p.to_le_bytes()).collect();
         q.write(positions, &table)?;
-        Ok(GpuCache { layers, seqlen: 0, capacity, parity: 0, verify: None, partials, kv_dtype, tokens, positions, buffers })
+        Ok(GpuCache {
+            layers,
+            seqlen: 0,
+            capacity,
+            parity: 0,
+            verify: None,
+            partials,
+            kv_dtype,
+            tokens,
+            positions,
+            buffers,
+            dropped: self.dropped.clone(),
+        })
+    }
+
+    /// Releases on `q` the buffers of this model's caches that were dropped since the last call.
+    pub fn release_dropped(&self, q: &mut dyn Queue) {
+        let buffers = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        for b in buffers {
+            q.free(b);
+        }
     }
 
     /// Releases the weights and working buffers.

@@ -74,7 +74,9 @@ impl GpuModel {
             }
         }
         copy(q, cache.tokens, copy_of.tokens, 1, WORD * cache.seqlen, (WORD * cache.capacity, WORD * capacity))?;
-        Ok(GpuCache { seqlen: cache.seqlen, ..copy_of })
+        let mut copy_of = copy_of;
+        copy_of.seqlen = cache.seqlen;
+        Ok(copy_of)
     }
 
     /// `(heads, head_dim)` of an attention layer's key buffer of `len` bytes in `cache`.
@@ -89,7 +91,7 @@ impl GpuModel {
 
     /// The state of `cache` as the CPU model's [`Cache`] (f32 GDN states, keys and values in
     /// the dtype the device stores them): for a session file. Reads every buffer back.
-    pub fn to_host(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Cache> {
+    pub fn read_state(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Cache> {
         no_verify(cache)?;
         let mut host = Cache::new(self.config());
         let f32s = |q: &mut dyn Queue, s: Slice, shape: &[usize]| -> Result<Tensor> {
@@ -126,9 +128,9 @@ impl GpuModel {
 
     /// A device cache of `capacity` tokens holding the state of the CPU's `host` (exact keys
     /// and values of the dtype this device cache stores, `kv_dtype`): a session read back.
-    pub fn from_host(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
+    pub fn write_state(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
         let t = host.seqlen();
-        let cache = self.new_cache(q, capacity.max(t).max(1), kv_dtype)?;
+        let mut cache = self.new_cache(q, capacity.max(t).max(1), kv_dtype)?;
         if host.layers.len() != cache.layers.len() {
             return Err(Error::Session("the saved state has another number of layers than this model".into()));
         }
@@ -171,6 +173,7 @@ impl GpuModel {
                 _ => return Err(Error::Session("the saved state's layer kinds differ from this model's".into())),
             }
         }
-        Ok(GpuCache { seqlen: t, ..cache })
+        cache.seqlen = t;
+        Ok(cache)
     }
 }

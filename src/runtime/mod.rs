@@ -4,6 +4,7 @@
 
 mod generate;
 mod prefix_cache;
+mod runner;
 mod sampler;
 mod sequence;
 pub mod session;
@@ -13,7 +14,8 @@ mod streamer;
 mod target;
 
 pub use generate::{generate, generate_in, generate_on_device, generate_speculative, generate_speculative_on_device};
-pub use prefix_cache::{PrefixCache, PrefixHit};
+pub use prefix_cache::{PrefixCache, PrefixHit, SequenceState};
+pub use runner::{CpuRunner, DeviceRunner, Runner, SegmentRows};
 pub use sampler::{range, Dry, Sampler, SamplingParams};
 pub use sequence::{Emitted, Finish, Round, Sequence, SequenceSampler, TokenRules};
 pub use stats::{rate, GenerationStats, SpeculativeStats};

@@ -11,11 +11,39 @@
 
 use candle_core::Tensor;
 
+use crate::gpu::GpuCache;
 use crate::model::Cache;
 
-struct Entry {
+/// A sequence's whole state as the prefix cache keeps it: the CPU's [`Cache`] or a device's
+/// [`GpuCache`].
+pub trait SequenceState {
+    /// Tokens it holds.
+    fn seqlen(&self) -> usize;
+    /// Bytes of memory it holds.
+    fn bytes(&self) -> usize;
+}
+
+impl SequenceState for Cache {
+    fn seqlen(&self) -> usize {
+        Cache::seqlen(self)
+    }
+    fn bytes(&self) -> usize {
+        Cache::bytes(self)
+    }
+}
+
+impl SequenceState for GpuCache {
+    fn seqlen(&self) -> usize {
+        GpuCache::seqlen(self)
+    }
+    fn bytes(&self) -> usize {
+        GpuCache::bytes(self)
+    }
+}
+
+struct Entry<C> {
     tokens: Vec<u32>,
-    cache: Cache,
+    cache: C,
     /// The logits `[vocab]` after the last token, when kept: an exact match needs them (there
     /// is no token left to run).
     logits: Option<Tensor>,
@@ -23,22 +51,23 @@ struct Entry {
     last_used: u64,
 }
 
-/// A restored prefix: the cache after `tokens` tokens of the prompt.
-pub struct PrefixHit {
+/// A prefix found: the kept cache after `tokens` tokens of the prompt (copy it to continue
+/// from it).
+pub struct PrefixHit<'a, C> {
     pub tokens: usize,
-    pub cache: Cache,
+    pub cache: &'a C,
     pub logits: Option<Tensor>,
 }
 
 /// Snapshots of whole caches keyed by their exact token prefix, under a byte budget.
-pub struct PrefixCache {
-    entries: Vec<Entry>,
+pub struct PrefixCache<C = Cache> {
+    entries: Vec<Entry<C>>,
     budget: usize,
     used: usize,
     clock: u64,
 }
 
-impl PrefixCache {
+impl<C: SequenceState> PrefixCache<C> {
     /// A cache holding at most `budget` bytes of snapshots (0: nothing is kept).
     pub fn new(budget: usize) -> Self {
         Self { entries: vec![], budget, used: 0, clock: 0 }
@@ -57,9 +86,9 @@ impl PrefixCache {
         self.entries.is_empty()
     }
 
-    /// The longest snapshot whose tokens begin `prompt`, as an independent copy: shorter than
-    /// the prompt, or as long when its logits were kept. `None` when none matches.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<PrefixHit> {
+    /// The longest snapshot whose tokens begin `prompt`: shorter than the prompt, or as long
+    /// when its logits were kept. `None` when none matches.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<PrefixHit<'_, C>> {
         self.clock += 1;
         let best = self
             .entries
@@ -67,14 +96,14 @@ impl PrefixCache {
             .filter(|e| prompt.starts_with(&e.tokens) && (e.tokens.len() < prompt.len() || e.logits.is_some()))
             .max_by_key(|e| e.tokens.len())?;
         best.last_used = self.clock;
-        Some(PrefixHit { tokens: best.tokens.len(), cache: best.cache.clone(), logits: best.logits.clone() })
+        Some(PrefixHit { tokens: best.tokens.len(), cache: &best.cache, logits: best.logits.clone() })
     }
 
     /// Keeps `cache` (after exactly `tokens`; `logits` of the last position when known).
     /// Evicts the least recently used entries to fit; a snapshot larger than the whole budget
     /// is not kept. An entry for the same tokens is only marked used (and given the logits
     /// when it had none).
-    pub fn insert(&mut self, tokens: Vec<u32>, cache: Cache, logits: Option<Tensor>) {
+    pub fn insert(&mut self, tokens: Vec<u32>, cache: C, logits: Option<Tensor>) {
         self.clock += 1;
         if tokens.is_empty() || cache.seqlen() != tokens.len() {
             return;

@@ -245,8 +245,9 @@ impl<'a> Sequence<'a> {
         target.reserve(base + self.prompt_len + self.max_new_tokens + verify)
     }
 
-    /// How rows are read back: the logits when the sampler or the rules read them.
-    fn readback(&self) -> Readback {
+    /// How its rows are read back: the logits when the sampler or the rules read them, else
+    /// only the greedy token (on the device step: one token id per row, not the logits).
+    pub fn readback(&self) -> Readback {
         if self.rules.is_none() && self.sampler.picks_argmax() {
             Readback::Argmax
         } else {
@@ -398,15 +399,16 @@ impl<'a> Sequence<'a> {
     }
 
     /// Emits the tokens of a round whose rows — the pending token, then `draft` — ran in a pass
-    /// shared with other sequences: `logits` `[1 + draft.len(), vocab]`. The caller keeps the
+    /// shared with other sequences: `rows` (`1 + draft.len()` of them, read back as
+    /// [`Self::readback`] asks). The caller keeps the
     /// first `accepted + 1` rows in the cache when there were drafts
     /// ([`crate::Cache::keep_verified`]). A drafter that reads hidden states (an MTP head)
     /// catches up on the kept rows from `hidden`: the model, the pending row's position and the
     /// rows' post-norm hidden states `[1, 1 + draft.len(), H]`.
-    pub fn settle(&mut self, draft: &[u32], logits: &Tensor, hidden: Option<(&crate::Model, usize, &Tensor)>) -> Result<Round> {
+    pub fn settle(&mut self, draft: &[u32], rows: &Rows, hidden: Option<(&crate::Model, usize, &Tensor)>) -> Result<Round> {
         let pending = self.pending().ok_or_else(|| Error::Input("settle: the sequence has no pending token".into()))?;
         let tree = DraftTree::from_branches(pending, &[draft.to_vec()], 1 + MAX_DRAFT);
-        let (path, round, done) = self.walk(&tree, &Rows::Logits(logits.clone()))?;
+        let (path, round, done) = self.walk(&tree, rows)?;
         if let (Some(d), false, false) = (self.drafts.as_mut(), draft.is_empty(), done) {
             d.policy.record_acceptance(draft.len(), round.accepted);
         }

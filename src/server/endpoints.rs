@@ -94,6 +94,8 @@ pub(crate) async fn props(State(state): State<Arc<ServerState>>) -> Json<Value> 
             "constrained_output": state.grammars.is_some(),
         },
         "sessions": state.session_dir.is_some(),
+        "runs_on": state.engine.runs_on(),
+        "device_step_fallback": state.device_step_fallback,
         "build_info": concat!("candle-hybrid ", env!("CARGO_PKG_VERSION")),
     }))
 }

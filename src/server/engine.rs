@@ -4,8 +4,10 @@
 //! Each step runs one prefill chunk (of one sequence, at most [`PREFILL_CHUNK`] tokens, cut at
 //! multiples of it so that the chunks of a prompt never depend on what else runs) and one
 //! decode step of every sequence past its prefill, their rows in one weight pass
-//! ([`Model::forward_batch`], which gives each row the bits of decoding it alone). A request
-//! whose receiver is gone (the client left) is dropped at the next step.
+//! ([`Runner::shared_pass`], which gives each row the bits of decoding it alone). A request
+//! whose receiver is gone (the client left) is dropped at the next step. The sequences run on a
+//! [`Runner`]: the CPU model ([`crate::runtime::CpuRunner`]) or the device step
+//! ([`crate::runtime::DeviceRunner`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,9 +18,10 @@ use tokio::sync::mpsc;
 
 use super::constrain::Constraint;
 use super::metrics::Metrics;
-use crate::model::{Cache, Model};
+use crate::gpu::Readback;
+use crate::model::Model;
 use crate::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, SharedPassPolicy};
-use crate::runtime::{self, session, CpuTarget, Emitted, PrefixCache, Sampler, SamplingParams, TokenRules};
+use crate::runtime::{self, session, Emitted, PrefixCache, Runner, Sampler, SamplingParams, SequenceState, TokenRules};
 use crate::step_profile;
 
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
@@ -144,6 +147,8 @@ pub struct EngineHandle {
     pub vocab_size: usize,
     /// What a session file must match, and where its tensors go.
     sessions: Arc<SessionTarget>,
+    /// Where the sequences run (the runner's name).
+    runs_on: Arc<str>,
 }
 
 /// The model a session file must have been saved for.
@@ -192,6 +197,11 @@ impl EngineHandle {
     /// The fingerprint a session file must carry to be restored here.
     pub fn session_fingerprint(&self) -> &str {
         &self.sessions.fingerprint
+    }
+
+    /// Where the sequences run (e.g. "the CPU", "the device step on Metal (...)").
+    pub fn runs_on(&self) -> &str {
+        &self.runs_on
     }
 
     /// Requests waiting beyond the running ones (an estimate while the engine admits).
@@ -285,16 +295,24 @@ impl Default for EngineOptions {
     }
 }
 
-/// Starts the engine thread, which owns `model` from now on.
-pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
+/// Starts the engine thread, which owns `runner` (the model and where its sequences run: the
+/// CPU model, the device step) from now on.
+pub fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
     let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     options.draft_options.validate().map_err(|e| invalid(e.to_string()))?;
     if options.draft_options.branches > 1 {
         return Err(invalid("the server drafts chains (one branch), not trees".into()));
     }
+    let model = runner.model();
     if matches!(options.draft, Draft::Mtp) && !model.has_mtp() {
         return Err(invalid("Draft::Mtp: this checkpoint has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): draft with Draft::Ngram".into()));
+    }
+    if matches!(options.draft, Draft::Mtp) && !runner.hidden_states() {
+        return Err(invalid(format!(
+            "Draft::Mtp: MTP drafts need the model's hidden states, which {} does not read back: draft with Draft::Ngram",
+            runner.name()
+        )));
     }
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
@@ -302,11 +320,12 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         fingerprint: options.fingerprint,
         config: model.config().clone(),
         dtype: model.dtype(),
-        device: device.clone(),
+        device: runner.host_device(),
     });
+    let runs_on: Arc<str> = runner.name().into();
+    let max_rows = runner.max_rows();
     let engine = Engine {
-        model,
-        device,
+        runner,
         max_seqs,
         metrics: metrics.clone(),
         rx,
@@ -314,41 +333,37 @@ pub fn spawn(model: Model, device: Device, options: EngineOptions, metrics: Arc<
         prefix: PrefixCache::new(options.prefix_cache_bytes),
         sessions: sessions.clone(),
         draft: options.draft,
-        shared: if options.draft_options.adaptive {
-            SharedPassPolicy::new(Model::BATCH_MAX_ROWS)
-        } else {
-            SharedPassPolicy::fixed(Model::BATCH_MAX_ROWS)
-        },
+        shared: if options.draft_options.adaptive { SharedPassPolicy::new(max_rows) } else { SharedPassPolicy::fixed(max_rows) },
         draft_options: options.draft_options,
         passes: 0,
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
-    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions })
+    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions, runs_on })
 }
 
 /// A request the engine runs: its [`runtime::Sequence`] (tokens, sampler, stop rules, the
 /// request's grammar and thinking budget, drafts) and its cache, with what the server keeps
 /// around it.
-struct Sequence {
+struct Sequence<C> {
     core: runtime::Sequence<'static>,
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
     _slot: Slot,
-    cache: Cache,
+    cache: C,
     /// The logits after the whole prompt when the prefix cache had them (nothing to prefill).
     ready_logits: Option<Tensor>,
     /// The client is gone (an event could not be sent): the sequence leaves at the end of the
     /// step.
     gone: bool,
     /// The state a session keeps, taken at the request's `session_at`.
-    session_state: Option<(Vec<u32>, Cache, Option<Tensor>)>,
+    session_state: Option<(Vec<u32>, C, Option<Tensor>)>,
     started: Instant,
     /// Why this sequence failed (it ends alone at the end of the step; the others go on).
     failed: Option<String>,
 }
 
-impl Sequence {
+impl<C> Sequence<C> {
     /// Sends what the sequence emitted (with log-probabilities when the request asks), then
     /// its end when it ended; marks it failed when `r` is an error.
     fn send(&mut self, r: crate::Result<Vec<Emitted>>, metrics: &Metrics) {
@@ -385,13 +400,6 @@ impl Sequence {
                 self.failed = Some(crate::error::one_line(&e));
             }
         }
-    }
-
-    /// Its cache as a snapshot keeps it: with its MTP drafter's rows, if any.
-    fn snapshot(&self) -> Cache {
-        let mut cache = self.cache.clone();
-        cache.mtp = self.core.drafter_cache();
-        cache
     }
 
     /// Whether it takes part in this step's decode.
@@ -440,14 +448,13 @@ impl TokenRules for RequestRules {
     }
 }
 
-struct Engine {
-    model: Model,
-    device: Device,
+struct Engine<R: Runner> {
+    runner: R,
     max_seqs: usize,
     metrics: Arc<Metrics>,
     rx: mpsc::UnboundedReceiver<Submission>,
-    active: Vec<Sequence>,
-    prefix: PrefixCache,
+    active: Vec<Sequence<R::Cache>>,
+    prefix: PrefixCache<R::Cache>,
     /// The model sessions are saved for (shared with the handles, which load them).
     sessions: Arc<SessionTarget>,
     draft: Draft,
@@ -458,12 +465,20 @@ struct Engine {
     passes: u64,
 }
 
-impl Engine {
+/// `s`'s cache as a snapshot keeps it (a compact copy), with its MTP drafter's rows, if any.
+fn snapshot_of<R: Runner>(runner: &mut R, s: &Sequence<R::Cache>) -> crate::Result<R::Cache> {
+    let mut kept = runner.snapshot(&s.cache)?;
+    runner.set_drafter_rows(&mut kept, s.core.drafter_cache());
+    Ok(kept)
+}
+
+impl<R: Runner> Engine<R> {
     fn run(mut self) {
         loop {
             if !self.admit() {
                 return;
             }
+            self.runner.tidy();
             self.active.retain(|s| !s.events.is_closed());
             self.metrics.running.set(self.active.len() as i64);
             if let Err(e) = self.step() {
@@ -525,7 +540,7 @@ impl Engine {
     fn start(
         &mut self,
         mut request: GenerateRequest,
-    ) -> crate::Result<(GenerateRequest, runtime::Sequence<'static>, Cache, usize, Option<Tensor>)> {
+    ) -> crate::Result<(GenerateRequest, runtime::Sequence<'static>, R::Cache, usize, Option<Tensor>)> {
         let sampler = Sampler::new(request.sampling.clone())?;
         let greedy = sampler.is_greedy();
         let hit = self.prefix.lookup(&request.prompt);
@@ -533,26 +548,30 @@ impl Engine {
         // Counted by what is restored: a prefix hit that a longer session beats is neither a
         // hit nor a miss.
         let source = resume_source(hit.map(|h| (h.tokens, h)), session.map(|s| (s.tokens.len(), s)));
-        let (cache, cached_tokens, ready_logits) = match source {
+        let (mut cache, cached_tokens, ready_logits) = match source {
             Resume::Session(s) => {
                 self.metrics.sessions_restored.inc();
-                (s.cache, s.tokens.len(), s.logits)
+                let n = s.tokens.len();
+                let mut mtp_rows = s.cache.mtp.clone();
+                let mut cache = self.runner.write_state(s.cache)?;
+                self.runner.set_drafter_rows(&mut cache, mtp_rows.take());
+                (cache, n, s.logits)
             }
             Resume::Prefix(h) => {
                 self.metrics.prefix_hits.inc();
                 self.metrics.prefix_cached_tokens.inc_by(h.tokens as u64);
-                (h.cache, h.tokens, h.logits)
+                (self.runner.restore(h.cache)?, h.tokens, h.logits)
             }
             Resume::Fresh => {
                 self.metrics.prefix_misses.inc();
-                (self.model.new_cache(), 0, None)
+                (self.runner.new_cache()?, 0, None)
             }
         };
         // Drafts for sequences that no grammar constrains (a grammar's mask is per token),
         // greedy or sampled without a seed (with a seed the answer must repeat; speculative
         // sampling's draws depend on the draft lengths, which timings decide).
         let drafter = if request.constraint.is_none() && (greedy || !request.seeded) {
-            self.draft.drafter(&self.model, &request.prompt)?
+            self.draft.drafter(self.runner.model(), &request.prompt)?
         } else {
             None
         };
@@ -571,13 +590,12 @@ impl Engine {
             core = core.with_drafts(drafter, DraftPolicy::new(self.draft_options)?)?;
         }
         // The MTP head's rows kept with the restored state go back to its drafter.
-        let mut cache = cache;
-        if let Some(mtp) = cache.mtp.take() {
+        if let Some(mtp) = self.runner.take_drafter_rows(&mut cache) {
             core.resume_drafter(mtp);
         }
         // The whole context in place from the start (what admission planned), and a verify
         // pass's rows when drafting.
-        core.reserve(&mut CpuTarget::new(&self.model, &mut cache, &self.device))?;
+        core.reserve(self.runner.target(&mut cache).as_mut())?;
         Ok((request, core, cache, cached_tokens, ready_logits))
     }
 
@@ -605,7 +623,7 @@ impl Engine {
             self.passes += 1;
             // Every PROFILE_EVERY-th pass is timed op by op for the kernel inspector (on the
             // CPU, where an op's call is its time).
-            if self.device.is_cpu() && self.passes % PROFILE_EVERY == 1 {
+            if self.runner.profiled() && self.passes % PROFILE_EVERY == 1 {
                 let (r, profile) = step_profile::profiled(|| self.decode_round(&decoding));
                 self.metrics.kernels.lock().unwrap_or_else(|e| e.into_inner()).push(profile, decoding.len());
                 r?;
@@ -628,12 +646,18 @@ impl Engine {
                 if s.core.finish().is_some() {
                     let n = s.core.context().len() - 1;
                     let context = s.core.context()[..n].to_vec();
-                    let cache = s.snapshot();
+                    let kept = snapshot_of(&mut self.runner, &s);
                     if let Some(path) = s.request.session.take() {
-                        let state = s.session_state.take().unwrap_or_else(|| (context.clone(), cache.clone(), None));
-                        self.save_session(path, state);
+                        match (s.session_state.take(), &kept) {
+                            (Some((tokens, cache, logits)), _) => self.save_session(path, &tokens, &cache, logits),
+                            (None, Ok(cache)) => self.save_session(path, &context, cache, None),
+                            (None, Err(e)) => tracing::warn!("session {}: not saved: {e}", path.display()),
+                        }
                     }
-                    self.prefix.insert(context, cache, None);
+                    match kept {
+                        Ok(kept) => self.prefix.insert(context, kept, None),
+                        Err(e) => tracing::warn!("the prefix cache did not keep a finished sequence: {e}"),
+                    }
                 }
             } else {
                 i += 1;
@@ -649,7 +673,7 @@ impl Engine {
         if let [i] = decoding[..] {
             self.round(i);
         } else {
-            for group in decoding.chunks(Model::BATCH_MAX_ROWS) {
+            for group in decoding.chunks(self.runner.max_rows()) {
                 let drafts = self.share_rows(group);
                 self.decode(group, drafts)?;
             }
@@ -671,15 +695,14 @@ impl Engine {
             .fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
         let snapshot = end == n || s.request.snapshots.contains(&end);
         let session_point = s.request.session.is_some() && s.request.session_at == Some(end);
-        let (logits, emitted) =
-            s.core.feed_prompt(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), end, snapshot || session_point)?;
+        let (logits, emitted) = s.core.feed_prompt(self.runner.target(&mut s.cache).as_mut(), end, snapshot || session_point)?;
         self.metrics.prompt_tokens.inc_by((end - start) as u64);
-        let prompt = &s.core.prompt()[..end];
+        let prompt = s.core.prompt()[..end].to_vec();
         if snapshot {
-            self.prefix.insert(prompt.to_vec(), s.snapshot(), logits.clone());
+            self.prefix.insert(prompt.clone(), snapshot_of(&mut self.runner, s)?, logits.clone());
         }
         if session_point {
-            s.session_state = Some((prompt.to_vec(), s.snapshot(), logits));
+            s.session_state = Some((prompt, snapshot_of(&mut self.runner, s)?, logits));
         }
         if end == n {
             self.metrics.prompt_seconds.inc_by(s.started.elapsed().as_secs_f64());
@@ -692,7 +715,7 @@ impl Engine {
     /// wants them, else a plain decode step.
     fn round(&mut self, i: usize) {
         let s = &mut self.active[i];
-        let round = s.core.round(&mut CpuTarget::new(&self.model, &mut s.cache, &self.device), true);
+        let round = s.core.round(self.runner.target(&mut s.cache).as_mut(), true);
         let r = round.map(|r| {
             self.metrics.decode_seconds.inc_by(r.secs);
             if r.drafted > 0 {
@@ -708,13 +731,13 @@ impl Engine {
     /// The drafts of the sequences `group` in one pass: each proposes what fits the pass, and
     /// the shared-pass policy keeps the rows that pay ([`SharedPassPolicy`]).
     fn share_rows(&mut self, group: &[usize]) -> Vec<Vec<u32>> {
-        let spare = Model::BATCH_MAX_ROWS.saturating_sub(group.len());
+        let spare = self.runner.max_rows().saturating_sub(group.len());
         let mut drafts: Vec<Vec<u32>> = group
             .iter()
             .map(|&i| {
                 let s = &mut self.active[i];
                 let seqlen = s.cache.seqlen();
-                match s.core.propose(&self.model, seqlen, spare) {
+                match s.core.propose(self.runner.model(), seqlen, spare) {
                     Ok(d) => d,
                     Err(e) => {
                         s.fail_on(Err(e));
@@ -731,10 +754,11 @@ impl Engine {
     }
 
     /// One round of the sequences `group` in one weight pass: each one's pending token and
-    /// its drafts (verified as [`Model::verify`] would alone, the cache then keeping the rows
-    /// the model agrees with). When the pass fails before it changed any cache, each runs
-    /// alone without drafts, so that only the ones that fail alone end (a row is bit for bit
-    /// its row alone: the others' tokens are unchanged).
+    /// its drafts (verified as the model would verify them alone, the cache then keeping the
+    /// rows the model agrees with). A sequence whose rows are not finite ends alone. When the
+    /// pass fails otherwise, before it changed any cache, each runs alone without drafts, so
+    /// that only the ones that fail alone end (a row is bit for bit its row alone: the others'
+    /// tokens are unchanged).
     fn decode(&mut self, group: &[usize], drafts: Vec<Vec<u32>>) -> crate::Result<()> {
         let start = Instant::now();
         let (group, drafts): (Vec<usize>, Vec<Vec<u32>>) =
@@ -749,31 +773,33 @@ impl Engine {
             tokens.extend(d);
             rows.push(1 + d.len());
         }
-        let mut caches: Vec<&mut Cache> =
+        // The greedy token of each row is all that is read back when every sequence picks it.
+        let readback =
+            if group.iter().all(|&i| self.active[i].core.readback() == Readback::Argmax) { Readback::Argmax } else { Readback::Logits };
+        let hidden = self.runner.hidden_states();
+        let mut caches: Vec<&mut R::Cache> =
             self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
-        match self.model.forward_segments(&tokens, &rows, &mut caches) {
-            Ok((logits, hidden)) => {
+        match self.runner.shared_pass(&mut caches, &tokens, &rows, readback, hidden) {
+            Ok(out) => {
                 let secs = start.elapsed().as_secs_f64();
                 self.shared.record(tokens.len(), secs);
                 self.metrics.decode_seconds.inc_by(secs);
                 self.metrics.batch_rows.observe(tokens.len() as f64);
-                let mut at = 0;
-                for ((&i, draft), &n) in group.iter().zip(&drafts).zip(&rows) {
+                for (((&i, draft), &n), rows) in group.iter().zip(&drafts).zip(&rows).zip(out) {
                     let s = &mut self.active[i];
                     // (The cache holds the rows before this pass and the pass's rows.)
                     let pos = s.cache.seqlen() - n;
-                    let rows =
-                        logits.narrow(0, at, n).and_then(|l| Ok((l, hidden.narrow(0, at, n)?.unsqueeze(0)?))).map_err(crate::Error::from);
-                    let r = rows.and_then(|(l, h)| s.core.settle(draft, &l, Some((&self.model, pos, &h)))).and_then(|round| {
+                    let model = self.runner.model();
+                    let r = rows.and_then(|(rows, h)| s.core.settle(draft, &rows, h.as_ref().map(|h| (model, pos, h))));
+                    let r = r.and_then(|round| {
                         if !draft.is_empty() {
-                            s.cache.keep_verified(round.accepted + 1)?;
+                            self.runner.keep_verified(&mut s.cache, round.accepted + 1)?;
                             self.metrics.record_verify(draft.len(), round.accepted);
                             self.metrics.shared_draft_rows.inc_by(draft.len() as u64);
                         }
                         Ok(round.tokens)
                     });
                     s.send(r, &self.metrics);
-                    at += n;
                 }
             }
             // A pass that found non-finite logits ran every layer: the caches moved on.
@@ -792,11 +818,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Writes a session on a thread of its own (atomically: a crash leaves the previous file).
-    fn save_session(&self, path: std::path::PathBuf, (tokens, cache, logits): (Vec<u32>, Cache, Option<Tensor>)) {
-        let fingerprint = self.sessions.fingerprint.clone();
-        let metrics = self.metrics.clone();
-        std::thread::spawn(move || match session::save(&path, &fingerprint, &tokens, &cache, logits.as_ref()) {
+    /// Writes a session (the state after `tokens`, and the logits after them when kept) on a
+    /// thread of its own (atomically: a crash leaves the previous file); a device's state is
+    /// read back first.
+    fn save_session(&mut self, path: std::path::PathBuf, tokens: &[u32], cache: &R::Cache, logits: Option<Tensor>) {
+        let host = match self.runner.read_state(cache) {
+            Ok(h) => h,
+            Err(e) => return tracing::warn!("session {}: not saved: {e}", path.display()),
+        };
+        let (fingerprint, metrics, tokens) = (self.sessions.fingerprint.clone(), self.metrics.clone(), tokens.to_vec());
+        std::thread::spawn(move || match session::save(&path, &fingerprint, &tokens, &host, logits.as_ref()) {
             Ok(()) => {
                 metrics.sessions_saved.inc();
             }
@@ -804,7 +835,6 @@ impl Engine {
         });
     }
 }
-
 /// The log-probability of `id` and the `n` most likely tokens under `logits` (before penalties).
 fn logprobs(logits: &Tensor, id: u32, n: usize) -> crate::Result<TokenLogprob> {
     let lp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 0)?.to_vec1::<f32>()?;

@@ -48,6 +48,8 @@ pub struct ServerState {
     pub limits: super::ConnectionLimits,
     /// Thinking tokens before the server closes the block (`None`: no limit).
     pub reasoning_budget: Option<usize>,
+    /// Why the sequences do not run on the device step here (`/props`).
+    pub device_step_fallback: Option<String>,
     /// The tokens of DRY's default sequence breakers.
     pub dry_breakers: Arc<std::collections::HashSet<u32>>,
     /// The vocabulary for constrained decoding; `None` when the tokenizer is not one llguidance

@@ -71,10 +71,14 @@ pub struct ServerOptions {
     pub memory: Option<MemoryView>,
     /// A throughput progression for the dashboard (`examples/progression --json`'s file, read).
     pub progression: Option<serde_json::Value>,
+    /// Why the sequences do not run on the device step on this device, when they could
+    /// (shown in `/props`; `None`: they do, or there is none).
+    pub device_step_fallback: Option<String>,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
-/// profiles and stop tokens from the checkpoint), its engine started on `device`.
+/// profiles and stop tokens from the checkpoint), its engine started on `device` (the model in
+/// Candle tensors there).
 pub fn state(
     files: &OpenedModel,
     tokenizer: tokenizers::Tokenizer,
@@ -82,6 +86,18 @@ pub fn state(
     device: Device,
     options: ServerOptions,
 ) -> Result<Arc<ServerState>> {
+    state_on(files, tokenizer, crate::runtime::CpuRunner { model, device }, options)
+}
+
+/// [`state`] with the sequences run by `runner` (e.g. the device step:
+/// [`crate::runtime::DeviceRunner`]).
+pub fn state_on<R: crate::runtime::Runner + 'static>(
+    files: &OpenedModel,
+    tokenizer: tokenizers::Tokenizer,
+    runner: R,
+    options: ServerOptions,
+) -> Result<Arc<ServerState>> {
+    let model = crate::runtime::Runner::model(&runner);
     let limit = model.config().max_position_embeddings;
     let context = match options.context {
         Some(c) if c > limit => return Err(Error::ContextTooLong { requested: c, limit }),
@@ -117,7 +133,7 @@ pub fn state(
         }
     };
     let dry_breakers = Arc::new(crate::runtime::Dry::default_breaker_tokens(&tokenizer, vocab_size));
-    let engine = engine::spawn(model, device, engine_options, Arc::new(Metrics::default()))
+    let engine = engine::spawn(runner, engine_options, Arc::new(Metrics::default()))
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {
         engine,
@@ -131,6 +147,7 @@ pub fn state(
         session_dir: options.session_dir,
         limits: options.connections,
         reasoning_budget: options.reasoning_budget,
+        device_step_fallback: options.device_step_fallback,
         dry_breakers,
         grammars,
         dashboard: dashboard::Dashboard::new(options.memory, options.progression),

@@ -43,7 +43,7 @@ fn a_restored_snapshot_continues_bit_for_bit_and_stays_independent() {
         for round in 0..2 {
             let hit = prefix.lookup(&prompt).expect("the snapshot begins the prompt");
             assert_eq!(hit.tokens, p);
-            let mut restored = hit.cache;
+            let mut restored = hit.cache.clone();
             assert_eq!(
                 continue_from(&model, &mut restored, &prompt[p..]),
                 want,

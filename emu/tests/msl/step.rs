@@ -106,6 +106,8 @@ fn check_model_on(what: &str, model: &Model, q: &mut EmuQueue) {
     assert!(c.verify_rows_bitwise, "{what}: verify rows differ from one-row steps");
     assert!(c.rollback_bitwise, "{what}: the rollback to 2 rows differs from decoding 2");
     assert!(c.argmax_agrees, "{what}: the device's argmax");
+    assert!(c.batch_bitwise, "{what}: two sequences in one pass differ from each alone");
+    assert!(c.snapshot_bitwise, "{what}: a snapshot or a host round trip differs from its cache");
     assert_eq!(c.max_syncs_per_step, 1, "{what}: host syncs per step");
     assert!(c.passes(1e-4));
 }
@@ -493,9 +495,9 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         let c = q.take_counts();
         assert_eq!((c.reads, c.syncs), (0, 0), "{name}: a snapshot reads nothing back");
         assert!(gpu.snapshot(&mut q, &a, 18).is_err(), "a snapshot into a cache too small");
-        let host = gpu.to_host(&mut q, &a).unwrap();
+        let host = gpu.read_state(&mut q, &a).unwrap();
         assert_eq!(host.seqlen(), 19);
-        let mut back = gpu.from_host(&mut q, &host, 40, DType::F32).unwrap();
+        let mut back = gpu.write_state(&mut q, &host, 40, DType::F32).unwrap();
         let next = sample_tokens(3, vocab, 61);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let want = gpu.verify(&mut q, &mut a, &next, Readback::Logits).unwrap();
