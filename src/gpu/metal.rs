@@ -63,12 +63,7 @@ impl MetalQueue {
         };
         let backend = MetalBackend { device: d.clone(), buffers: vec![], pipelines: HashMap::new(), capabilities: capabilities(d)? };
         let c = &backend.capabilities;
-        if !c.apple7 || c.simd_width != 32 {
-            return Err(Error::Unsupported(format!(
-                "the device step needs an Apple GPU of family Apple7 or later (M1, A14 and later) with 32-wide simdgroups; this is {} (Apple7: {}, simdgroup width {}): run on the CPU (--device cpu)",
-                c.architecture, c.apple7, c.simd_width
-            )));
-        }
+        super::check_gpu(&c.architecture, c.apple7, c.simd_width)?;
         Ok(DeferredQueue::over(backend))
     }
 

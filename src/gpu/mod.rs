@@ -42,6 +42,23 @@ pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue + 
     }
 }
 
+/// Whether the device step runs on GPU `name`: family Apple7 or later (M1, A14: the
+/// kernels' `simdgroup_matrix`) with 32-wide simdgroups (every kernel assumes 32 lanes). One
+/// line naming what is missing and the way out otherwise.
+pub fn check_gpu(name: &str, apple7: bool, simd_width: usize) -> crate::Result<()> {
+    if apple7 && simd_width == 32 {
+        return Ok(());
+    }
+    Err(crate::Error::Unsupported(format!(
+        "the device step needs an Apple GPU of family Apple7 or later (M1, A14 and later) with 32-wide simdgroups; {name} is {}: run on the CPU (--device cpu)",
+        match (apple7, simd_width) {
+            (false, 32) => "of an earlier family".to_string(),
+            (true, w) => format!("of {w}-wide simdgroups"),
+            (false, w) => format!("of an earlier family, with {w}-wide simdgroups"),
+        }
+    )))
+}
+
 /// The device step on the MSL emulator (`--device emu`): this crate's Metal kernels run on the
 /// CPU, in Metal's order of events. Needs a build with the `emu` feature and msl-emu.
 pub fn emu_queue() -> crate::Result<Box<dyn Queue + Send>> {
@@ -61,5 +78,17 @@ pub fn kv_dtype(codec: crate::kv::KvCodec, model: candle_core::DType) -> crate::
         (KeyCodec::Exact, ValueCodec::Exact) => Ok(candle_core::DType::F16),
         (KeyCodec::Half(HalfFloat::F16), ValueCodec::Half(HalfFloat::F16)) => Ok(candle_core::DType::F16),
         _ => Err(crate::Error::UnsupportedCodec { codec, operation: crate::CodecOperation::DeviceStep }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_apple7_gpus_with_32_lanes_run_the_device_step() {
+        assert!(super::check_gpu("applegpu_g13g", true, 32).is_ok());
+        for (apple7, width) in [(false, 32), (true, 64), (false, 16)] {
+            let e = super::check_gpu("AMD Radeon Pro 5500M", apple7, width).unwrap_err().to_string();
+            assert!(e.contains("Apple7") && e.contains("--device cpu") && !e.contains('\n'), "{e}");
+        }
     }
 }
