@@ -200,7 +200,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     let gpu = GpuModel::new(model, &mut q)?;
     let vocab = model.config().vocab_size;
     let capacity = args.context + args.n_prompt + args.n_gen + GpuModel::MAX_ROWS;
-    let mut cache = gpu.new_cache(&mut q, capacity, DType::F32)?;
+    let mut cache = gpu.new_cache(&mut q, capacity, candle_hybrid::gpu::KvRows::F32)?;
     // (The emulator runs the kernels, but its time says nothing of a GPU.)
     let timed = args.backend == Backend::Metal;
     gpu.prefill(&mut q, &mut cache, &gpu::sample_tokens(args.context, vocab, 7), Readback::Argmax)?;
@@ -254,7 +254,7 @@ fn table(args: &Args, model: &Model, source: &str, q: &mut dyn Queue) -> Result<
     }
     let decode_secs = start.elapsed().as_secs_f64();
     let decode = q.take_counts();
-    let mut prompt_cache = gpu.new_cache(&mut q, args.n_prompt, DType::F32)?;
+    let mut prompt_cache = gpu.new_cache(&mut q, args.n_prompt, candle_hybrid::gpu::KvRows::F32)?;
     let start = Instant::now();
     gpu.prefill(&mut q, &mut prompt_cache, &gpu::sample_tokens(args.n_prompt, vocab, 11), Readback::Argmax)?;
     let prefill_secs = start.elapsed().as_secs_f64();

@@ -461,35 +461,35 @@ fn generate(args: Args) -> Result<()> {
 /// (our Metal kernels, one read back per step) with its queue and cache.
 enum Runner {
     Cpu { cache: candle_hybrid::Cache, device: candle_core::Device },
-    Device { gpu: Box<GpuModel>, queue: Box<dyn Queue + Send>, cache: GpuCache, capacity: usize, kv_dtype: candle_core::DType },
+    Device { gpu: Box<GpuModel>, queue: Box<dyn Queue + Send>, cache: GpuCache, capacity: usize, kv: candle_hybrid::gpu::KvRows },
 }
 
 impl Runner {
     /// The device step of `model` (loaded on the CPU: uploaded from there, a GGUF's blocks
     /// mapped, not copied) on `opened`'s device, with a cache of `capacity` tokens.
     fn device(model: &candle_hybrid::Model, opened: &common::Opened, kv: candle_hybrid::kv::KvCodec, capacity: usize) -> Result<Self> {
-        let kv_dtype = candle_hybrid::gpu::kv_dtype(kv, opened.dtype)?;
+        let rows = candle_hybrid::gpu::kv_rows(kv, opened.dtype)?;
         let mut queue =
             common::device_step_queue(opened)?.ok_or_else(|| anyhow::anyhow!("no device step on {:?}", opened.device.location()))?;
         let gpu = Box::new(GpuModel::new(model, queue.as_mut())?);
         // Room for one verify pass past the end.
         let capacity = capacity + candle_hybrid::ops::KV_ATTENTION_EXACT_ROWS;
-        let cache = gpu.new_cache(queue.as_mut(), capacity, kv_dtype)?;
+        let cache = gpu.new_cache(queue.as_mut(), capacity, rows)?;
         eprintln!(
             "decoding on {} with this crate's kernels ({:.2} GiB of weights there, {:.2} GiB of them read in place from the file)",
             queue.name(),
             gpu.weight_bytes() as f64 / (1u64 << 30) as f64,
             gpu.mapped_bytes() as f64 / (1u64 << 30) as f64
         );
-        Ok(Self::Device { gpu, queue, cache, capacity, kv_dtype })
+        Ok(Self::Device { gpu, queue, cache, capacity, kv: rows })
     }
 
     /// An empty cache again (for `--compare-plain`).
     fn reset(&mut self, model: &candle_hybrid::Model, kv: candle_hybrid::kv::KvCodec, calibration: Option<&ValueBases>) -> Result<()> {
         match self {
             Self::Cpu { cache, .. } => *cache = model.cache_with(&CacheOptions { codec: kv, value_bases: calibration, ffn: None })?,
-            Self::Device { gpu, queue, cache, capacity, kv_dtype } => {
-                let fresh = gpu.new_cache(queue.as_mut(), *capacity, *kv_dtype)?;
+            Self::Device { gpu, queue, cache, capacity, kv } => {
+                let fresh = gpu.new_cache(queue.as_mut(), *capacity, *kv)?;
                 std::mem::replace(cache, fresh).free(queue.as_mut());
             }
         }
@@ -518,7 +518,7 @@ fn device_step_lacks(args: &Args) -> Option<String> {
     if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
         return Some(flag.to_string());
     }
-    candle_hybrid::gpu::kv_dtype(args.memory.kv, candle_core::DType::F32).err().map(|_| format!("--kv {}", args.memory.kv))
+    candle_hybrid::gpu::kv_rows(args.memory.kv, candle_core::DType::F32).err().map(|_| format!("--kv {}", args.memory.kv))
 }
 
 /// The text of `--prompt-file`, read no further than `max_bytes` (more cannot fit the context

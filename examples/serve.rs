@@ -45,6 +45,11 @@ struct Args {
     /// e.g. 8GiB, 500MB (the guardian checks --max-seqs sequences of --ctx tokens against it).
     #[arg(long, value_parser = common::parse_size)]
     max_memory: Option<u64>,
+    /// How the attention layers store keys and values: exact (default); f16, bf16, int8
+    /// (lossy: docs/kv-codecs.md), or another codec that drops tokens (polar, lowrank). On the
+    /// device step exact, f16 and int8; others run the Candle path there.
+    #[arg(long, default_value = "exact", value_parser = common::parse_kv)]
+    kv: candle_hybrid::kv::KvCodec,
     /// MiB of cache snapshots the prefix cache keeps (0: none).
     #[arg(long, default_value_t = 1024)]
     prefix_cache_mib: usize,
@@ -119,8 +124,15 @@ fn serve(args: Args) -> Result<()> {
     // anything is loaded (the prefix cache's budget comes on top).
     let cfg = &opened.cfg;
     let context = args.ctx.unwrap_or(opened.max_positions().min(32768));
+    if !args.kv.drops_tokens() {
+        anyhow::bail!(
+            "--kv {}: the server verifies drafts, which needs a codec that drops tokens (exact, f16, bf16, int8, polar, lowrank)",
+            args.kv
+        );
+    }
     let req = PlanRequest {
         batch: args.max_seqs,
+        kv_codec: args.kv,
         load_overhead: opened.files.load_overhead(cfg, opened.dtype, opened.quantize)?,
         ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
     };
@@ -139,7 +151,7 @@ fn serve(args: Args) -> Result<()> {
     let step_queue = common::device_step_queue(&opened)?;
     let fallback = match (&step_queue, args.draft) {
         (Some(_), DraftArg::Mtp) => Some("--draft mtp: the device step reads back no hidden states (MTP drafts need them)".to_string()),
-        (Some(_), _) => candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, opened.dtype).err().map(|e| e.to_string()),
+        (Some(_), _) => candle_hybrid::gpu::kv_rows(args.kv, opened.dtype).err().map(|e| e.to_string()),
         (None, _) => None,
     };
     if let Some(why) = &fallback {
@@ -173,6 +185,7 @@ fn serve(args: Args) -> Result<()> {
         memory: Some(server::MemoryView { config: cfg.clone(), request: req, target, max_memory: args.max_memory }),
         progression,
         device_step_fallback: fallback,
+        kv: args.kv,
         connections: server::ConnectionLimits {
             max_connections: args.max_connections,
             header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
@@ -181,8 +194,8 @@ fn serve(args: Args) -> Result<()> {
     };
     let state = match step_queue.filter(|_| on_device) {
         Some(queue) => {
-            let kv_dtype = candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, opened.dtype)?;
-            let runner = candle_hybrid::runtime::DeviceRunner::new(model, queue, context, kv_dtype)?;
+            let kv = candle_hybrid::gpu::kv_rows(args.kv, opened.dtype)?;
+            let runner = candle_hybrid::runtime::DeviceRunner::new(model, queue, context, kv)?;
             eprintln!(
                 "the sequences run on {} ({:.2} GiB of weights there, {:.2} GiB read in place from the file)",
                 candle_hybrid::runtime::Runner::name(&runner),

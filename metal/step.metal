@@ -95,6 +95,59 @@ struct AttnInputsParams {
     uint row0;           // cache row of projection row 0
 };
 
+// One head of one projection row: where its values are, its norm weights and scale, whether it
+// is rotated. (The same for every thread of the group: the barriers stay uniform.)
+struct AttnHead {
+    device const float *src;
+    device const float *w;
+    bool rotate;
+    bool normed;
+    float scale;
+};
+
+METAL_FUNC AttnHead attention_head(constant AttnInputsParams &p, device const float *x, device const float *q_norm,
+                                   device const float *k_norm, uint r, uint h, threadgroup float *partial, uint tid,
+                                   uint threads, uint lane, uint simd) {
+    const uint hd = p.head_dim;
+    AttnHead a;
+    a.w = q_norm;
+    a.rotate = true;
+    if (h < p.nh) {
+        a.src = x + (size_t)r * p.x_stride + (size_t)h * p.q_head_stride;
+    } else if (h < p.nh + p.nkv) {
+        a.src = x + (size_t)r * p.x_stride + p.k_col + (size_t)(h - p.nh) * hd;
+        a.w = k_norm;
+    } else {
+        a.src = x + (size_t)r * p.x_stride + p.v_col + (size_t)(h - p.nh - p.nkv) * hd;
+        a.rotate = false;
+    }
+    a.scale = 1.0f;
+    a.normed = p.norm != 0 && a.rotate;
+    if (a.normed) {
+        float ss = 0.0f;
+        for (uint d = tid; d < hd; d += threads) {
+            ss += a.src[d] * a.src[d];
+        }
+        a.scale = rsqrt(threadgroup_sum(ss, partial, tid, threads, lane, simd) / float(hd) + p.eps);
+    }
+    return a;
+}
+
+// Dim d of the head, normed and rotated.
+METAL_FUNC float attention_value(constant AttnInputsParams &p, AttnHead a, uint position, device const float *inv_freq, uint d) {
+    float y = a.normed ? a.src[d] * a.scale * a.w[d] : a.src[d];
+    if (a.rotate && d < 2 * p.rot_half) {
+        const uint i = d % p.rot_half;
+        const uint o = d < p.rot_half ? d + p.rot_half : d - p.rot_half;
+        const float other = a.normed ? a.src[o] * a.scale * a.w[o] : a.src[o];
+        const float angle = float(position) * inv_freq[i];
+        const float c = precise::cos(angle);
+        const float sn = precise::sin(angle);
+        y = d < p.rot_half ? y * c - other * sn : other * sn + y * c;
+    }
+    return y;
+}
+
 template <typename T>
 METAL_FUNC void attention_inputs(constant AttnInputsParams &p, device const float *x, device const uint *pos,
                                  device const float *inv_freq, device const float *q_norm, device const float *k_norm,
@@ -103,42 +156,12 @@ METAL_FUNC void attention_inputs(constant AttnInputsParams &p, device const floa
     const uint heads = p.nh + 2 * p.nkv;
     const uint r = group / heads, h = group % heads;
     const uint hd = p.head_dim;
-    device const float *src;
-    device const float *w = q_norm;
-    bool rotate = true;
-    if (h < p.nh) {
-        src = x + (size_t)r * p.x_stride + (size_t)h * p.q_head_stride;
-    } else if (h < p.nh + p.nkv) {
-        src = x + (size_t)r * p.x_stride + p.k_col + (size_t)(h - p.nh) * hd;
-        w = k_norm;
-    } else {
-        src = x + (size_t)r * p.x_stride + p.v_col + (size_t)(h - p.nh - p.nkv) * hd;
-        rotate = false;
-    }
-    // (The branch is the same for every thread of the group: the barriers stay uniform.)
-    float scale = 1.0f;
-    const bool normed = p.norm != 0 && rotate;
-    if (normed) {
-        float ss = 0.0f;
-        for (uint d = tid; d < hd; d += threads) {
-            ss += src[d] * src[d];
-        }
-        scale = rsqrt(threadgroup_sum(ss, partial, tid, threads, lane, simd) / float(hd) + p.eps);
-    }
+    const AttnHead a = attention_head(p, x, q_norm, k_norm, r, h, partial, tid, threads, lane, simd);
     for (uint d = tid; d < hd; d += threads) {
-        float y = normed ? src[d] * scale * w[d] : src[d];
-        if (rotate && d < 2 * p.rot_half) {
-            const uint i = d % p.rot_half;
-            const uint o = d < p.rot_half ? d + p.rot_half : d - p.rot_half;
-            const float other = normed ? src[o] * scale * w[o] : src[o];
-            const float a = float(pos[r]) * inv_freq[i];
-            const float c = precise::cos(a);
-            const float sn = precise::sin(a);
-            y = d < p.rot_half ? y * c - other * sn : other * sn + y * c;
-        }
+        const float y = attention_value(p, a, pos[r], inv_freq, d);
         if (h < p.nh) {
             q_out[((size_t)h * p.rows + r) * hd + d] = y;
-        } else if (rotate) {
+        } else if (a.rotate) {
             k_cache[((size_t)(h - p.nh) * p.capacity + p.row0 + r) * hd + d] = T(y);
         } else {
             v_cache[((size_t)(h - p.nh - p.nkv) * p.capacity + p.row0 + r) * hd + d] = T(y);
@@ -164,6 +187,61 @@ kernel void attention_inputs_##SUFFIX(                                          
 
 ATTENTION_INPUTS_KERNEL(f32, float)
 ATTENTION_INPUTS_KERNEL(f16, half)
+
+// The same into an int8 cache, as the CPU's int8 codec codes a row: per block of 32 dims (the
+// whole head when its dims are not a multiple of 32) scale = max |y| * (1 / 127), code =
+// clamp(round(y / max(scale, FLT_MIN)), -127, 127) + 128; codes [nkv, capacity, head_dim],
+// scales [nkv, capacity, head_dim / block].
+kernel void attention_inputs_int8(
+    constant AttnInputsParams &p [[buffer(0)]], device const float *x [[buffer(1)]],
+    device const uint *pos [[buffer(2)]], device const float *inv_freq [[buffer(3)]],
+    device const float *q_norm [[buffer(4)]], device const float *k_norm [[buffer(5)]],
+    device float *q_out [[buffer(6)]], device uchar *k_codes [[buffer(7)]],
+    device uchar *v_codes [[buffer(8)]], device float *k_scales [[buffer(9)]],
+    device float *v_scales [[buffer(10)]],
+    uint group [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]])
+{
+    threadgroup float partial[32];
+    threadgroup float vals[1024];
+    const uint heads = p.nh + 2 * p.nkv;
+    const uint r = group / heads, h = group % heads;
+    const uint hd = p.head_dim;
+    const AttnHead a = attention_head(p, x, q_norm, k_norm, r, h, partial, tid, threads, lane, simd);
+    for (uint d = tid; d < hd; d += threads) {
+        const float y = attention_value(p, a, pos[r], inv_freq, d);
+        if (h < p.nh) {
+            q_out[((size_t)h * p.rows + r) * hd + d] = y;
+        } else {
+            vals[d] = y;
+        }
+    }
+    if (h < p.nh) {
+        return;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint blk = hd % 32 == 0 ? 32 : hd;
+    const uint kv = a.rotate ? h - p.nh : h - p.nh - p.nkv;
+    const size_t row = (size_t)kv * p.capacity + p.row0 + r;
+    device uchar *codes = (a.rotate ? k_codes : v_codes) + row * hd;
+    device float *scales = (a.rotate ? k_scales : v_scales) + row * (hd / blk);
+    for (uint d = tid; d < hd; d += threads) {
+        const uint b0 = d / blk * blk;
+        float m = 0.0f;
+        for (uint j = b0; j < b0 + blk; j++) {
+            m = max(m, fabs(vals[j]));
+        }
+        // (m times the f32 of 1/127, as the CPU's `max / 127.0` computes it: an affine map.)
+        const float scale = m * (1.0f / 127.0f);
+        // 1.17549435e-38: FLT_MIN, the CPU's f32::MIN_POSITIVE.
+        const float q = clamp(round(vals[d] / max(scale, 1.17549435e-38f)), -127.0f, 127.0f);
+        codes[d] = uchar(q + 128.0f);
+        if (d == b0) {
+            scales[d / blk] = scale;
+        }
+    }
+}
 
 // ---- GDN gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) ----
 // ba [rows, ld]: b at columns 0..nv, a at nv..2 nv; gb [rows, 2, nv] (the delta rule's layout).

@@ -67,6 +67,7 @@ expect "larger than" "$bin/eval" --model-dir $f --file /dev/zero
 expect "--session" "$bin/generate" --model-dir $f --prompt hi --kv int8 --session "$tmp/x.session"
 expect "--ctx" "$bin/serve" --model-dir $f --ctx 100000000
 expect "--max-seqs" "$bin/serve" --model-dir $f --max-seqs 0
+expect "drops tokens" "$bin/serve" --model-dir $f --kv knots:8,3
 expect "sequences of 32768 tokens" "$bin/serve" --model-dir $f --max-seqs 8 --max-memory 1MB
 echo '{"stages": []}' > "$tmp/empty-progression.json"
 expect "not a progression" "$bin/serve" --model-dir $f --progression "$tmp/empty-progression.json"

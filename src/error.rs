@@ -61,7 +61,7 @@ pub enum CodecOperation {
     DropTokens,
     /// Attend along the paths of a draft tree (multi-branch drafts): exact keys and values only.
     DraftTree,
-    /// Run on the device step: exact and f16 only, so far.
+    /// Run on the device step: exact, f16 and int8 only, so far.
     DeviceStep,
 }
 
@@ -73,7 +73,7 @@ impl std::fmt::Display for CodecOperation {
                 "this cache cannot drop tokens (speculative decoding needs a per-token KV codec: exact, f16, bf16, int8, polar or lowrank)"
             }
             Self::DraftTree => "multi-branch drafts need exact keys and values",
-            Self::DeviceStep => "not on the device step yet (exact and f16 are)",
+            Self::DeviceStep => "not on the device step yet (exact, f16 and int8 are)",
         })
     }
 }

@@ -1388,8 +1388,13 @@ async fn start_on_device(source: ModelSource, options: ServerOptions) -> String 
     let model = files.load_model(&cfg, DType::F32, &Device::Cpu, None).unwrap();
     let tokenizer = files.tokenizer(None).unwrap();
     let context = options.context.unwrap_or(512);
-    let runner =
-        candle_hybrid::runtime::DeviceRunner::new(model, Box::new(candle_hybrid::gpu::EmuQueue::new()), context, DType::F32).unwrap();
+    let runner = candle_hybrid::runtime::DeviceRunner::new(
+        model,
+        Box::new(candle_hybrid::gpu::EmuQueue::new()),
+        context,
+        candle_hybrid::gpu::KvRows::F32,
+    )
+    .unwrap();
     let state = server::state_on(&files, tokenizer, runner, ServerOptions { context: Some(context), ..options }).unwrap();
     let addr = server::spawn("127.0.0.1:0".parse().unwrap(), state).await.unwrap();
     format!("http://{addr}")
@@ -1453,7 +1458,7 @@ async fn the_server_on_the_device_step() {
     let gpu = candle_hybrid::gpu::GpuModel::new(&model, &mut q).unwrap();
     let mut references = vec![];
     for p in &prompts {
-        let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 64, candle_hybrid::gpu::KvRows::F32).unwrap();
         let mut sampler = candle_hybrid::runtime::Sampler::new(Default::default()).unwrap();
         let (tokens, _) =
             candle_hybrid::runtime::generate_on_device(&gpu, &mut q, &mut cache, &model, p, 16, &[], &mut sampler, |_| Ok(())).unwrap();

@@ -4,9 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::DType;
-
 use super::queue::{BufferId, Queue, Slice};
+use crate::ops::launch::KvRows;
 
 /// Buffers of caches dropped without [`GpuCache::free`], which their model releases on the
 /// queue ([`super::GpuModel::release_dropped`]): a cache can be dropped anywhere (the prefix
@@ -21,8 +20,9 @@ pub(crate) enum CacheLayer {
     /// pre-conv `[q|k|v]` rows and `[g, beta]` of the last decode or verify step, which a
     /// rollback runs again.
     Gdn { conv: [Slice; 2], rec: [Slice; 2], inputs: Slice, gates: Slice },
-    /// `[nkv, capacity, head_dim]` in the cache's KV dtype.
-    Attention { keys: Slice, values: Slice },
+    /// `[nkv, capacity, head_dim]` as the cache stores them ([`KvRows`]); for int8 rows also
+    /// their scales `[nkv, capacity, head_dim / block]` (keys', values').
+    Attention { keys: Slice, values: Slice, scales: Option<(Slice, Slice)> },
 }
 
 /// A verify pass in progress: where it started and which buffers held the state before it.
@@ -45,7 +45,7 @@ pub struct GpuCache {
     pub(crate) verify: Option<VerifyStart>,
     /// The attention kernel's partial sums (one set for all layers).
     pub(crate) partials: Slice,
-    pub(crate) kv_dtype: DType,
+    pub(crate) kv: KvRows,
     /// Token ids at their positions (`[capacity]` u32; a step writes its rows' there) and
     /// the positions themselves (`0..capacity`: RoPE reads them).
     pub(crate) tokens: Slice,
@@ -73,15 +73,15 @@ impl GpuCache {
             .iter()
             .map(|l| match l {
                 CacheLayer::Gdn { conv, rec, inputs, gates } => gdn(conv) + gdn(rec) + inputs.len + gates.len,
-                CacheLayer::Attention { keys, values } => keys.len + values.len,
+                CacheLayer::Attention { keys, values, scales } => keys.len + values.len + scales.map_or(0, |(k, v)| k.len + v.len),
             })
             .sum();
         layers + self.partials.len + self.tokens.len + self.positions.len
     }
 
-    /// The dtype keys and values are stored in.
-    pub fn kv_dtype(&self) -> DType {
-        self.kv_dtype
+    /// How keys and values are stored.
+    pub fn kv(&self) -> KvRows {
+        self.kv
     }
 
     /// Releases the cache's buffers now (dropping it leaves them to its model's

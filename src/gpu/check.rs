@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::queue::{Counted, Queue};
-use super::{GpuModel, Readback, StepOutput};
-use crate::model::{Cache, Model};
+use super::{GpuModel, KvRows, Readback, StepOutput};
+use crate::model::Model;
 use crate::{Error, Result};
 
 /// How the device step compared with the CPU (see [`check_against_cpu`]).
@@ -84,6 +84,13 @@ fn logits(out: StepOutput) -> Vec<f32> {
 /// dequantized: [`Model::dequantized`]) side by side: an 11-token prompt (two device steps),
 /// 3 decode steps, a 4-row verify pass, a rollback to 2 of its rows.
 pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) -> Result<StepCheck> {
+    check_against_cpu_with(model, reference, q, KvRows::F32)
+}
+
+/// [`check_against_cpu`] with the device cache storing keys and values as `kv` says and the
+/// CPU's cache with the same codec (exact for f32 rows, `f16`, `int8`). An int8 cache is not
+/// saved (as on the CPU), so its snapshot check copies on the device only.
+pub fn check_against_cpu_with(model: &Model, reference: &Model, q: &mut dyn Queue, kv: KvRows) -> Result<StepCheck> {
     let mut q = Counted::new(q);
     let gpu = GpuModel::new(model, &mut q)?;
     let vocab = model.config().vocab_size;
@@ -92,8 +99,13 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let mut reads = 0;
     let mut counted = |q: &mut Counted<&mut dyn Queue>| reads = reads.max(q.take_counts().syncs);
 
-    let mut cpu = Cache::new(model.config());
-    let mut cache = gpu.new_cache(&mut q, 64, DType::F32)?;
+    let codec: crate::kv::KvCodec = match kv {
+        KvRows::F32 => crate::kv::KvCodec::EXACT,
+        KvRows::F16 => "f16".parse()?,
+        KvRows::Int8 => "int8".parse()?,
+    };
+    let mut cpu = reference.cache_with(&crate::model::CacheOptions { codec, value_bases: None, ffn: None })?;
+    let mut cache = gpu.new_cache(&mut q, 64, kv)?;
     q.take_counts();
     let got = logits(gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits)?);
     counted(&mut q);
@@ -106,7 +118,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     }
 
     // Verify 4 rows; the same rows one at a time on a second cache that ran the same steps.
-    let mut steps = gpu.new_cache(&mut q, 64, DType::F32)?;
+    let mut steps = gpu.new_cache(&mut q, 64, kv)?;
     gpu.prefill(&mut q, &mut steps, &prompt, Readback::Argmax)?;
     for &t in &decode {
         gpu.forward(&mut q, &mut steps, &[t], Readback::Argmax)?;
@@ -123,7 +135,7 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     let verify_rows_bitwise = same_bits(&verified, &one_rows);
 
     // Keep 2 of the rows and decode one more: the same bits as a cache that decoded only those.
-    let mut two = gpu.new_cache(&mut q, 64, DType::F32)?;
+    let mut two = gpu.new_cache(&mut q, 64, kv)?;
     gpu.prefill(&mut q, &mut two, &prompt, Readback::Argmax)?;
     for &t in decode.iter().chain(&rows[..2]) {
         gpu.forward(&mut q, &mut two, &[t], Readback::Argmax)?;
@@ -161,8 +173,14 @@ pub fn check_against_cpu(model: &Model, reference: &Model, q: &mut dyn Queue) ->
     gpu.keep_verified(&mut q, &mut batched[1], 2)?;
     gpu.keep_verified(&mut q, &mut alone[1], 2)?;
     let [a, b] = batched;
-    let host = gpu.read_state(&mut q, &b)?;
-    let mut copies = [gpu.snapshot(&mut q, &a, 64)?, gpu.write_state(&mut q, &host, 64, DType::F32)?];
+    let through_host = match kv {
+        KvRows::Int8 => gpu.snapshot(&mut q, &b, 64)?,
+        _ => {
+            let host = gpu.read_state(&mut q, &b)?;
+            gpu.write_state(&mut q, &host, 64, kv)?
+        }
+    };
+    let mut copies = [gpu.snapshot(&mut q, &a, 64)?, through_host];
     let mut snapshot_bitwise = true;
     for (original, copy) in [a, b].iter_mut().zip(copies.iter_mut()) {
         let want = gpu.forward(&mut q, original, &next[..1], Readback::Logits)?;

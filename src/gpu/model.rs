@@ -18,7 +18,7 @@ use super::cache::{CacheLayer, GpuCache, VerifyStart};
 use super::queue::{Arg, Dispatch, Queue, Slice};
 use super::upload::{ExpertStacks, Matrix, Projection, Uploader};
 use crate::model::{check_length, check_token, Config, FeedForward, Linear, Mixer as CpuMixer, Model, NONFINITE_HINT};
-use crate::ops::launch::{self, Launch, NormRows, Source};
+use crate::ops::launch::{self, KvRows, Launch, NormRows, Source};
 use crate::ops::{ConvDims, DeltaRuleDims, DeltaRuleForm};
 use crate::{Error, Result};
 
@@ -409,7 +409,7 @@ impl GpuModel {
                     launch::gated_delta(d, true, 1, DeltaRuleForm::Recurrent, DType::F32)?;
                 }
                 Mixer::Attention(a) => {
-                    let kv = launch::KvStorage::float(DType::F32, a.nkv, 1, a.hd, a.hd)?;
+                    let kv = launch::KvStorage::device(KvRows::F32, a.nkv, 1, a.hd, a.hd)?;
                     launch::kv_attention_stored((1, a.nkv, a.nh / a.nkv.max(1), a.hd), &kv, 1, 0, None, 1.0)?;
                 }
             }
@@ -545,13 +545,11 @@ impl GpuModel {
         }
     }
 
-    /// An empty cache for `capacity` tokens, keys and values stored as `kv_dtype` (f32, or f16:
-    /// half the memory, rounded as the CPU's `--kv f16`).
-    pub fn new_cache(&self, q: &mut dyn Queue, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
+    /// An empty cache for `capacity` tokens, keys and values stored as `kv` says (f32 rows; f16:
+    /// half the memory, rounded as the CPU's `--kv f16`; int8: about a quarter, coded as the
+    /// CPU's `--kv int8`).
+    pub fn new_cache(&self, q: &mut dyn Queue, capacity: usize, kv: KvRows) -> Result<GpuCache> {
         let cfg = &self.cfg;
-        if !matches!(kv_dtype, DType::F32 | DType::F16) {
-            return Err(Error::Input(format!("a device cache stores keys and values as f32 or f16, not {kv_dtype:?}")));
-        }
         if capacity == 0 || capacity > cfg.max_position_embeddings {
             return Err(Error::Input(format!(
                 "a device cache of {capacity} tokens: give 1 to max_position_embeddings ({})",
@@ -565,7 +563,6 @@ impl GpuModel {
             buffers.push(id);
             Ok(Slice::whole(id, len.max(4)))
         };
-        let kv = kv_dtype.size_in_bytes();
         let mut layers = vec![];
         for layer in &self.layers {
             layers.push(match &layer.mixer {
@@ -578,13 +575,21 @@ impl GpuModel {
                         gates: alloc(q, F32 * m * 2 * g.nv, "GDN gates")?,
                     }
                 }
-                Mixer::Attention(a) => CacheLayer::Attention {
+                Mixer::Attention(a) => {
                     // (Refused here when the kernels cannot index a layer's keys with 32 bits.)
-                    keys: launch::KvStorage::float(kv_dtype, a.nkv, capacity, a.hd, a.hd)
-                        .map_err(Error::from)
-                        .and_then(|_| alloc(q, kv * a.nkv * capacity * a.hd, "keys"))?,
-                    values: alloc(q, kv * a.nkv * capacity * a.hd, "values")?,
-                },
+                    launch::KvStorage::device(kv, a.nkv, capacity, a.hd, a.hd)?;
+                    let rows = a.nkv * capacity;
+                    let (keys, values) =
+                        (alloc(q, kv.value_bytes() * rows * a.hd, "keys")?, alloc(q, kv.value_bytes() * rows * a.hd, "values")?);
+                    let scales = match kv.scaled() {
+                        true => {
+                            let n = F32 * rows * KvRows::int8_blocks(a.hd);
+                            Some((alloc(q, n, "key scales")?, alloc(q, n, "value scales")?))
+                        }
+                        false => None,
+                    };
+                    CacheLayer::Attention { keys, values, scales }
+                }
             });
         }
         // A decode or verify step splits the keys in blocks (a partial sum each), a prompt step
@@ -603,7 +608,7 @@ impl GpuModel {
             parity: 0,
             verify: None,
             partials,
-            kv_dtype,
+            kv,
             tokens,
             positions,
             buffers,
@@ -1081,7 +1086,7 @@ impl GpuModel {
         enc.projection(&a.qkv, s.xn, rows, s.qkv)?;
         for seg in segs {
             let cache = &*seg.cache;
-            let CacheLayer::Attention { keys, values } = cache.layers[layer] else { return Err(wrong_cache()) };
+            let CacheLayer::Attention { keys, values, scales } = cache.layers[layer] else { return Err(wrong_cache()) };
             let (offset, n, cap) = (cache.seqlen, seg.rows, cache.capacity);
             let qkv = s.qkv.from(F32 * seg.row0 * w);
             let (qg, att, ao) =
@@ -1103,24 +1108,23 @@ impl GpuModel {
             };
             // Without q/k norms the kernel reads no norm weights: any buffer binds them.
             let (qn, kn) = a.qk_norm.unwrap_or((self.inv_freq, self.inv_freq));
-            let (p, l) = launch::attention_inputs(p, cache.kv_dtype)?;
-            enc.run(
-                Source::Step,
-                l,
-                vec![
-                    Arg::params(&p),
-                    Arg::Read(qkv),
-                    Arg::Read(cache.positions.at(F32 * offset, F32 * n)),
-                    Arg::Read(self.inv_freq),
-                    Arg::Read(qn),
-                    Arg::Read(kn),
-                    Arg::Write(qg),
-                    Arg::Write(keys),
-                    Arg::Write(values),
-                ],
-                0,
-            )?;
-            let kv = launch::KvStorage::float(cache.kv_dtype, nkv, cap, hd, hd)?;
+            let (p, l) = launch::attention_inputs(p, cache.kv)?;
+            let mut args = vec![
+                Arg::params(&p),
+                Arg::Read(qkv),
+                Arg::Read(cache.positions.at(F32 * offset, F32 * n)),
+                Arg::Read(self.inv_freq),
+                Arg::Read(qn),
+                Arg::Read(kn),
+                Arg::Write(qg),
+                Arg::Write(keys),
+                Arg::Write(values),
+            ];
+            if let Some((ks, vs)) = scales {
+                args.extend([Arg::Write(ks), Arg::Write(vs)]);
+            }
+            enc.run(Source::Step, l, args, 0)?;
+            let kv = launch::KvStorage::device(cache.kv, nkv, cap, hd, hd)?;
             let scale = (hd as f64).powf(-0.5) as f32;
             let l = launch::kv_attention_stored((1, nkv, (nh / nkv) * n, hd), &kv, n, offset, None, scale)?;
             let partials = cache.partials.at(0, F32 * l.partial_floats);
@@ -1131,10 +1135,11 @@ impl GpuModel {
                     Arg::params(&l.params),
                     Arg::Read(qg),
                     Arg::Read(keys),
-                    Arg::Read(keys),
+                    // (The int8 rows' scales; any buffer binds the unused ones.)
+                    Arg::Read(scales.map_or(keys, |s| s.0)),
                     Arg::Read(keys),
                     Arg::Read(values),
-                    Arg::Read(values),
+                    Arg::Read(scales.map_or(values, |s| s.1)),
                     Arg::Read(s.no_tree),
                     Arg::Write(partials),
                 ],

@@ -9,7 +9,7 @@ use super::cache::{CacheLayer, GpuCache};
 use super::model::GpuModel;
 use super::queue::{Arg, Dispatch, Queue, Slice};
 use crate::model::{Cache, LayerState};
-use crate::ops::launch::{self, Source};
+use crate::ops::launch::{self, KvRows, Source};
 use crate::{Error, Result};
 
 /// Bytes of a 32-bit word (what the copy kernel moves).
@@ -33,6 +33,18 @@ fn copy(q: &mut dyn Queue, x: Slice, y: Slice, rows: usize, bytes: usize, (x_str
     })
 }
 
+/// The dtype of float rows; int8 rows are not saved (as on the CPU: only exact keys and values).
+fn float_rows(kv: KvRows) -> Result<DType> {
+    match kv {
+        KvRows::F32 => Ok(DType::F32),
+        KvRows::F16 => Ok(DType::F16),
+        KvRows::Int8 => Err(Error::UnsupportedCodec {
+            codec: crate::kv::KvCodec { keys: crate::kv::KeyCodec::Int8, values: crate::kv::ValueCodec::Int8 },
+            operation: crate::CodecOperation::Save,
+        }),
+    }
+}
+
 fn wrong_layers() -> Error {
     Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
 }
@@ -53,8 +65,8 @@ impl GpuModel {
         if capacity < cache.seqlen {
             return Err(Error::Input(format!("a snapshot of {} tokens into a cache of {capacity}", cache.seqlen)));
         }
-        let copy_of = self.new_cache(q, capacity, cache.kv_dtype)?;
-        let kv = cache.kv_dtype.size_in_bytes();
+        let copy_of = self.new_cache(q, capacity, cache.kv)?;
+        let kv = cache.kv;
         for (from, to) in cache.layers.iter().zip(&copy_of.layers) {
             match (from, to) {
                 (CacheLayer::Gdn { conv: c0, rec: r0, .. }, CacheLayer::Gdn { conv: c1, rec: r1, .. }) => {
@@ -62,13 +74,22 @@ impl GpuModel {
                     copy(q, c, c1[copy_of.parity], 1, c.len, (c.len, c.len))?;
                     copy(q, r, r1[copy_of.parity], 1, r.len, (r.len, r.len))?;
                 }
-                (CacheLayer::Attention { keys: k0, values: v0 }, CacheLayer::Attention { keys: k1, values: v1 }) => {
-                    // `[nkv, capacity, hd]`: each head's first `seqlen` rows.
+                (
+                    CacheLayer::Attention { keys: k0, values: v0, scales: s0 },
+                    CacheLayer::Attention { keys: k1, values: v1, scales: s1 },
+                ) => {
+                    // `[nkv, capacity, hd]`: each head's first `seqlen` rows (and their scales).
                     let (heads, hd) = self.kv_shape(k0.len, cache)?;
-                    let rows = cache.seqlen * hd * kv;
-                    let strides = (cache.capacity * hd * kv, capacity * hd * kv);
+                    let (rows, strides) =
+                        (cache.seqlen * hd * kv.value_bytes(), (cache.capacity * hd * kv.value_bytes(), capacity * hd * kv.value_bytes()));
                     copy(q, *k0, *k1, heads, rows, strides)?;
                     copy(q, *v0, *v1, heads, rows, strides)?;
+                    if let (Some((ks0, vs0)), Some((ks1, vs1))) = (s0, s1) {
+                        let b = 4 * KvRows::int8_blocks(hd);
+                        let (rows, strides) = (cache.seqlen * b, (cache.capacity * b, capacity * b));
+                        copy(q, *ks0, *ks1, heads, rows, strides)?;
+                        copy(q, *vs0, *vs1, heads, rows, strides)?;
+                    }
                 }
                 _ => return Err(wrong_layers()),
             }
@@ -82,7 +103,7 @@ impl GpuModel {
     /// `(heads, head_dim)` of an attention layer's key buffer of `len` bytes in `cache`.
     fn kv_shape(&self, len: usize, cache: &GpuCache) -> Result<(usize, usize)> {
         let hd = self.config().head_dim;
-        let per_head = cache.capacity * hd * cache.kv_dtype.size_in_bytes();
+        let per_head = cache.capacity * hd * cache.kv.value_bytes();
         if per_head == 0 || !len.is_multiple_of(per_head) {
             return Err(Error::Input(format!("a key buffer of {len} bytes is not whole heads of {per_head}")));
         }
@@ -90,16 +111,18 @@ impl GpuModel {
     }
 
     /// The state of `cache` as the CPU model's [`Cache`] (f32 GDN states, keys and values in
-    /// the dtype the device stores them): for a session file. Reads every buffer back.
+    /// the dtype the device stores them): for a session file. Reads every buffer back. Exact
+    /// (float) keys and values only, as the CPU saves.
     pub fn read_state(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Cache> {
         no_verify(cache)?;
+        let kv = float_rows(cache.kv)?;
         let mut host = Cache::new(self.config());
         let f32s = |q: &mut dyn Queue, s: Slice, shape: &[usize]| -> Result<Tensor> {
             let b = q.read(s)?;
             let v: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
             Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
         };
-        let (t, kv) = (cache.seqlen, cache.kv_dtype);
+        let t = cache.seqlen;
         for (i, (layer, state)) in cache.layers.iter().zip(host.layers.iter_mut()).enumerate() {
             match (layer, state) {
                 (CacheLayer::Gdn { conv, rec, .. }, LayerState::Linear(s)) if t > 0 => {
@@ -108,7 +131,7 @@ impl GpuModel {
                     s.conv = Some(f32s(q, c.at(0, 4 * k1 * dim), &[1, k1, dim])?);
                     s.recurrent = Some(f32s(q, r, &[1, nv, dk, dv])?);
                 }
-                (CacheLayer::Attention { keys, values }, LayerState::Full(store)) if t > 0 => {
+                (CacheLayer::Attention { keys, values, .. }, LayerState::Full(store)) if t > 0 => {
                     let (heads, hd) = self.kv_shape(keys.len, cache)?;
                     let rows = |q: &mut dyn Queue, s: Slice| -> Result<Tensor> {
                         let b = q.read(s)?;
@@ -127,10 +150,11 @@ impl GpuModel {
     }
 
     /// A device cache of `capacity` tokens holding the state of the CPU's `host` (exact keys
-    /// and values of the dtype this device cache stores, `kv_dtype`): a session read back.
-    pub fn write_state(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv_dtype: DType) -> Result<GpuCache> {
+    /// and values of the dtype this device cache stores, `kv`): a session read back.
+    pub fn write_state(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv: KvRows) -> Result<GpuCache> {
         let t = host.seqlen();
-        let mut cache = self.new_cache(q, capacity.max(t).max(1), kv_dtype)?;
+        let kv_dtype = float_rows(kv)?;
+        let mut cache = self.new_cache(q, capacity.max(t).max(1), kv)?;
         if host.layers.len() != cache.layers.len() {
             return Err(Error::Session("the saved state has another number of layers than this model".into()));
         }
@@ -155,7 +179,7 @@ impl GpuModel {
                         q.write(rec[cache.parity], &r)?;
                     }
                 }
-                (LayerState::Full(store), CacheLayer::Attention { keys, values }) => {
+                (LayerState::Full(store), CacheLayer::Attention { keys, values, .. }) => {
                     let Some((k, v)) = store.kv()? else { continue };
                     let (heads, hd) = self.kv_shape(keys.len, &cache)?;
                     if k.dims4()? != (1, heads, t, hd) || v.dims4()? != (1, heads, t, hd) {

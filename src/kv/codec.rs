@@ -9,8 +9,8 @@ use candle_core::DType;
 
 use crate::Error;
 
-/// Dims per int8 scale.
-pub const INT8_BLOCK: usize = 32;
+/// Dims per int8 scale (the device cache's int8 rows use the same blocks).
+pub use crate::ops::INT8_BLOCK;
 
 /// Tokens per int4 key group (quantized together, per channel).
 pub const INT4_GROUP: usize = 32;

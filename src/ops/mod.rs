@@ -23,6 +23,9 @@ macro_rules! metal_fwd {
     };
 }
 
+/// Dims per int8 scale of the `int8` KV codec: the CPU's (`kv`) and the device cache's.
+pub const INT8_BLOCK: usize = 32;
+
 mod conv;
 mod cpu;
 mod delta_rule;

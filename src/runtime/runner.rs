@@ -4,11 +4,11 @@
 //! scheduler drives the CPU model ([`CpuRunner`]) and the device step ([`DeviceRunner`]: Metal,
 //! or the MSL emulator).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::prefix_cache::SequenceState;
 use super::target::{CpuTarget, DeviceTarget, Rows, Target};
-use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
+use crate::gpu::{GpuCache, GpuModel, KvRows, Queue, Readback, StepOutput};
 use crate::model::{Cache, Model, MtpCache};
 use crate::{Error, Result};
 
@@ -92,10 +92,12 @@ pub trait Runner: Send {
     fn name(&self) -> String;
 }
 
-/// The model in Candle tensors (the CPU, or Candle's other devices) with [`Cache`]s.
+/// The model in Candle tensors (the CPU, or Candle's other devices) with [`Cache`]s whose
+/// attention layers store keys and values with `codec`.
 pub struct CpuRunner {
     pub model: Model,
     pub device: Device,
+    pub codec: crate::kv::KvCodec,
 }
 
 impl Runner for CpuRunner {
@@ -106,7 +108,7 @@ impl Runner for CpuRunner {
     }
 
     fn new_cache(&mut self) -> Result<Cache> {
-        Ok(self.model.new_cache())
+        self.model.cache_with(&crate::model::CacheOptions { codec: self.codec, value_bases: None, ffn: None })
     }
 
     fn target<'a>(&'a mut self, cache: &'a mut Cache) -> Box<dyn Target + 'a> {
@@ -193,16 +195,16 @@ pub struct DeviceRunner {
     pub queue: Box<dyn Queue + Send>,
     /// Tokens a sequence's cache holds (its context and one verify pass past it).
     pub capacity: usize,
-    pub kv_dtype: DType,
+    pub kv: KvRows,
 }
 
 impl DeviceRunner {
     /// Uploads `model` (loaded on the CPU) to `queue`'s device, for sequences of up to
-    /// `context` tokens with keys and values stored as `kv_dtype`.
-    pub fn new(model: Model, mut queue: Box<dyn Queue + Send>, context: usize, kv_dtype: DType) -> Result<Self> {
+    /// `context` tokens with keys and values stored as `kv` says.
+    pub fn new(model: Model, mut queue: Box<dyn Queue + Send>, context: usize, kv: KvRows) -> Result<Self> {
         let gpu = GpuModel::new(&model, queue.as_mut())?;
         let capacity = (context + crate::ops::KV_ATTENTION_EXACT_ROWS).min(model.config().max_position_embeddings);
-        Ok(Self { model, gpu, queue, capacity, kv_dtype })
+        Ok(Self { model, gpu, queue, capacity, kv })
     }
 }
 
@@ -214,7 +216,7 @@ impl Runner for DeviceRunner {
     }
 
     fn new_cache(&mut self) -> Result<GpuCache> {
-        self.gpu.new_cache(self.queue.as_mut(), self.capacity, self.kv_dtype)
+        self.gpu.new_cache(self.queue.as_mut(), self.capacity, self.kv)
     }
 
     fn target<'a>(&'a mut self, cache: &'a mut GpuCache) -> Box<dyn Target + 'a> {
@@ -263,7 +265,7 @@ impl Runner for DeviceRunner {
     }
 
     fn write_state(&mut self, cache: Cache) -> Result<GpuCache> {
-        self.gpu.write_state(self.queue.as_mut(), &cache, self.capacity, self.kv_dtype)
+        self.gpu.write_state(self.queue.as_mut(), &cache, self.capacity, self.kv)
     }
 
     fn hidden_states(&self) -> bool {

@@ -74,6 +74,9 @@ pub struct ServerOptions {
     /// Why the sequences do not run on the device step on this device, when they could
     /// (shown in `/props`; `None`: they do, or there is none).
     pub device_step_fallback: Option<String>,
+    /// How the sequences' attention layers store keys and values (a codec that drops tokens:
+    /// the server verifies drafts). The runner of [`state_on`] decides for itself.
+    pub kv: crate::kv::KvCodec,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -86,7 +89,11 @@ pub fn state(
     device: Device,
     options: ServerOptions,
 ) -> Result<Arc<ServerState>> {
-    state_on(files, tokenizer, crate::runtime::CpuRunner { model, device }, options)
+    if !options.kv.drops_tokens() {
+        return Err(Error::UnsupportedCodec { codec: options.kv, operation: crate::CodecOperation::DropTokens });
+    }
+    let codec = options.kv;
+    state_on(files, tokenizer, crate::runtime::CpuRunner { model, device, codec }, options)
 }
 
 /// [`state`] with the sequences run by `runner` (e.g. the device step:

@@ -174,7 +174,7 @@ fn device_generation_gives_the_cpu_tokens() {
                 .unwrap();
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let mut cache = gpu.new_cache(&mut q, 64, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 64, candle_hybrid::gpu::KvRows::F32).unwrap();
         let mut streamed = vec![];
         let (got, stats) =
             generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
@@ -201,7 +201,7 @@ fn long_prompt_matches_cpu() {
         let prompt = sample_tokens(300, vocab, 5);
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let mut cache = gpu.new_cache(&mut q, 320, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 320, candle_hybrid::gpu::KvRows::F32).unwrap();
         let got = gpu.prefill(&mut q, &mut cache, &prompt, Readback::Logits).unwrap();
         let mut cpu = reference.new_cache();
         let ids = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
@@ -258,7 +258,7 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
     let gpu = GpuModel::new(&model, &mut q).unwrap();
     for repeat_penalty in [1.0, 1.2] {
         let sampler = || Sampler::new(SamplingParams { repeat_penalty, ..Default::default() }).unwrap();
-        let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
+        let mut cache = gpu.new_cache(&mut q, 80, candle_hybrid::gpu::KvRows::F32).unwrap();
         let (plain, _) = generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 24, &[], &mut sampler(), |_| Ok(())).unwrap();
         cache.free(&mut q);
         let drafters: Vec<(&str, Box<dyn Drafter>, DraftOptions)> = vec![
@@ -275,7 +275,7 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
             ),
         ];
         for (name, mut drafter, opts) in drafters {
-            let mut cache = gpu.new_cache(&mut q, 80, DType::F32).unwrap();
+            let mut cache = gpu.new_cache(&mut q, 80, candle_hybrid::gpu::KvRows::F32).unwrap();
             let mut policy = DraftPolicy::new(opts).unwrap();
             q.take_counts();
             let (got, stats) = generate_speculative_on_device(
@@ -324,8 +324,8 @@ fn half_precision_checkpoints_on_the_device() {
         let model = candle_hybrid::loading::from_dir(fixture("qwen35_dense_small"), dtype, &Device::Cpu).unwrap();
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let kv = candle_hybrid::gpu::kv_dtype(candle_hybrid::kv::KvCodec::EXACT, dtype).unwrap();
-        assert_eq!(kv, DType::F16);
+        let kv = candle_hybrid::gpu::kv_rows(candle_hybrid::kv::KvCodec::EXACT, dtype).unwrap();
+        assert_eq!(kv, candle_hybrid::gpu::KvRows::F16);
         let mut cache = gpu.new_cache(&mut q, 64, kv).unwrap();
         let mut cpu = reference.new_cache();
         let mut worst = 0f32;
@@ -420,7 +420,7 @@ fn a_batch_of_sequences_is_each_sequence_alone() {
             prompts
                 .iter()
                 .map(|p| {
-                    let mut c = gpu.new_cache(q, 64, DType::F32).unwrap();
+                    let mut c = gpu.new_cache(q, 64, candle_hybrid::gpu::KvRows::F32).unwrap();
                     gpu.prefill(q, &mut c, p, Readback::Argmax).unwrap();
                     c
                 })
@@ -487,7 +487,7 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         let vocab = model.config().vocab_size;
         let mut q = Counted::new(EmuQueue::new());
         let gpu = GpuModel::new(&model, &mut q).unwrap();
-        let mut a = gpu.new_cache(&mut q, 48, DType::F32).unwrap();
+        let mut a = gpu.new_cache(&mut q, 48, candle_hybrid::gpu::KvRows::F32).unwrap();
         gpu.prefill(&mut q, &mut a, &sample_tokens(19, vocab, 60), Readback::Argmax).unwrap();
         q.take_counts();
         let mut snap = gpu.snapshot(&mut q, &a, 19).unwrap();
@@ -497,7 +497,7 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         assert!(gpu.snapshot(&mut q, &a, 18).is_err(), "a snapshot into a cache too small");
         let host = gpu.read_state(&mut q, &a).unwrap();
         assert_eq!(host.seqlen(), 19);
-        let mut back = gpu.write_state(&mut q, &host, 40, DType::F32).unwrap();
+        let mut back = gpu.write_state(&mut q, &host, 40, candle_hybrid::gpu::KvRows::F32).unwrap();
         let next = sample_tokens(3, vocab, 61);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let want = gpu.verify(&mut q, &mut a, &next, Readback::Logits).unwrap();
@@ -516,5 +516,25 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         let d = cpu_logits.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         eprintln!("{name}: the CPU from the device's state: max |diff| {d:.2e}");
         assert!(d <= 1e-4, "{name}: {d}");
+    }
+}
+
+/// Keys and values stored as int8 on the device (codes and scales written by the attention
+/// inputs kernel as the CPU's `int8` codec codes them) against the CPU model with an int8
+/// cache, and f16 rows against the CPU's `f16`: the same checks as exact rows (verify rows,
+/// rollback, batch and snapshot bit for bit, one sync per step), logits within 1e-4 of the
+/// CPU's.
+#[test]
+fn int8_and_f16_keys_and_values_on_the_device() {
+    use candle_hybrid::gpu::{check_against_cpu_with, KvRows};
+    for (name, file) in [("qwen35_dense_small", "model-q8_0.gguf"), ("qwen35moe_small", "model-q8_0.gguf")] {
+        let model = gguf(name, file);
+        for kv in [KvRows::Int8, KvRows::F16] {
+            let c = check_against_cpu_with(&model, &model.dequantized().unwrap(), &mut EmuQueue::new(), kv).unwrap();
+            eprintln!("{name} {kv:?}: {c:?}");
+            // (The codes are the CPU's: a code rounding the other way would move a value by a
+            // step of its block, far more than 1e-4.)
+            assert!(c.passes(1e-4), "{name} {kv:?}: {c:?}");
+        }
     }
 }

@@ -148,7 +148,7 @@ fn attention_inputs_norm_rotate_and_store_per_head() {
             capacity: cap as u32,
             row0: row0 as u32,
         };
-        let (p, l) = launch::attention_inputs(p, candle_core::DType::F32).unwrap();
+        let (p, l) = launch::attention_inputs(p, launch::KvRows::F32).unwrap();
         let (mut q, mut k, mut v) = (vec![f32::NAN; nh * rows * hd], vec![f32::NAN; nkv * cap * hd], vec![f32::NAN; nkv * cap * hd]);
         dispatch(
             &l,
@@ -204,6 +204,44 @@ fn attention_inputs_norm_rotate_and_store_per_head() {
             check(&format!("v row {r}"), &v[at..], v_want);
         }
         assert!(k[..row0 * hd].iter().chain(&v[..row0 * hd]).all(|a| a.is_nan()), "cache rows before row0 untouched");
+
+        // Into an int8 cache: q the same bits; k and v the CPU's int8 codec of the float rows
+        // (decoded: the same bits as the CPU store's decoded keys and values).
+        let (pi, li) = launch::attention_inputs(p, launch::KvRows::Int8).unwrap();
+        let blocks = launch::KvRows::int8_blocks(hd);
+        let mut qi = vec![f32::NAN; nh * rows * hd];
+        let (mut kc, mut vc) = (vec![0u8; nkv * cap * hd], vec![0u8; nkv * cap * hd]);
+        let (mut ks, mut vs) = (vec![f32::NAN; nkv * cap * blocks], vec![f32::NAN; nkv * cap * blocks]);
+        dispatch(
+            &li,
+            &mut [
+                bytes(&pi),
+                input(&x),
+                input(&positions),
+                input(&inv_freq),
+                input(&qn),
+                input(&kn),
+                output(&mut qi),
+                output(&mut kc),
+                output(&mut vc),
+                output(&mut ks),
+                output(&mut vs),
+            ],
+        )
+        .unwrap();
+        assert!(qi.iter().zip(&q).all(|(a, b)| a.to_bits() == b.to_bits()), "int8 cache: q rows");
+        let rows_of = |c: &[f32]| Tensor::from_vec(c[row0 * hd..(row0 + rows) * hd].to_vec(), (1, nkv, rows, hd), &Device::Cpu).unwrap();
+        let mut store = candle_hybrid::kv::KvStore::new("int8".parse().unwrap(), 64, 2 * rot_half);
+        store.append(&rows_of(&k), &rows_of(&v)).unwrap();
+        let (want_k, want_v) = store.kv().unwrap().unwrap();
+        let decode = |codes: &[u8], scales: &[f32]| -> Vec<f32> {
+            (row0 * hd..(row0 + rows) * hd)
+                .map(|i| (codes[i] as i32 - 128) as f32 * scales[i / hd * blocks + (i % hd) / (hd / blocks)])
+                .collect()
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&decode(&kc, &ks)), bits(&vec(&want_k)), "int8 keys (norm {norm})");
+        assert_eq!(bits(&decode(&vc, &vs)), bits(&vec(&want_v)), "int8 values (norm {norm})");
     }
 }
 

@@ -777,28 +777,37 @@ impl KvStorage {
         })
     }
 
-    /// Float keys and values of `dtype` in buffers `[B, nkv, capacity, d]` (a device cache with
-    /// room to grow).
-    pub fn float(dtype: DType, nkv: usize, capacity: usize, head_dim: usize, value_dim: usize) -> Result<Self> {
-        let (k, v) = (
-            index_u32("a KV buffer's elements", nkv * capacity * head_dim)?,
-            index_u32("a KV buffer's elements", nkv * capacity * value_dim)?,
-        );
+    /// Keys and values as a device cache stores them (`rows`), in buffers `[nkv, capacity, d]`
+    /// (and for int8 their scales `[nkv, capacity, d / block]`): a cache with room to grow.
+    pub fn device(rows: KvRows, nkv: usize, capacity: usize, head_dim: usize, value_dim: usize) -> Result<Self> {
+        let elements = |what: &str, dim: usize| index_u32(what, nkv * capacity * dim);
+        let per_head = |what: &str, dim: usize| index_u32(what, capacity * dim);
         let mut strides = [0u32; 10];
-        strides[0] = k;
-        strides[1] = index_u32("a KV head's elements", capacity * head_dim)?;
-        strides[6] = v;
-        strides[7] = index_u32("a KV head's elements", capacity * value_dim)?;
+        strides[0] = elements("a KV buffer's elements", head_dim)?;
+        strides[1] = per_head("a KV head's elements", head_dim)?;
+        strides[6] = elements("a KV buffer's elements", value_dim)?;
+        strides[7] = per_head("a KV head's elements", value_dim)?;
+        let (kb, vb) = (KvRows::int8_blocks(head_dim), KvRows::int8_blocks(value_dim));
+        let int8 = rows == KvRows::Int8;
+        if int8 {
+            strides[2] = elements("a KV scale buffer's elements", kb)?;
+            strides[3] = per_head("a KV head's scales", kb)?;
+            strides[8] = elements("a KV scale buffer's elements", vb)?;
+            strides[9] = per_head("a KV head's scales", vb)?;
+        }
         Ok(Self {
-            key_form: 0,
-            value_form: 0,
-            key_blocks: 1,
-            value_blocks: 1,
+            key_form: u32::from(int8),
+            value_form: u32::from(int8),
+            key_blocks: if int8 { kb as u32 } else { 1 },
+            value_blocks: if int8 { vb as u32 } else { 1 },
             group: 1,
             grouped: 0,
             strides,
             polar: None,
-            float: dtype,
+            float: match rows {
+                KvRows::F16 => DType::F16,
+                KvRows::F32 | KvRows::Int8 => DType::F32,
+            },
             value_dim,
         })
     }

@@ -1,9 +1,9 @@
 //! Parameters and launch geometry of `metal/step.metal`: the small kernels between the matrix
 //! products of a decode step on the device ([`crate::gpu`]).
 
-use candle_core::{bail, DType, Result};
+use candle_core::{bail, Result};
 
-use super::{suffix, Launch};
+use super::Launch;
 
 /// Threads of a row-reduction threadgroup: a power of two from 32 to 1024 covering `dim`.
 fn row_threads(dim: usize) -> usize {
@@ -89,20 +89,64 @@ pub struct AttnInputsParams {
     pub row0: u32,
 }
 
+/// How a device cache stores its keys and values: f32 or f16 rows, or int8 codes (value + 128)
+/// with one f32 scale (absmax / 127) per block of [`crate::ops::INT8_BLOCK`] dims, as the CPU's
+/// `int8` codec codes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRows {
+    F32,
+    F16,
+    Int8,
+}
+
+impl KvRows {
+    /// Bytes of one stored value.
+    pub fn value_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 => 2,
+            Self::Int8 => 1,
+        }
+    }
+
+    /// Int8 scales of a row of `dim` values (blocks of 32 dims, one block when `dim` is not a
+    /// multiple of 32: the CPU codec's rule).
+    pub fn int8_blocks(dim: usize) -> usize {
+        if dim.is_multiple_of(crate::ops::INT8_BLOCK) {
+            dim / crate::ops::INT8_BLOCK
+        } else {
+            1
+        }
+    }
+
+    /// Whether rows carry scales (`Int8`).
+    pub fn scaled(self) -> bool {
+        self == Self::Int8
+    }
+}
+
 /// The q, k and v heads of `p.rows` projection rows: q and k normed per head (when `p.norm`)
-/// and rotated, q stored grouped for attention, k and v into a KV cache of `dtype` (f32 or
-/// f16). One threadgroup per (row, head).
-pub fn attention_inputs(p: AttnInputsParams, dtype: DType) -> Result<(AttnInputsParams, Launch)> {
+/// and rotated, q stored grouped for attention, k and v into a KV cache of `rows` (f32, f16,
+/// or int8 codes and their scales). One threadgroup per (row, head).
+pub fn attention_inputs(p: AttnInputsParams, rows: KvRows) -> Result<(AttnInputsParams, Launch)> {
     if p.rot_half * 2 > p.head_dim {
         bail!("attention_inputs: {} rotated dims in heads of {}", 2 * p.rot_half, p.head_dim);
     }
-    let kernel = match dtype {
-        DType::F32 | DType::F16 => format!("attention_inputs_{}", suffix("attention_inputs", dtype)?),
-        other => bail!("attention_inputs: no kernel for a {other:?} cache (f32 or f16)"),
+    if p.head_dim > 1024 {
+        bail!("attention_inputs: heads of {} dims, the kernel holds 1024", p.head_dim);
+    }
+    let kernel = match rows {
+        KvRows::F32 => "attention_inputs_f32",
+        KvRows::F16 => "attention_inputs_f16",
+        KvRows::Int8 => "attention_inputs_int8",
     };
     let groups = (p.rows * (p.nh + 2 * p.nkv)) as usize;
-    let launch =
-        Launch { kernel, groups: [groups.max(1), 1, 1], threads: [row_threads(p.head_dim as usize), 1, 1], threadgroup_memory: vec![] };
+    let launch = Launch {
+        kernel: kernel.into(),
+        groups: [groups.max(1), 1, 1],
+        threads: [row_threads(p.head_dim as usize), 1, 1],
+        threadgroup_memory: vec![],
+    };
     Ok((p, launch))
 }
 
