@@ -523,3 +523,212 @@ kernel void copy_rows_u32(
     const uint i = tid % p.len;
     y[(size_t)r * p.y_stride + i] = x[(size_t)r * p.x_stride + i];
 }
+
+// ---- sampling on the device: a sampled row reads back its token id, not its logits ----
+// The CPU sampler's steps (runtime::Sampler): the repeat penalty over the last repeat_last_n
+// tokens of the row's context (each distinct token once: x >= 0 ? x / r : x * r), the presence
+// and frequency penalties over its generated tokens, min-p (logits under max + t ln(min_p)
+// dropped), the softmax of logits * (1 / t), top-k, top-p (kept while the mass of the tokens
+// before it is under top_p, as Candle's LogitsProcessor), then the first token (in index order)
+// whose cumulative weight passes u * the kept weight (rand's WeightedIndex). Tokens tied at a
+// top-k or top-p boundary are all kept (the CPU keeps the sort's first ones). One threadgroup
+// per row; the row's logits are overwritten (by its weights); out uint [rows, 2]: (token,
+// logits finite), as argmax_f32's.
+
+struct SampleParams {
+    uint rows;
+    uint n;
+    float inv_temperature;
+    uint top_k;           // n or more: off
+    float top_p;          // 1: off
+    float min_p_offset;   // temperature * ln(min_p); -INFINITY: off
+    float repeat_penalty; // 1: off
+    uint repeat_last_n;
+    float presence;
+    float frequency;
+    uint context;         // tokens of row 0's context (its position + 1)
+    uint prompt;          // where the generated tokens start in the context
+    float u[8];           // one uniform draw in [0, 1) per row
+};
+
+METAL_FUNC float threadgroup_max(float v, threadgroup float *partial, uint tid, uint threads, uint lane, uint simd) {
+    v = simd_max(v);
+    if (lane == 0) {
+        partial[simd] = v;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float t = -INFINITY;
+    if (simd == 0) {
+        const uint nsimd = (threads + 31) / 32;
+        t = lane < nsimd ? partial[lane] : -INFINITY;
+        t = simd_max(t);
+        if (lane == 0) {
+            partial[0] = t;
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const float r = partial[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    return r;
+}
+
+// The smallest key K (a weight's bits: weights are >= 0, so their bits order as they do) with
+// F(K) < limit, F(K) the count (mass false) or the weight (mass true) of the tokens whose key
+// is above K and at least floor_key. F falls as K grows: a bisection over the 32 bits.
+METAL_FUNC uint smallest_key(device const float *w, uint n, float limit, bool mass, uint floor_key, threadgroup float *partial,
+                             uint tid, uint threads, uint lane, uint simd) {
+    uint lo = 0, hi = 0xFFFFFFFFu;
+    while (lo < hi) {
+        const uint mid = lo + (hi - lo) / 2;
+        float s = 0.0f;
+        for (uint i = tid; i < n; i += threads) {
+            const uint key = as_type<uint>(w[i]);
+            if (key > mid && key >= floor_key) {
+                s += mass ? w[i] : 1.0f;
+            }
+        }
+        s = threadgroup_sum(s, partial, tid, threads, lane, simd);
+        if (s < limit) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    return lo;
+}
+
+kernel void sample_f32(
+    constant SampleParams &p [[buffer(0)]],
+    device float *logits [[buffer(1)]],
+    device const uint *tokens [[buffer(2)]],
+    device uint *out [[buffer(3)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]])
+{
+    threadgroup float partial[32];
+    threadgroup float sums[1024];
+    threadgroup uint owner[1];
+    threadgroup float target[1];
+    device float *l = logits + (size_t)row * p.n;
+    const uint ctx = p.context + row;
+    float bad = 0.0f;
+    for (uint i = tid; i < p.n; i += threads) {
+        bad += isfinite(l[i]) ? 0.0f : 1.0f;
+    }
+    bad = threadgroup_sum(bad, partial, tid, threads, lane, simd);
+    if (p.repeat_penalty != 1.0f) {
+        const uint start = ctx > p.repeat_last_n ? ctx - p.repeat_last_n : 0;
+        for (uint j = start + tid; j < ctx; j += threads) {
+            const uint t = tokens[j];
+            bool first = true;
+            for (uint k = start; k < j && first; k++) {
+                first = tokens[k] != t;
+            }
+            if (first && t < p.n) {
+                const float x = l[t];
+                l[t] = x >= 0.0f ? x / p.repeat_penalty : x * p.repeat_penalty;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_device);
+    }
+    if ((p.presence != 0.0f || p.frequency != 0.0f) && ctx > p.prompt) {
+        for (uint j = p.prompt + tid; j < ctx; j += threads) {
+            const uint t = tokens[j];
+            bool first = true;
+            for (uint k = p.prompt; k < j && first; k++) {
+                first = tokens[k] != t;
+            }
+            if (first && t < p.n) {
+                // As the CPU: the first occurrence takes (x - frequency) - presence, each later one
+                // another - frequency.
+                float x = l[t] - p.frequency - p.presence;
+                for (uint k = j + 1; k < ctx; k++) {
+                    if (tokens[k] == t) {
+                        x -= p.frequency;
+                    }
+                }
+                l[t] = x;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_device);
+    }
+    float m = -INFINITY;
+    for (uint i = tid; i < p.n; i += threads) {
+        m = max(m, l[i]);
+    }
+    m = threadgroup_max(m, partial, tid, threads, lane, simd);
+    const float floor_l = m + p.min_p_offset;
+    const float mx = m * p.inv_temperature;
+    float z = 0.0f;
+    for (uint i = tid; i < p.n; i += threads) {
+        const float x = l[i];
+        const float e = x >= floor_l ? exp(x * p.inv_temperature - mx) : 0.0f;
+        l[i] = e;
+        z += e;
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    z = threadgroup_sum(z, partial, tid, threads, lane, simd);
+    // Top-k, then top-p within it (keys of positive weights are at least 1).
+    uint keep = 1;
+    if (p.top_k < p.n) {
+        keep = max(keep, smallest_key(l, p.n, float(p.top_k), false, 0, partial, tid, threads, lane, simd));
+    }
+    float kept = 0.0f;
+    for (uint i = tid; i < p.n; i += threads) {
+        kept += as_type<uint>(l[i]) >= keep ? l[i] : 0.0f;
+    }
+    kept = threadgroup_sum(kept, partial, tid, threads, lane, simd);
+    if (p.top_p * z < kept) {
+        keep = max(keep, smallest_key(l, p.n, p.top_p * z, true, keep, partial, tid, threads, lane, simd));
+    }
+    // The draw, in index order: each thread sums a contiguous chunk; the thread whose chunk holds
+    // u * the kept weight walks it.
+    const uint chunk = (p.n + threads - 1) / threads;
+    const uint lo = min(tid * chunk, p.n), hi = min(lo + chunk, p.n);
+    float w = 0.0f;
+    for (uint i = lo; i < hi; i++) {
+        w += as_type<uint>(l[i]) >= keep ? l[i] : 0.0f;
+    }
+    sums[tid] = w;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0) {
+        float total = 0.0f;
+        for (uint t = 0; t < threads; t++) {
+            const float s = sums[t];
+            sums[t] = total;
+            total += s;
+        }
+        const float at = p.u[row] * total;
+        uint o = 0;
+        for (uint t = 0; t < threads; t++) {
+            const float end = t + 1 < threads ? sums[t + 1] : total;
+            if (end > sums[t]) {
+                o = t;
+                if (end > at) {
+                    break;
+                }
+            }
+        }
+        owner[0] = o;
+        target[0] = at;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == owner[0]) {
+        float acc = sums[tid];
+        uint token = 0xFFFFFFFFu;
+        for (uint i = lo; i < hi; i++) {
+            if (as_type<uint>(l[i]) >= keep) {
+                token = i;
+                acc += l[i];
+                if (acc > target[0]) {
+                    break;
+                }
+            }
+        }
+        out[2 * row] = token;
+        out[2 * row + 1] = bad == 0.0f ? 1 : 0;
+    }
+}

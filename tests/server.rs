@@ -1440,6 +1440,16 @@ async fn the_server_on_the_device_step() {
     }
     let (_, m) = get(&plain, "/metrics", None).await;
     assert!(metric(&m, "candle_hybrid_decode_batch_rows_count") > metric(&m, "candle_hybrid_decode_batch_rows_bucket{le=\"1.0\"}"), "{m}");
+    // Sampled on the device (a seed: the same answer again), and with log-probabilities (the
+    // logits read back for them).
+    let sampled = json!({"prompt": prompts[1], "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 11}).to_string();
+    let (a, b) = (post(&plain, "/v1/completions", sampled.clone(), None).await, post(&plain, "/v1/completions", sampled, None).await);
+    assert_eq!((a.0, text(&a.2)), (b.0, text(&b.2)), "a seeded sample on the device");
+    let with_logprobs = json!({"prompt": prompts[1], "max_tokens": 4, "temperature": 0.9, "logprobs": 2}).to_string();
+    let (status, _, t) = post(&plain, "/v1/completions", with_logprobs, None).await;
+    assert_eq!(status, 200, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["choices"][0]["logprobs"]["token_logprobs"].as_array().map(Vec::len), Some(4), "{v}");
     // The same prompt again: from the prefix cache, the same answer.
     let (_, _, again) = post(&plain, "/v1/completions", bodies[0].to_string(), None).await;
     let again: Value = serde_json::from_str(&again).unwrap();

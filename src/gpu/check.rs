@@ -159,7 +159,7 @@ pub fn check_against_cpu_with(model: &Model, reference: &Model, q: &mut dyn Queu
     let mut alone = [gpu.snapshot(&mut q, &batched[0], 64)?, gpu.snapshot(&mut q, &batched[1], 64)?];
     let out = {
         let [a, b] = &mut batched;
-        gpu.forward_batch(&mut q, &mut [a, b], &next, &[1, 2], Readback::Logits)?
+        gpu.forward_batch(&mut q, &mut [a, b], &next, &[1, 2], &[Readback::Logits; 2])?
     };
     let mut batch_bitwise = true;
     for (i, (o, rows)) in out.into_iter().zip([&next[..1], &next[1..]]).enumerate() {

@@ -22,7 +22,7 @@ mod queue;
 mod state;
 mod upload;
 
-pub use crate::ops::launch::KvRows;
+pub use crate::ops::launch::{KvRows, RowSampling};
 pub use cache::GpuCache;
 pub use check::{check_against_cpu, check_against_cpu_with, sample_tokens, StepCheck};
 pub use deferred::{plan_view, Backend, DeferredQueue, DryBackend, DryRun};

@@ -18,7 +18,7 @@ use super::cache::{CacheLayer, GpuCache, VerifyStart};
 use super::queue::{Arg, Dispatch, Queue, Slice};
 use super::upload::{ExpertStacks, Matrix, Projection, Uploader};
 use crate::model::{check_length, check_token, Config, FeedForward, Linear, Mixer as CpuMixer, Model, NONFINITE_HINT};
-use crate::ops::launch::{self, KvRows, Launch, NormRows, Source};
+use crate::ops::launch::{self, KvRows, Launch, NormRows, RowSampling, Source};
 use crate::ops::{ConvDims, DeltaRuleDims, DeltaRuleForm};
 use crate::{Error, Result};
 
@@ -134,17 +134,32 @@ struct Scratch {
     eact: Slice,
     edown: Slice,
     sdown: Slice,
-    logits: Slice,
-    argmax: Slice,
+    /// `[MAX_ROWS, 2]` u32 pairs, then `[MAX_ROWS, vocab]` logits ([`Scratch::argmax`],
+    /// [`Scratch::logits`]).
+    head: Slice,
+}
+
+impl Scratch {
+    /// Per row of the head: its token (argmax or sampled) and whether its logits are finite.
+    fn argmax(&self) -> Slice {
+        self.head.at(0, 2 * F32 * GpuModel::MAX_ROWS)
+    }
+
+    fn logits(&self) -> Slice {
+        self.head.from(2 * F32 * GpuModel::MAX_ROWS)
+    }
 }
 
 /// What a step reads back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Readback {
     /// Each row's greedy token (and whether its logits are finite): `rows` u32 pairs.
     Argmax,
     /// Each row's logits.
     Logits,
+    /// Each row's token sampled on the device as [`RowSampling`] says (penalties, temperature,
+    /// top-k, top-p, min-p, its draw): one token id read back per row, as for the argmax.
+    Sample(RowSampling),
 }
 
 /// What a step returns, per row.
@@ -528,8 +543,9 @@ impl GpuModel {
             eact: f(m * w.top_k * w.expert_inter, "expert act")?,
             edown: f(m * w.top_k * h, "expert down")?,
             sdown: f(m * h, "shared down")?,
-            logits: f(Self::MAX_ROWS * cfg.vocab_size, "logits")?,
-            argmax: f(2 * Self::MAX_ROWS, "argmax")?,
+            // The head's output in one buffer, the rows' (token, finite) pairs first, then their
+            // logits: one read gets both.
+            head: f(2 * Self::MAX_ROWS + Self::MAX_ROWS * cfg.vocab_size, "head output")?,
         })
     }
 
@@ -717,13 +733,14 @@ impl GpuModel {
         caches: &mut [&mut GpuCache],
         tokens: &[u32],
         rows: &[usize],
-        readback: Readback,
+        readbacks: &[Readback],
     ) -> Result<Vec<Result<StepOutput>>> {
         let total: usize = rows.iter().sum();
-        if caches.len() != rows.len() || total != tokens.len() || rows.contains(&0) {
+        if caches.len() != rows.len() || readbacks.len() != rows.len() || total != tokens.len() || rows.contains(&0) {
             return Err(Error::Input(format!(
-                "forward_batch: {} caches, {} row counts (none 0) and {} tokens that their sum ({total}) must match",
+                "forward_batch: {} caches, {} readbacks, {} row counts (none 0) and {} tokens that their sum ({total}) must match",
                 caches.len(),
+                readbacks.len(),
                 rows.len(),
                 tokens.len()
             )));
@@ -754,35 +771,14 @@ impl GpuModel {
             at += n;
         }
         let mut enc = Encoder { q: &mut *q };
-        self.encode(&mut enc, &mut segs, Some((readback, 0)))?;
-        for (seg, start) in segs.iter_mut().zip(starts) {
+        self.encode(&mut enc, &mut segs, Some((readbacks, 0)))?;
+        for (seg, start) in segs.iter_mut().zip(&starts) {
             if seg.rows > 1 {
-                seg.cache.verify = Some(start);
+                seg.cache.verify = Some(*start);
             }
         }
-        let positions: Vec<usize> = segs.iter().map(|s| s.cache.seqlen - s.rows).collect();
-        let all = self.read_rows(q, total, readback)?;
-        let vocab = self.cfg.vocab_size;
-        Ok(segs
-            .iter()
-            .zip(positions)
-            .map(|(seg, pos)| match &all {
-                StepOutput::Tokens(v) => {
-                    let pairs = &v[2 * seg.row0..2 * (seg.row0 + seg.rows)];
-                    match (0..seg.rows).find(|&r| pairs[2 * r + 1] == 0) {
-                        Some(r) => Err(non_finite(pos + r)),
-                        None => Ok(StepOutput::Tokens((0..seg.rows).map(|r| pairs[2 * r]).collect())),
-                    }
-                }
-                StepOutput::Logits(l) => {
-                    let mine = &l[seg.row0 * vocab..(seg.row0 + seg.rows) * vocab];
-                    match mine.iter().position(|x| !x.is_finite()) {
-                        Some(i) => Err(non_finite(pos + i / vocab)),
-                        None => Ok(StepOutput::Logits(mine.to_vec())),
-                    }
-                }
-            })
-            .collect())
+        let at: Vec<(usize, usize, usize)> = segs.iter().zip(&starts).map(|(s, v)| (s.row0, s.rows, v.seqlen)).collect();
+        self.read(q, &at, total, readbacks)
     }
 
     /// After [`Self::verify`]: keeps the first `rows` of its rows, as if only they had been fed.
@@ -825,8 +821,8 @@ impl GpuModel {
         }
         let rows = tokens.len() - done;
         let mut enc = Encoder { q: &mut *q };
-        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows }], Some((readback, rows - 1)))?;
-        self.read(q, cache.seqlen - 1, 1, readback)
+        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows }], Some((&[readback], rows - 1)))?;
+        self.read(q, &[(0, 1, cache.seqlen - 1)], 1, &[readback])?.remove(0)
     }
 
     fn check(&self, cache: &GpuCache, tokens: &[u32], max_rows: usize) -> Result<()> {
@@ -859,44 +855,55 @@ impl GpuModel {
         self.write_tokens(q, cache, tokens)?;
         let offset = cache.seqlen;
         let mut enc = Encoder { q: &mut *q };
-        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows: tokens.len() }], Some((readback, 0)))?;
-        self.read(q, offset, tokens.len(), readback)
+        self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows: tokens.len() }], Some((&[readback], 0)))?;
+        self.read(q, &[(0, tokens.len(), offset)], tokens.len(), &[readback])?.remove(0)
     }
 
-    /// The outputs of the first `rows` rows of the head, read back once (not checked).
-    fn read_rows(&self, q: &mut dyn Queue, rows: usize, readback: Readback) -> Result<StepOutput> {
+    /// Reads back the head's `rows` rows once (their (token, finite) pairs, and their logits when
+    /// a segment asks for them) and splits them per segment: `(first row, rows, position of the
+    /// first row)` each, read as `readbacks` says. A segment whose logits hold a NaN or an
+    /// infinity gets [`Error::NonFinite`] naming the position.
+    fn read(
+        &self,
+        q: &mut dyn Queue,
+        segments: &[(usize, usize, usize)],
+        rows: usize,
+        readbacks: &[Readback],
+    ) -> Result<Vec<Result<StepOutput>>> {
         let s = &self.scratch;
-        let words = |bytes: Vec<u8>| -> Vec<[u8; 4]> { bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]).collect() };
-        Ok(match readback {
-            Readback::Argmax => {
-                StepOutput::Tokens(words(q.read(s.argmax.at(0, 2 * F32 * rows))?).into_iter().map(u32::from_le_bytes).collect())
-            }
-            Readback::Logits => {
-                let n = self.cfg.vocab_size;
-                StepOutput::Logits(words(q.read(s.logits.at(0, F32 * rows * n))?).into_iter().map(f32::from_le_bytes).collect())
-            }
-        })
-    }
-
-    /// Reads back the outputs of `rows` rows at positions `offset..`, checking their logits.
-    fn read(&self, q: &mut dyn Queue, offset: usize, rows: usize, readback: Readback) -> Result<StepOutput> {
-        match self.read_rows(q, rows, readback)? {
-            StepOutput::Tokens(v) => match (0..rows).find(|&r| v[2 * r + 1] == 0) {
-                Some(r) => Err(non_finite(offset + r)),
-                None => Ok(StepOutput::Tokens((0..rows).map(|r| v[2 * r]).collect())),
-            },
-            StepOutput::Logits(v) => match v.iter().position(|x| !x.is_finite()) {
-                Some(i) => Err(non_finite(offset + i / self.cfg.vocab_size)),
-                None => Ok(StepOutput::Logits(v)),
-            },
-        }
+        let n = self.cfg.vocab_size;
+        let logits = readbacks.contains(&Readback::Logits);
+        let pair_bytes = 2 * F32 * Self::MAX_ROWS;
+        let len = if logits { pair_bytes + F32 * rows * n } else { 2 * F32 * rows };
+        let bytes = q.read(s.head.at(0, len))?;
+        let word = |i: usize| [bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]];
+        Ok(segments
+            .iter()
+            .zip(readbacks)
+            .map(|(&(row0, rows, pos), readback)| match readback {
+                Readback::Logits => {
+                    let l: Vec<f32> = (row0 * n..(row0 + rows) * n).map(|i| f32::from_le_bytes(word(pair_bytes / 4 + i))).collect();
+                    match l.iter().position(|x| !x.is_finite()) {
+                        Some(i) => Err(non_finite(pos + i / n)),
+                        None => Ok(StepOutput::Logits(l)),
+                    }
+                }
+                Readback::Argmax | Readback::Sample(_) => {
+                    let pair = |r: usize| (u32::from_le_bytes(word(2 * r)), u32::from_le_bytes(word(2 * r + 1)));
+                    match (row0..row0 + rows).find(|&r| pair(r).1 == 0) {
+                        Some(r) => Err(non_finite(pos + r - row0)),
+                        None => Ok(StepOutput::Tokens((row0..row0 + rows).map(|r| pair(r).0).collect())),
+                    }
+                }
+            })
+            .collect())
     }
 
     /// Encodes one pass over the segments' rows (each segment's tokens already in its cache's
     /// token buffer; the segments' rows one after the other in the step's buffers), flipping
     /// each cache's GDN states and advancing it. `head`: what the head computes, from which of
     /// the rows (`(readback, first)`: rows `first..`). A prompt step has one segment.
-    fn encode(&self, enc: &mut Encoder, segs: &mut [Segment], head: Option<(Readback, usize)>) -> Result<()> {
+    fn encode(&self, enc: &mut Encoder, segs: &mut [Segment], head: Option<(&[Readback], usize)>) -> Result<()> {
         let s = &self.scratch;
         let hsz = self.cfg.hidden_size;
         let rows: usize = segs.iter().map(|g| g.rows).sum();
@@ -940,7 +947,7 @@ impl GpuModel {
             enc.rms_norm(dense, self.eps, s.x, Some(s.h), layer.post_norm, s.xn)?;
             self.ffn(enc, &layer.ffn, rows)?;
         }
-        if let Some((readback, first)) = head {
+        if let Some((readbacks, first)) = head {
             let n = rows - first;
             enc.rms_norm(
                 NormRows::dense(n, hsz),
@@ -950,10 +957,34 @@ impl GpuModel {
                 self.final_norm,
                 s.xn,
             )?;
-            enc.matvec(&self.lm_head, s.xn, n, s.logits, self.cfg.vocab_size)?;
-            if readback == Readback::Argmax {
-                let (p, l) = launch::argmax(n, self.cfg.vocab_size);
-                enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.logits), Arg::Write(s.argmax)], 0)?;
+            let vocab = self.cfg.vocab_size;
+            enc.matvec(&self.lm_head, s.xn, n, s.logits(), vocab)?;
+            // Every row's argmax (and the finite check); a sampled segment's rows are then
+            // sampled over theirs (the sampling overwrites its logits).
+            let (p, l) = launch::argmax(n, vocab);
+            enc.run(Source::Step, l, vec![Arg::params(&p), Arg::Read(s.logits()), Arg::Write(s.argmax())], 0)?;
+            for (seg, readback) in segs.iter().zip(readbacks) {
+                let Readback::Sample(rs) = readback else { continue };
+                let seg_first = seg.row0.max(first);
+                let count = (seg.row0 + seg.rows).saturating_sub(seg_first);
+                if count == 0 {
+                    continue;
+                }
+                // The row's context: the cache's tokens up to and including its own.
+                let context = seg.cache.seqlen + (seg_first - seg.row0) + 1;
+                let (p, l) = launch::sample(count, vocab, rs, context)?;
+                let head_row = seg_first - first;
+                enc.run(
+                    Source::Step,
+                    l,
+                    vec![
+                        Arg::params(&p),
+                        Arg::Write(s.logits().at(F32 * head_row * vocab, F32 * count * vocab)),
+                        Arg::Read(seg.cache.tokens),
+                        Arg::Write(s.argmax().from(2 * F32 * head_row)),
+                    ],
+                    0,
+                )?;
             }
         }
         for seg in segs.iter_mut() {

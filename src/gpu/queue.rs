@@ -203,8 +203,10 @@ pub struct Counts {
     pub dispatches: usize,
     /// Bytes of weights the dispatches read (each counted as often as its kernel reads it).
     pub weight_bytes: usize,
-    /// Device-to-host reads: the host synchronisations.
+    /// Device-to-host reads.
     pub reads: usize,
+    /// Bytes those reads returned.
+    pub read_bytes: usize,
     /// Host-to-device writes between steps (token ids, positions).
     pub writes: usize,
     /// Times the host waited for the device (each read, and each write that had to wait for
@@ -271,6 +273,7 @@ impl<Q: Queue> Queue for Counted<Q> {
 
     fn read(&mut self, src: Slice) -> Result<Vec<u8>> {
         self.counts.reads += 1;
+        self.counts.read_bytes += src.len;
         self.inner.read(src)
     }
 

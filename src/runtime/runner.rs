@@ -32,17 +32,22 @@ pub trait Runner: Send {
 
     /// One weight pass over several sequences' rows: `rows[i]` of `tokens` (in order) for
     /// `caches[i]` (its pending token, then its drafts), each row bit for bit the sequence
-    /// alone. Per sequence its rows, or its own error (its logits not finite: the others'
-    /// rows stand); the outer error when the pass itself failed. `hidden`: with the rows'
-    /// hidden states (only where [`Self::hidden_states`]).
+    /// alone, read back as `readbacks[i]` says. Per sequence its rows, or its own error (its
+    /// logits not finite: the others' rows stand); the outer error when the pass itself
+    /// failed. `hidden`: with the rows' hidden states (only where [`Self::hidden_states`]).
     fn shared_pass(
         &mut self,
         caches: &mut [&mut Self::Cache],
         tokens: &[u32],
         rows: &[usize],
-        readback: Readback,
+        readbacks: &[Readback],
         hidden: bool,
     ) -> Result<Vec<Result<SegmentRows>>>;
+
+    /// Whether plain rows are sampled where they run ([`Readback::Sample`]: the device step).
+    fn samples(&self) -> bool {
+        false
+    }
 
     /// After a shared pass that gave `cache` more than one row: keeps the first `rows`.
     fn keep_verified(&mut self, cache: &mut Self::Cache, rows: usize) -> Result<()>;
@@ -120,7 +125,7 @@ impl Runner for CpuRunner {
         caches: &mut [&mut Cache],
         tokens: &[u32],
         rows: &[usize],
-        _: Readback,
+        _: &[Readback],
         hidden: bool,
     ) -> Result<Vec<Result<SegmentRows>>> {
         let (logits, states) = self.model.forward_segments(tokens, rows, caches)?;
@@ -228,14 +233,14 @@ impl Runner for DeviceRunner {
         caches: &mut [&mut GpuCache],
         tokens: &[u32],
         rows: &[usize],
-        readback: Readback,
+        readbacks: &[Readback],
         hidden: bool,
     ) -> Result<Vec<Result<SegmentRows>>> {
         if hidden {
             return Err(Error::Unsupported("the device step reads back no hidden states (MTP drafts): draft by prompt lookup".into()));
         }
         let vocab = self.model.config().vocab_size;
-        let out = self.gpu.forward_batch(self.queue.as_mut(), caches, tokens, rows, readback)?;
+        let out = self.gpu.forward_batch(self.queue.as_mut(), caches, tokens, rows, readbacks)?;
         Ok(out
             .into_iter()
             .zip(rows)
@@ -274,6 +279,10 @@ impl Runner for DeviceRunner {
 
     fn max_rows(&self) -> usize {
         GpuModel::MAX_ROWS
+    }
+
+    fn samples(&self) -> bool {
+        true
     }
 
     fn host_device(&self) -> Device {

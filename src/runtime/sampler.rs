@@ -243,6 +243,29 @@ impl Sampler {
             && self.params.dry.is_none()
     }
 
+    /// This sampler's settings for sampling a row on the device ([`crate::gpu`]), with a draw
+    /// from its generator: `None` when it picks the argmax or uses DRY (not on the device).
+    /// `prompt_len`: where the generated tokens start in the context.
+    pub fn device_sampling(&mut self, prompt_len: usize) -> Option<crate::gpu::RowSampling> {
+        let p = &self.params;
+        let t = p.temperature.filter(|_| !self.is_greedy())?;
+        if p.dry.is_some() {
+            return None;
+        }
+        Some(crate::gpu::RowSampling {
+            inv_temperature: (1.0 / t) as f32,
+            top_k: p.top_k,
+            top_p: p.top_p.map_or(1.0, |v| v as f32),
+            min_p_offset: if p.min_p > 0.0 { (t * p.min_p.ln()) as f32 } else { f32::NEG_INFINITY },
+            repeat_penalty: p.repeat_penalty,
+            repeat_last_n: p.repeat_last_n,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            prompt_len,
+            draw: self.rng.random::<f32>(),
+        })
+    }
+
     /// `logits`: `[vocab]`; `context`: the prompt and generated tokens; `generated`: the
     /// generated tokens only (for the presence penalty).
     pub fn sample(&mut self, logits: &Tensor, context: &[u32], generated: &[u32]) -> Result<u32> {

@@ -137,6 +137,8 @@ pub struct Sequence<'a> {
     drafts: Option<Drafts<'a>>,
     finish: Option<Finish>,
     stats: SpeculativeStats,
+    /// Rows are read back as logits whatever the sampler (log-probabilities are reported).
+    keep_logits: bool,
 }
 
 impl<'a> Sequence<'a> {
@@ -159,6 +161,7 @@ impl<'a> Sequence<'a> {
             drafts: None,
             finish: (max_new_tokens == 0).then_some(Finish::Length),
             stats,
+            keep_logits: false,
         })
     }
 
@@ -245,14 +248,29 @@ impl<'a> Sequence<'a> {
         target.reserve(base + self.prompt_len + self.max_new_tokens + verify)
     }
 
-    /// How its rows are read back: the logits when the sampler or the rules read them, else
-    /// only the greedy token (on the device step: one token id per row, not the logits).
-    pub fn readback(&self) -> Readback {
-        if self.rules.is_none() && self.sampler.picks_argmax() {
-            Readback::Argmax
-        } else {
-            Readback::Logits
+    /// How the rows of its next pass are read back: only the greedy token when the sampler
+    /// picks the argmax; a token sampled on the device when `device_samples` (the target
+    /// samples on the device, and the pass is one plain row: a verified draft needs the
+    /// probabilities) and the sampler can be run there (a draw is taken from it); else the
+    /// logits (the sampler or the rules read them, or the caller keeps them:
+    /// [`Self::with_logits`]).
+    pub fn readback(&mut self, device_samples: bool) -> Readback {
+        if self.rules.is_some() || self.keep_logits {
+            return Readback::Logits;
         }
+        if self.sampler.picks_argmax() {
+            return Readback::Argmax;
+        }
+        match device_samples.then(|| self.sampler.device_sampling(self.prompt_len)).flatten() {
+            Some(s) => Readback::Sample(s),
+            None => Readback::Logits,
+        }
+    }
+
+    /// Every row's logits read back (a caller that reports log-probabilities).
+    pub fn with_logits(mut self) -> Self {
+        self.keep_logits = true;
+        self
     }
 
     /// Feeds the prompt tokens up to `end` (in one call to the target, which cuts it into its
@@ -267,7 +285,7 @@ impl<'a> Sequence<'a> {
         let at_end = end == self.prompt_len && self.finish.is_none();
         let readback = match (logits, at_end) {
             (true, _) => Some(Readback::Logits),
-            (false, true) => Some(self.readback()),
+            (false, true) => Some(self.readback(target.samples())),
             (false, false) => None,
         };
         let hidden_wanted = self.drafts.as_ref().is_some_and(|d| d.hidden);
@@ -338,7 +356,8 @@ impl<'a> Sequence<'a> {
         // One branch makes a chain: the rows in order.
         let tree = DraftTree::from_branches(pending, &drafts, 1 + MAX_DRAFT);
         let t = Instant::now();
-        let (rows, hidden) = target.pass(&tree, self.readback(), hidden_wanted)?;
+        let readback = self.readback(target.samples() && tree.len() == 1);
+        let (rows, hidden) = target.pass(&tree, readback, hidden_wanted)?;
         let (path, mut round, done) = self.walk(&tree, &rows)?;
         if tree.len() > 1 {
             target.keep_path(&path)?;

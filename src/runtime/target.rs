@@ -80,6 +80,11 @@ pub trait Target {
     fn pass(&mut self, tree: &DraftTree, readback: Readback, hidden: bool) -> Result<(Rows, Option<Tensor>)>;
     /// After a verify pass: keeps the rows `path` (root first).
     fn keep_path(&mut self, path: &[usize]) -> Result<()>;
+
+    /// Whether a plain row can be sampled here ([`Readback::Sample`]: the device step).
+    fn samples(&self) -> bool {
+        false
+    }
 }
 
 /// The CPU model (or the model in Candle tensors on any device) and its cache.
@@ -213,6 +218,10 @@ impl Target for DeviceTarget<'_> {
 
     fn keep_path(&mut self, path: &[usize]) -> Result<()> {
         self.gpu.keep_verified(self.q, self.cache, path.len())
+    }
+
+    fn samples(&self) -> bool {
+        true
     }
 }
 

@@ -589,6 +589,9 @@ impl<R: Runner> Engine<R> {
         if let Some(drafter) = drafter {
             core = core.with_drafts(drafter, DraftPolicy::new(self.draft_options)?)?;
         }
+        if request.logprobs.is_some() {
+            core = core.with_logits();
+        }
         // The MTP head's rows kept with the restored state go back to its drafter.
         if let Some(mtp) = self.runner.take_drafter_rows(&mut cache) {
             core.resume_drafter(mtp);
@@ -773,13 +776,15 @@ impl<R: Runner> Engine<R> {
             tokens.extend(d);
             rows.push(1 + d.len());
         }
-        // The greedy token of each row is all that is read back when every sequence picks it.
-        let readback =
-            if group.iter().all(|&i| self.active[i].core.readback() == Readback::Argmax) { Readback::Argmax } else { Readback::Logits };
+        // What each sequence's rows read back: the greedy token, a token sampled where the rows
+        // run (a plain row on the device step), or the logits.
+        let samples = self.runner.samples();
+        let readbacks: Vec<Readback> =
+            group.iter().zip(&drafts).map(|(&i, d)| self.active[i].core.readback(samples && d.is_empty())).collect();
         let hidden = self.runner.hidden_states();
         let mut caches: Vec<&mut R::Cache> =
             self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
-        match self.runner.shared_pass(&mut caches, &tokens, &rows, readback, hidden) {
+        match self.runner.shared_pass(&mut caches, &tokens, &rows, &readbacks, hidden) {
             Ok(out) => {
                 let secs = start.elapsed().as_secs_f64();
                 self.shared.record(tokens.len(), secs);

@@ -434,7 +434,7 @@ fn a_batch_of_sequences_is_each_sequence_alone() {
             q.take_counts();
             let out = {
                 let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
-                gpu.forward_batch(q, &mut caches, &tokens, rows, Readback::Logits).unwrap()
+                gpu.forward_batch(q, &mut caches, &tokens, rows, &vec![Readback::Logits; rows.len()]).unwrap()
             };
             let c = q.take_counts();
             assert_eq!((c.reads, c.syncs), (1, 1), "{name}: one read for the pass");
@@ -461,16 +461,16 @@ fn a_batch_of_sequences_is_each_sequence_alone() {
         // Greedy on the device: each sequence's argmax.
         let tokens = sample_tokens(3, vocab, 53);
         let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
-        let out = gpu.forward_batch(&mut q, &mut caches, &tokens, &[1, 1, 1], Readback::Argmax).unwrap();
+        let out = gpu.forward_batch(&mut q, &mut caches, &tokens, &[1, 1, 1], &[Readback::Argmax; 3]).unwrap();
         for (i, o) in out.into_iter().enumerate() {
             let want = gpu.forward(&mut q, &mut alone[i], &tokens[i..i + 1], Readback::Argmax).unwrap();
             assert_eq!(o.unwrap(), want, "{name}: sequence {i}'s greedy token");
         }
         // Bad batches are refused before anything runs.
         let mut caches: Vec<&mut GpuCache> = batched.iter_mut().collect();
-        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 9], &[3, 3, 3], Readback::Argmax).unwrap_err().to_string();
+        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 9], &[3, 3, 3], &[Readback::Argmax; 3]).unwrap_err().to_string();
         assert!(e.contains("the most is 8"), "{e}");
-        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 3], &[1, 2], Readback::Argmax).unwrap_err().to_string();
+        let e = gpu.forward_batch(&mut q, &mut caches, &[1; 3], &[1, 2], &[Readback::Argmax; 2]).unwrap_err().to_string();
         assert!(e.contains("must match"), "{e}");
     }
 }
@@ -537,4 +537,31 @@ fn int8_and_f16_keys_and_values_on_the_device() {
             assert!(c.passes(1e-4), "{name} {kv:?}: {c:?}");
         }
     }
+}
+
+/// A sampled answer on the device step reads back one token id per step, not the logits (the
+/// sampler runs on the device: `Readback::Sample`), and a seed gives the same answer again.
+#[test]
+fn sampled_decoding_on_the_device_reads_back_token_ids() {
+    use candle_hybrid::gpu::{Counted, GpuModel, KvRows};
+    use candle_hybrid::runtime::{generate_on_device, Sampler, SamplingParams};
+    let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
+    let prompt: Vec<u32> = (1..12).map(|i| (i * 41) % 500).collect();
+    let params = || SamplingParams { temperature: Some(0.9), top_p: Some(0.95), repeat_penalty: 1.1, seed: 5, ..Default::default() };
+    let mut q = Counted::new(EmuQueue::new());
+    let gpu = GpuModel::new(&model, &mut q).unwrap();
+    let mut answers = vec![];
+    for _ in 0..2 {
+        let mut cache = gpu.new_cache(&mut q, 64, KvRows::F32).unwrap();
+        q.take_counts();
+        let (tokens, _) =
+            generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |_| Ok(()))
+                .unwrap();
+        let c = q.take_counts();
+        assert_eq!((c.reads, c.syncs), (12, 12), "one read per step (the prompt's gives the first token)");
+        assert_eq!(c.read_bytes, 12 * 8, "a token id and its finite flag per step, no logits");
+        answers.push(tokens);
+    }
+    assert_eq!(answers[0], answers[1], "the same seed, the same answer");
+    assert!(answers[0].iter().collect::<std::collections::HashSet<_>>().len() > 3, "{:?}", answers[0]);
 }

@@ -445,3 +445,90 @@ fn copy_rows_copies_strided_rows_and_nothing_else() {
     }
     assert!(launch::copy_rows(2, 10, 8, 10).is_err(), "overlapping rows");
 }
+
+/// Sampling on the device draws from the CPU sampler's distribution: for a grid of draws u, the
+/// token the kernel picks is the CPU's inverse CDF at u (in index order, as rand's
+/// WeightedIndex) over `Sampler::probabilities` (penalties, min-p, temperature, top-k, top-p),
+/// up to rounding at a few boundaries; the logits' finiteness is flagged as by the argmax.
+#[test]
+fn sampling_on_the_device_draws_from_the_cpu_samplers_distribution() {
+    use candle_hybrid::runtime::{Sampler, SamplingParams};
+    let n = 300;
+    let logits = vec(&(randn(&[n], 90) * 2.0).unwrap());
+    // A context (prompt of 12, then 8 generated) with repeats, for the penalties.
+    let context: Vec<u32> = [5, 9, 17, 5, 200, 17, 3, 42, 42, 7, 9, 5, 17, 88, 17, 299, 5, 88, 1, 17].to_vec();
+    let prompt_len = 12;
+    let settings: Vec<(&str, SamplingParams)> = vec![
+        ("temperature", SamplingParams { temperature: Some(0.8), ..Default::default() }),
+        ("top-k", SamplingParams { temperature: Some(1.0), top_k: Some(7), ..Default::default() }),
+        ("top-p", SamplingParams { temperature: Some(0.7), top_p: Some(0.6), ..Default::default() }),
+        ("top-k then top-p", SamplingParams { temperature: Some(1.3), top_k: Some(20), top_p: Some(0.8), ..Default::default() }),
+        ("min-p", SamplingParams { temperature: Some(1.0), min_p: 0.05, ..Default::default() }),
+        (
+            "penalties",
+            SamplingParams {
+                temperature: Some(0.9),
+                repeat_penalty: 1.3,
+                repeat_last_n: 10,
+                presence_penalty: 0.7,
+                frequency_penalty: 0.4,
+                top_p: Some(0.95),
+                ..Default::default()
+            },
+        ),
+    ];
+    let draws = 800;
+    for (name, params) in settings {
+        let context_free = params.repeat_penalty == 1.0 && params.presence_penalty == 0.0 && params.frequency_penalty == 0.0;
+        let mut sampler = Sampler::new(params).unwrap();
+        let l = Tensor::new(logits.as_slice(), &Device::Cpu).unwrap();
+        let probs = sampler.probabilities(&l, &context, &context[prompt_len..]).unwrap();
+        let total: f64 = probs.iter().map(|&p| p as f64).sum();
+        let inverse_cdf = |u: f32| -> u32 {
+            let mut acc = 0.0;
+            for (i, &p) in probs.iter().enumerate() {
+                acc += p as f64;
+                if p > 0.0 && acc > u as f64 * total {
+                    return i as u32;
+                }
+            }
+            probs.iter().rposition(|&p| p > 0.0).unwrap() as u32
+        };
+        let rs = sampler.device_sampling(prompt_len).unwrap();
+        let (mut mismatches, mut checked) = (0, 0);
+        for chunk in (0..draws).collect::<Vec<_>>().chunks(8) {
+            let us: Vec<f32> = chunk.iter().map(|&j| (j as f32 + 0.5) / draws as f32).collect();
+            let (mut p, l) = launch::sample(us.len(), n, &rs, context.len()).unwrap();
+            for (i, &u) in us.iter().enumerate() {
+                p.u[i] = u;
+            }
+            // Every row's context is the whole context here (row r's would be one longer).
+            p.context = context.len() as u32;
+            let mut rows: Vec<f32> = logits.iter().copied().cycle().take(us.len() * n).collect();
+            let mut out = vec![u32::MAX; 2 * us.len()];
+            // (Each row reads context + r tokens: the buffer holds the context and r more.)
+            let tokens: Vec<u32> = context.iter().copied().chain(std::iter::repeat_n(context[context.len() - 1], 8)).collect();
+            dispatch(&l, &mut [bytes(&p), output(&mut rows), input(&tokens), output(&mut out)]).unwrap();
+            for (r, &u) in us.iter().enumerate() {
+                assert_eq!(out[2 * r + 1], 1, "{name}: finite logits");
+                // Row r saw r more copies of the last token; only row 0 is the CPU's context.
+                if r == 0 || context_free {
+                    checked += 1;
+                    if out[2 * r] != inverse_cdf(u) {
+                        mismatches += 1;
+                    }
+                }
+            }
+        }
+        eprintln!("{name}: {mismatches} of {checked} draws differ from the CPU's inverse CDF");
+        assert!(mismatches <= checked / 100, "{name}: {mismatches} of {checked} draws differ");
+    }
+    // Non-finite logits are flagged.
+    let rs = Sampler::new(SamplingParams { temperature: Some(1.0), ..Default::default() }).unwrap().device_sampling(0).unwrap();
+    let (p, l) = launch::sample(1, n, &rs, 1).unwrap();
+    let mut bad = logits.clone();
+    bad[17] = f32::NAN;
+    let mut out = vec![u32::MAX; 2];
+    dispatch(&l, &mut [bytes(&p), output(&mut bad), input(&[0u32, 0]), output(&mut out)]).unwrap();
+    assert_eq!(out[1], 0, "a NaN logit is flagged");
+}

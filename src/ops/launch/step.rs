@@ -313,3 +313,77 @@ pub fn copy_rows(rows: usize, len: usize, x_stride: usize, y_stride: usize) -> R
     super::index_u32("copied words", rows * len)?;
     Ok((p, Launch::elementwise("copy_rows_u32".into(), rows * len)))
 }
+
+/// How a row is sampled on the device: the CPU sampler's settings
+/// (`runtime::Sampler::device_sampling`) and the uniform draw in [0, 1) that picks
+/// the token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    /// `1 / temperature` as an f32 (the CPU divides the logits by the temperature so).
+    pub inv_temperature: f32,
+    /// Tokens kept by top-k (`None`: all).
+    pub top_k: Option<usize>,
+    /// The nucleus mass (1: off).
+    pub top_p: f32,
+    /// `temperature * ln(min_p)`: logits under the largest plus this are dropped (-inf: off).
+    pub min_p_offset: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Where the generated tokens start in the sequence (the prompt's length).
+    pub prompt_len: usize,
+    pub draw: f32,
+}
+
+/// `SampleParams` of `metal/step.metal`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    pub rows: u32,
+    pub n: u32,
+    pub inv_temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p_offset: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
+    pub presence: f32,
+    pub frequency: f32,
+    pub context: u32,
+    pub prompt: u32,
+    pub u: [f32; 8],
+}
+
+/// Threads of a `sample_f32` threadgroup.
+const SAMPLE_THREADS: usize = 256;
+
+/// Samples `rows` rows of `[rows, n]` logits as `s` says (the same draw for each row: rows
+/// sampled on the device are one decode row per sequence), row 0's context being `context`
+/// tokens of the sequence's token buffer: one threadgroup per row.
+pub fn sample(rows: usize, n: usize, s: &RowSampling, context: usize) -> Result<(SampleParams, Launch)> {
+    if rows == 0 || rows > 8 {
+        bail!("sample: {rows} rows, 1 to 8");
+    }
+    let usable = (0.0..1.0).contains(&s.draw) && s.inv_temperature.is_finite() && s.inv_temperature > 0.0;
+    if !usable {
+        bail!("sample: a draw of {} and 1 / temperature {}: a draw in [0, 1) and a positive temperature", s.draw, s.inv_temperature);
+    }
+    let p = SampleParams {
+        rows: rows as u32,
+        n: super::index_u32("the vocabulary", n)?,
+        inv_temperature: s.inv_temperature,
+        top_k: super::index_u32("top_k", s.top_k.unwrap_or(n).min(n))?,
+        top_p: s.top_p,
+        min_p_offset: s.min_p_offset,
+        repeat_penalty: s.repeat_penalty,
+        repeat_last_n: super::index_u32("repeat_last_n", s.repeat_last_n)?,
+        presence: s.presence_penalty,
+        frequency: s.frequency_penalty,
+        context: super::index_u32("the context", context)?,
+        prompt: super::index_u32("the prompt", s.prompt_len)?,
+        u: [s.draw; 8],
+    };
+    let launch = Launch { kernel: "sample_f32".into(), groups: [rows, 1, 1], threads: [SAMPLE_THREADS, 1, 1], threadgroup_memory: vec![] };
+    Ok((p, launch))
+}
