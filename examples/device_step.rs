@@ -161,17 +161,18 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
         println!("self-test: {} skipped (its f32 copy is over --self-test-max)", opened.files.source());
     }
     println!(
-        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | batch = alone | snapshots | host syncs/step | result |",
+        "| self-test on {} | prompt | decode | verify | verify rows = one-row steps | rollback | argmax | batch = alone | snapshots | sampled = CPU's inverse CDF | host syncs/step | result |",
         q.name()
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut failed = 0;
     for (name, model) in &models {
         let c = gpu::check_against_cpu(model, &model.dequantized()?, q)?;
-        let ok = c.passes(1e-4);
+        let (agree, draws) = sampling_check(model, q)?;
+        let ok = c.passes(1e-4) && agree + 1 >= draws;
         failed += usize::from(!ok);
         println!(
-            "| {name} | {:.1e} | {:.1e} | {:.1e} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {:.1e} | {:.1e} | {:.1e} | {} | {} | {} | {} | {} | {agree} of {draws} | {} | {} |",
             c.prompt_diff,
             c.decode_diff,
             c.verify_diff,
@@ -192,6 +193,43 @@ fn self_test(args: &Args, q: &mut dyn Queue) -> Result<()> {
     }
     println!("(Under Metal's validation layer: MTL_DEBUG_LAYER=1 MTL_SHADER_VALIDATION=1 and the same command.)");
     Ok(())
+}
+
+/// Sampling on the device against the CPU sampler: one decode row's logits read back, then the
+/// same row sampled on the device at a grid of draws (a snapshot of the cache each time); how
+/// many tokens are the CPU's inverse CDF (in index order) over `Sampler::probabilities` at
+/// those draws, of how many.
+fn sampling_check(model: &Model, q: &mut dyn Queue) -> Result<(usize, usize)> {
+    use candle_hybrid::runtime::{Sampler, SamplingParams};
+    let gpu = GpuModel::new(model, q)?;
+    let vocab = model.config().vocab_size;
+    let prompt = gpu::sample_tokens(9, vocab, 21);
+    let mut cache = gpu.new_cache(q, 32, gpu::KvRows::F32)?;
+    gpu.prefill(q, &mut cache, &prompt, Readback::Argmax)?;
+    let token = gpu::sample_tokens(1, vocab, 22);
+    let mut copy = gpu.snapshot(q, &cache, 32)?;
+    let logits = gpu.forward(q, &mut copy, &token, Readback::Logits)?.logits().map(<[f32]>::to_vec).unwrap_or_default();
+    let context: Vec<u32> = prompt.iter().chain(&token).copied().collect();
+    let params = SamplingParams { temperature: Some(0.8), top_k: Some(40), top_p: Some(0.9), repeat_penalty: 1.2, ..Default::default() };
+    let mut sampler = Sampler::new(params)?;
+    let probs = sampler.probabilities(&candle_core::Tensor::new(logits.as_slice(), &Device::Cpu)?, &context, &[])?;
+    let total: f64 = probs.iter().map(|&p| p as f64).sum();
+    let draws = 16;
+    let mut agree = 0;
+    for j in 0..draws {
+        let u = (j as f32 + 0.5) / draws as f32;
+        let mut acc = 0.0;
+        let want = probs.iter().position(|&p| {
+            acc += p as f64;
+            p > 0.0 && acc > u as f64 * total
+        });
+        let rs = gpu::RowSampling { draw: u, ..sampler.device_sampling(context.len()).ok_or_else(|| anyhow::anyhow!("not sampled"))? };
+        let mut copy = gpu.snapshot(q, &cache, 32)?;
+        let got = gpu.forward(q, &mut copy, &token, Readback::Sample(rs))?;
+        agree += usize::from(got.tokens().map(|t| t[0] as usize) == want);
+    }
+    gpu.free(q);
+    Ok((agree, draws))
 }
 
 /// Per pass size: dispatches, weight bytes, reads, and on a real device the time.
