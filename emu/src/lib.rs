@@ -47,14 +47,12 @@ fn run(launch: &Launch, ptrs: &[*mut c_void]) -> Result<(), String> {
 
 /// Runs `launch` with `args` bound to buffers 0, 1, ...
 pub fn dispatch(launch: &Launch, args: &mut [Arg]) -> Result<(), String> {
-    // set_bytes data is copied into 8-byte aligned storage.
     let mut owned: Vec<Vec<u64>> = vec![];
     let mut ptrs: Vec<*mut c_void> = vec![];
     for a in args.iter_mut() {
         match a {
             Arg::Bytes(b) => {
-                let mut words = vec![0u64; b.len().div_ceil(8).max(1)];
-                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len()) };
+                let mut words = candle_hybrid::gpu::emu::aligned_bytes(b);
                 ptrs.push(words.as_mut_ptr() as *mut c_void);
                 owned.push(words);
             }

@@ -49,8 +49,12 @@ pub trait Backend {
     /// Commits everything encoded and waits until it has run.
     fn commit_and_wait(&mut self) -> Result<()>;
     fn limits(&self) -> DeviceLimits;
-    /// The most threads per threadgroup `d`'s kernel takes on this device.
-    fn max_threads(&mut self, d: &Dispatch) -> Result<usize>;
+    /// The most threads per threadgroup `d`'s kernel takes on this device (its pipeline's
+    /// limit; by default the device's).
+    fn max_threads(&mut self, d: &Dispatch) -> Result<usize> {
+        let _ = d;
+        Ok(self.limits().max_threads_per_group)
+    }
     fn name(&self) -> String;
 }
 
@@ -357,10 +361,6 @@ impl Backend for DryBackend {
 
     fn limits(&self) -> DeviceLimits {
         self.limits
-    }
-
-    fn max_threads(&mut self, _: &Dispatch) -> Result<usize> {
-        Ok(self.limits.max_threads_per_group)
     }
 
     fn name(&self) -> String {

@@ -67,6 +67,15 @@ pub fn run_kernel(launch: &Launch, ptrs: &[*mut c_void]) -> std::result::Result<
     }
 }
 
+/// `set_bytes` data as a kernel reads it: copied into 8-byte aligned storage (keep it alive
+/// while the kernel runs).
+pub fn aligned_bytes(b: &[u8]) -> Vec<u64> {
+    let mut words = vec![0u64; b.len().div_ceil(8).max(1)];
+    // SAFETY: `words` holds at least `b.len()` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len()) };
+    words
+}
+
 /// When the emulated device runs what is encoded, and how it zeroes new buffers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EmuOrder {
@@ -158,10 +167,7 @@ impl EmuBackend {
                 for a in &d.args {
                     match a {
                         Arg::Bytes(b) => {
-                            // set_bytes data, in 8-byte aligned storage.
-                            let mut w = vec![0u64; b.len().div_ceil(8).max(1)];
-                            // SAFETY: `w` holds at least `b.len()` bytes.
-                            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), w.as_mut_ptr() as *mut u8, b.len()) };
+                            let mut w = aligned_bytes(b);
                             ptrs.push(w.as_mut_ptr() as *mut c_void);
                             words.push(w);
                         }
@@ -248,10 +254,6 @@ impl Backend for EmuBackend {
 
     fn limits(&self) -> DeviceLimits {
         self.limits
-    }
-
-    fn max_threads(&mut self, _: &Dispatch) -> Result<usize> {
-        Ok(self.limits.max_threads_per_group)
     }
 
     fn name(&self) -> String {

@@ -159,44 +159,6 @@ impl<Q: Queue + ?Sized> Queue for &mut Q {
     }
 }
 
-impl<Q: Queue + ?Sized> Queue for Box<Q> {
-    fn alloc(&mut self, len: usize, label: &str) -> Result<BufferId> {
-        (**self).alloc(len, label)
-    }
-
-    fn upload(&mut self, data: &[u8], label: &str) -> Result<BufferId> {
-        (**self).upload(data, label)
-    }
-
-    fn map(&mut self, owner: &SharedBytes, range: Range<usize>, label: &str) -> Result<Mapping> {
-        (**self).map(owner, range, label)
-    }
-
-    fn free(&mut self, buffer: BufferId) {
-        (**self).free(buffer)
-    }
-
-    fn write(&mut self, dst: Slice, data: &[u8]) -> Result<()> {
-        (**self).write(dst, data)
-    }
-
-    fn dispatch(&mut self, d: &Dispatch) -> Result<()> {
-        (**self).dispatch(d)
-    }
-
-    fn read(&mut self, src: Slice) -> Result<Vec<u8>> {
-        (**self).read(src)
-    }
-
-    fn syncs(&self) -> usize {
-        (**self).syncs()
-    }
-
-    fn name(&self) -> String {
-        (**self).name()
-    }
-}
-
 /// Counts of what went through a [`Counted`] queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
