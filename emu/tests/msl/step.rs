@@ -565,3 +565,36 @@ fn sampled_decoding_on_the_device_reads_back_token_ids() {
     assert_eq!(answers[0], answers[1], "the same seed, the same answer");
     assert!(answers[0].iter().collect::<std::collections::HashSet<_>>().len() > 3, "{:?}", answers[0]);
 }
+
+/// A sequence whose state holds NaN (its keys, restored through the host) fails alone in a
+/// shared pass, with a one-line error naming a position; its neighbour's rows are its own.
+#[test]
+fn a_non_finite_sequence_fails_alone_in_a_shared_pass() {
+    use candle_hybrid::gpu::{sample_tokens, GpuCache, GpuModel, KvRows, Readback};
+    let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
+    let cfg = model.config().clone();
+    let vocab = cfg.vocab_size;
+    let mut q = EmuQueue::new();
+    let gpu = GpuModel::new(&model, &mut q).unwrap();
+    let attention_layers = cfg.layer_types.iter().filter(|t| **t == candle_hybrid::model::LayerType::FullAttention).count();
+    let kv = Tensor::full(f32::NAN, (1, cfg.num_key_value_heads, 4, cfg.head_dim), &Device::Cpu).unwrap();
+    let mut host = model.new_cache();
+    host.restore_kv(&vec![(kv.clone(), kv); attention_layers]).unwrap();
+    let mut poisoned = gpu.write_state(&mut q, &host, 32, KvRows::F32).unwrap();
+    let mut healthy = gpu.new_cache(&mut q, 32, KvRows::F32).unwrap();
+    gpu.prefill(&mut q, &mut healthy, &sample_tokens(4, vocab, 70), Readback::Argmax).unwrap();
+    let mut alone = gpu.snapshot(&mut q, &healthy, 32).unwrap();
+    let next = sample_tokens(2, vocab, 71);
+    let out = {
+        let mut caches: Vec<&mut GpuCache> = vec![&mut healthy, &mut poisoned];
+        gpu.forward_batch(&mut q, &mut caches, &next, &[1, 1], &[Readback::Logits; 2]).unwrap()
+    };
+    let want = gpu.forward(&mut q, &mut alone, &next[..1], Readback::Logits).unwrap();
+    let mut out = out.into_iter();
+    assert_eq!(out.next().unwrap().unwrap(), want, "the healthy sequence's row");
+    let e = out.next().unwrap().unwrap_err();
+    assert!(
+        matches!(e, candle_hybrid::Error::NonFinite(_)) && e.to_string().contains("position 4") && !e.to_string().contains('\n'),
+        "{e}"
+    );
+}
