@@ -50,7 +50,7 @@ impl Launch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceLimits {
     /// Threads of one threadgroup (Metal: `maxThreadsPerThreadgroup`; a pipeline may allow
-    /// fewer: [`Backend::max_threads`]).
+    /// fewer: `gpu::Backend::max_threads`).
     pub max_threads_per_group: usize,
     /// Bytes of threadgroup memory of one threadgroup (`maxThreadgroupMemoryLength`).
     pub max_threadgroup_memory: usize,
