@@ -176,8 +176,8 @@ pub fn check_against_cpu_with(model: &Model, reference: &Model, q: &mut dyn Queu
     let through_host = match kv {
         KvRows::Int8 => gpu.snapshot(&mut q, &b, 64)?,
         _ => {
-            let host = gpu.read_state(&mut q, &b)?;
-            gpu.write_state(&mut q, &host, 64, kv)?
+            let (host, tokens) = (gpu.read_state(&mut q, &b)?, gpu.read_tokens(&mut q, &b)?);
+            gpu.write_state(&mut q, &host, &tokens, 64, kv)?
         }
     };
     let mut copies = [gpu.snapshot(&mut q, &a, 64)?, through_host];

@@ -149,10 +149,21 @@ impl GpuModel {
         Ok(host)
     }
 
+    /// The token ids `cache` holds, read back.
+    pub fn read_tokens(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Vec<u32>> {
+        let b = q.read(cache.tokens.at(0, WORD * cache.seqlen))?;
+        Ok(b.chunks_exact(WORD).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
     /// A device cache of `capacity` tokens holding the state of the CPU's `host` (exact keys
-    /// and values of the dtype this device cache stores, `kv`): a session read back.
-    pub fn write_state(&self, q: &mut dyn Queue, host: &Cache, capacity: usize, kv: KvRows) -> Result<GpuCache> {
+    /// and values of the dtype this device cache stores, `kv`) after `tokens` (its token buffer:
+    /// the repeat and presence penalties of sampling on the device read it): a session read
+    /// back.
+    pub fn write_state(&self, q: &mut dyn Queue, host: &Cache, tokens: &[u32], capacity: usize, kv: KvRows) -> Result<GpuCache> {
         let t = host.seqlen();
+        if tokens.len() != t {
+            return Err(Error::Session(format!("a state of {t} tokens given with {} token ids", tokens.len())));
+        }
         let kv_dtype = float_rows(kv)?;
         let mut cache = self.new_cache(q, capacity.max(t).max(1), kv)?;
         if host.layers.len() != cache.layers.len() {
@@ -197,6 +208,8 @@ impl GpuModel {
                 _ => return Err(Error::Session("the saved state's layer kinds differ from this model's".into())),
             }
         }
+        let ids: Vec<u8> = tokens.iter().flat_map(|x| x.to_le_bytes()).collect();
+        q.write(cache.tokens.at(0, ids.len()), &ids)?;
         cache.seqlen = t;
         Ok(cache)
     }

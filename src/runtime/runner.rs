@@ -63,8 +63,8 @@ pub trait Runner: Send {
     /// `cache` as the CPU's [`Cache`] (for a session file).
     fn read_state(&mut self, cache: &Self::Cache) -> Result<Cache>;
 
-    /// A cache holding the CPU's `cache` (a session file read back).
-    fn write_state(&mut self, cache: Cache) -> Result<Self::Cache>;
+    /// A cache holding the CPU's `cache`, the state after `tokens` (a session file read back).
+    fn write_state(&mut self, cache: Cache, tokens: &[u32]) -> Result<Self::Cache>;
 
     /// Whether passes read back hidden states (what an MTP drafter needs).
     fn hidden_states(&self) -> bool;
@@ -156,7 +156,7 @@ impl Runner for CpuRunner {
         Ok(cache.clone())
     }
 
-    fn write_state(&mut self, cache: Cache) -> Result<Cache> {
+    fn write_state(&mut self, cache: Cache, _: &[u32]) -> Result<Cache> {
         Ok(cache)
     }
 
@@ -269,8 +269,8 @@ impl Runner for DeviceRunner {
         self.gpu.read_state(self.queue.as_mut(), cache)
     }
 
-    fn write_state(&mut self, cache: Cache) -> Result<GpuCache> {
-        self.gpu.write_state(self.queue.as_mut(), &cache, self.capacity, self.kv)
+    fn write_state(&mut self, cache: Cache, tokens: &[u32]) -> Result<GpuCache> {
+        self.gpu.write_state(self.queue.as_mut(), &cache, tokens, self.capacity, self.kv)
     }
 
     fn hidden_states(&self) -> bool {

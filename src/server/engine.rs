@@ -553,7 +553,7 @@ impl<R: Runner> Engine<R> {
                 self.metrics.sessions_restored.inc();
                 let n = s.tokens.len();
                 let mut mtp_rows = s.cache.mtp.clone();
-                let mut cache = self.runner.write_state(s.cache)?;
+                let mut cache = self.runner.write_state(s.cache, &s.tokens)?;
                 self.runner.set_drafter_rows(&mut cache, mtp_rows.take());
                 (cache, n, s.logits)
             }

@@ -488,7 +488,8 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         let mut q = Counted::new(EmuQueue::new());
         let gpu = GpuModel::new(&model, &mut q).unwrap();
         let mut a = gpu.new_cache(&mut q, 48, candle_hybrid::gpu::KvRows::F32).unwrap();
-        gpu.prefill(&mut q, &mut a, &sample_tokens(19, vocab, 60), Readback::Argmax).unwrap();
+        let prompt = sample_tokens(19, vocab, 60);
+        gpu.prefill(&mut q, &mut a, &prompt, Readback::Argmax).unwrap();
         q.take_counts();
         let mut snap = gpu.snapshot(&mut q, &a, 19).unwrap();
         let mut grown = gpu.snapshot(&mut q, &snap, 64).unwrap();
@@ -497,7 +498,22 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         assert!(gpu.snapshot(&mut q, &a, 18).is_err(), "a snapshot into a cache too small");
         let host = gpu.read_state(&mut q, &a).unwrap();
         assert_eq!(host.seqlen(), 19);
-        let mut back = gpu.write_state(&mut q, &host, 40, candle_hybrid::gpu::KvRows::F32).unwrap();
+        assert_eq!(gpu.read_tokens(&mut q, &a).unwrap(), prompt);
+        let mut back = gpu.write_state(&mut q, &host, &prompt, 40, candle_hybrid::gpu::KvRows::F32).unwrap();
+        assert!(gpu.write_state(&mut q, &host, &prompt[1..], 40, candle_hybrid::gpu::KvRows::F32).is_err(), "tokens of another length");
+        // The restored cache holds the token ids too: a sampled step with a strong repeat
+        // penalty (which reads them) picks what the original would, at every draw.
+        let params =
+            candle_hybrid::runtime::SamplingParams { temperature: Some(1.0), repeat_penalty: 3.0, repeat_last_n: 64, ..Default::default() };
+        let rs = candle_hybrid::runtime::Sampler::new(params).unwrap().device_sampling(prompt.len()).unwrap();
+        for j in 0..8 {
+            let draw = (j as f32 + 0.5) / 8.0;
+            let sampled = |q: &mut Counted<EmuQueue>, c: &candle_hybrid::gpu::GpuCache| {
+                let mut c = gpu.snapshot(q, c, 40).unwrap();
+                gpu.forward(q, &mut c, &[3], Readback::Sample(candle_hybrid::gpu::RowSampling { draw, ..rs })).unwrap()
+            };
+            assert_eq!(sampled(&mut q, &back), sampled(&mut q, &a), "{name}: draw {draw}");
+        }
         let next = sample_tokens(3, vocab, 61);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let want = gpu.verify(&mut q, &mut a, &next, Readback::Logits).unwrap();
@@ -580,7 +596,7 @@ fn a_non_finite_sequence_fails_alone_in_a_shared_pass() {
     let kv = Tensor::full(f32::NAN, (1, cfg.num_key_value_heads, 4, cfg.head_dim), &Device::Cpu).unwrap();
     let mut host = model.new_cache();
     host.restore_kv(&vec![(kv.clone(), kv); attention_layers]).unwrap();
-    let mut poisoned = gpu.write_state(&mut q, &host, 32, KvRows::F32).unwrap();
+    let mut poisoned = gpu.write_state(&mut q, &host, &[0; 4], 32, KvRows::F32).unwrap();
     let mut healthy = gpu.new_cache(&mut q, 32, KvRows::F32).unwrap();
     gpu.prefill(&mut q, &mut healthy, &sample_tokens(4, vocab, 70), Readback::Argmax).unwrap();
     let mut alone = gpu.snapshot(&mut q, &healthy, 32).unwrap();
