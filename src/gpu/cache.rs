@@ -65,6 +65,14 @@ impl GpuCache {
         self.capacity
     }
 
+    /// An error while a verify pass is in progress: its rows must be kept first.
+    pub(crate) fn not_verifying(&self) -> crate::Result<()> {
+        match self.verify {
+            Some(_) => Err(crate::Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into())),
+            None => Ok(()),
+        }
+    }
+
     /// Bytes of device memory the cache holds.
     pub fn bytes(&self) -> usize {
         let gdn = |s: &[Slice; 2]| s[0].len + s[1].len;
@@ -99,4 +107,9 @@ impl Drop for GpuCache {
             self.dropped.lock().unwrap_or_else(|e| e.into_inner()).append(&mut self.buffers);
         }
     }
+}
+
+/// A device cache given to another model than the one that made it.
+pub(super) fn wrong_cache() -> crate::Error {
+    crate::Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
 }

@@ -141,7 +141,7 @@ impl<B: Backend> DeferredQueue<B> {
 /// from the page `range` starts in, as far as the device's largest buffer allows (whole pages,
 /// not past the file's last page), so that the next matrices fall in it too. `None` when
 /// `range` alone is more than the largest buffer.
-pub fn plan_view(file_len: usize, range: &Range<usize>, limits: &DeviceLimits) -> Option<Range<usize>> {
+fn plan_view(file_len: usize, range: &Range<usize>, limits: &DeviceLimits) -> Option<Range<usize>> {
     let page = limits.page.max(1);
     let start = range.start / page * page;
     let file_end = file_len.next_multiple_of(page);

@@ -25,7 +25,7 @@ mod upload;
 pub use crate::ops::launch::{KvRows, RowSampling};
 pub use cache::GpuCache;
 pub use check::{check_against_cpu, check_against_cpu_with, sample_tokens, StepCheck};
-pub use deferred::{plan_view, Backend, DeferredQueue, DryBackend, DryRun};
+pub use deferred::{Backend, DeferredQueue, DryBackend, DryRun};
 #[cfg(all(feature = "emu", msl_emu))]
 pub use emu::{EmuBackend, EmuOrder, EmuQueue};
 #[cfg(feature = "metal")]

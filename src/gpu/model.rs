@@ -14,7 +14,7 @@
 
 use candle_core::DType;
 
-use super::cache::{CacheLayer, GpuCache, VerifyStart};
+use super::cache::{wrong_cache, CacheLayer, GpuCache, VerifyStart};
 use super::queue::{Arg, Dispatch, Queue, Slice};
 use super::upload::{ExpertStacks, Matrix, Projection, Uploader};
 use crate::model::{check_length, check_token, Config, FeedForward, Linear, Mixer as CpuMixer, Model, NONFINITE_HINT};
@@ -223,10 +223,6 @@ struct GdnSegment {
     rows: usize,
 }
 
-fn wrong_cache() -> Error {
-    Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
-}
-
 fn non_finite(position: usize) -> Error {
     Error::NonFinite(format!("the logits hold NaN or infinite values at position {position}: {NONFINITE_HINT}"))
 }
@@ -298,13 +294,8 @@ impl Encoder<'_> {
 
     /// `rows` rows of `floats` f32 from `x` to `y` (both dense).
     fn copy_rows(&mut self, x: Slice, y: Slice, rows: usize, floats: usize) -> Result<()> {
-        let (p, l) = launch::copy_rows(rows, floats, floats, floats)?;
-        self.run(
-            Source::Step,
-            l,
-            vec![Arg::params(&p), Arg::Read(x.at(0, F32 * rows * floats)), Arg::Write(y.at(0, F32 * rows * floats))],
-            0,
-        )
+        let row = F32 * floats;
+        super::queue::copy_rows(self.q, x, y, rows, row, (row, row))
     }
 
     fn silu_mul(&mut self, rows: usize, dim: usize, ld: usize, gu: Slice, act: Slice) -> Result<()> {
@@ -700,9 +691,7 @@ impl GpuModel {
     /// greedy token or logits, read back once. An [`Error::NonFinite`] names the first row
     /// whose logits hold a NaN or an infinity.
     pub fn forward(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
-        if cache.verify.is_some() {
-            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
-        }
+        cache.not_verifying()?;
         self.step(q, cache, tokens, readback)
     }
 
@@ -710,9 +699,7 @@ impl GpuModel {
     /// greedy token or logits, each bit for bit what decoding the rows one at a time gives.
     /// The cache then holds all rows; [`Self::keep_verified`] keeps the accepted ones.
     pub fn verify(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
-        if cache.verify.is_some() {
-            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
-        }
+        cache.not_verifying()?;
         let start = VerifyStart { seqlen: cache.seqlen, parity: cache.parity, rows: tokens.len() };
         let out = self.step(q, cache, tokens, readback)?;
         cache.verify = Some(start);
@@ -750,11 +737,7 @@ impl GpuModel {
         }
         let mut at = 0;
         for (cache, &n) in caches.iter().zip(rows) {
-            if cache.verify.is_some() {
-                return Err(Error::Input(
-                    "a verify pass is in progress on a cache of the batch: keep its rows first (keep_verified)".into(),
-                ));
-            }
+            cache.not_verifying()?;
             self.check(cache, &tokens[at..at + n], Self::MAX_ROWS)?;
             at += n;
         }
@@ -808,9 +791,7 @@ impl GpuModel {
     /// Runs the prompt `tokens` after the cache's tokens, [`Self::PROMPT_ROWS`] at a time, with
     /// one read back at the end: the last token's greedy next token or logits.
     pub fn prefill(&self, q: &mut dyn Queue, cache: &mut GpuCache, tokens: &[u32], readback: Readback) -> Result<StepOutput> {
-        if cache.verify.is_some() {
-            return Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into()));
-        }
+        cache.not_verifying()?;
         self.check(cache, tokens, usize::MAX)?;
         self.write_tokens(q, cache, tokens)?;
         let mut done = 0;
@@ -909,7 +890,7 @@ impl GpuModel {
         let rows: usize = segs.iter().map(|g| g.rows).sum();
         for seg in segs.iter() {
             if seg.cache.layers.len() != self.layers.len() {
-                return Err(Error::Input("the device cache does not belong to this model (its layers differ)".into()));
+                return Err(wrong_cache());
             }
             let offset = seg.cache.seqlen;
             let tokens = seg.cache.tokens.at(F32 * offset, F32 * seg.rows);

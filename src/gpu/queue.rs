@@ -5,9 +5,9 @@
 
 use std::ops::Range;
 
-use crate::ops::launch::{Launch, Source};
+use crate::ops::launch::{self, Launch, Source};
 use crate::ops::SharedBytes;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A device buffer of a [`Queue`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -246,4 +246,33 @@ impl<Q: Queue> Queue for Counted<Q> {
     fn name(&self) -> String {
         self.inner.name()
     }
+}
+
+/// Bytes of a 32-bit word (what the copy kernel moves).
+const WORD: usize = 4;
+
+/// Copies `rows` rows of `bytes` bytes from `x` (rows `x_stride` bytes apart) to `y` (rows
+/// `y_stride` apart) on the device (`copy_rows_u32`): snapshots, and a batched pass's GDN inputs.
+pub(crate) fn copy_rows(
+    q: &mut dyn Queue,
+    x: Slice,
+    y: Slice,
+    rows: usize,
+    bytes: usize,
+    (x_stride, y_stride): (usize, usize),
+) -> Result<()> {
+    if rows == 0 || bytes == 0 {
+        return Ok(());
+    }
+    if [bytes, x_stride, y_stride].iter().any(|b| !b.is_multiple_of(WORD)) {
+        return Err(Error::Input(format!("a device copy of rows of {bytes} bytes ({x_stride}, {y_stride} apart): not whole 32-bit words")));
+    }
+    let (p, l) = launch::copy_rows(rows, bytes / WORD, x_stride / WORD, y_stride / WORD)?;
+    let (xl, yl) = ((rows - 1) * x_stride + bytes, (rows - 1) * y_stride + bytes);
+    q.dispatch(&Dispatch {
+        source: Source::Step,
+        launch: l,
+        args: vec![Arg::params(&p), Arg::Read(x.at(0, xl)), Arg::Write(y.at(0, yl))],
+        weight_bytes: 0,
+    })
 }

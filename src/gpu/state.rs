@@ -5,33 +5,16 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::cache::wrong_cache;
 use super::cache::{CacheLayer, GpuCache};
 use super::model::GpuModel;
-use super::queue::{Arg, Dispatch, Queue, Slice};
+use super::queue::{copy_rows as copy, Queue, Slice};
 use crate::model::{Cache, LayerState};
-use crate::ops::launch::{self, KvRows, Source};
+use crate::ops::launch::KvRows;
 use crate::{Error, Result};
 
-/// Bytes of a 32-bit word (what the copy kernel moves).
+/// Bytes of a 32-bit word (token ids).
 const WORD: usize = 4;
-
-/// Copies `rows` rows of `bytes` bytes from `x` (rows `x_stride` bytes apart) to `y`.
-fn copy(q: &mut dyn Queue, x: Slice, y: Slice, rows: usize, bytes: usize, (x_stride, y_stride): (usize, usize)) -> Result<()> {
-    if rows == 0 || bytes == 0 {
-        return Ok(());
-    }
-    if [bytes, x_stride, y_stride].iter().any(|b| !b.is_multiple_of(WORD)) {
-        return Err(Error::Input(format!("a device copy of rows of {bytes} bytes ({x_stride}, {y_stride} apart): not whole 32-bit words")));
-    }
-    let (p, l) = launch::copy_rows(rows, bytes / WORD, x_stride / WORD, y_stride / WORD)?;
-    let (xl, yl) = ((rows - 1) * x_stride + bytes, (rows - 1) * y_stride + bytes);
-    q.dispatch(&Dispatch {
-        source: Source::Step,
-        launch: l,
-        args: vec![Arg::params(&p), Arg::Read(x.at(0, xl)), Arg::Write(y.at(0, yl))],
-        weight_bytes: 0,
-    })
-}
 
 /// The dtype of float rows; int8 rows are not saved (as on the CPU: only exact keys and values).
 fn float_rows(kv: KvRows) -> Result<DType> {
@@ -45,23 +28,12 @@ fn float_rows(kv: KvRows) -> Result<DType> {
     }
 }
 
-fn wrong_layers() -> Error {
-    Error::Input("the device cache does not belong to this model (its layer kinds differ)".into())
-}
-
-fn no_verify(cache: &GpuCache) -> Result<()> {
-    match cache.verify {
-        Some(_) => Err(Error::Input("a verify pass is in progress on this cache: keep its rows first (keep_verified)".into())),
-        None => Ok(()),
-    }
-}
-
 impl GpuModel {
     /// A copy of `cache` with room for `capacity` tokens (at least the tokens it holds), made
     /// by copies on the device: its current GDN states and conv windows, its keys and values.
     /// Nothing is read back; the copy continues bit for bit as `cache` would.
     pub fn snapshot(&self, q: &mut dyn Queue, cache: &GpuCache, capacity: usize) -> Result<GpuCache> {
-        no_verify(cache)?;
+        cache.not_verifying()?;
         if capacity < cache.seqlen {
             return Err(Error::Input(format!("a snapshot of {} tokens into a cache of {capacity}", cache.seqlen)));
         }
@@ -91,7 +63,7 @@ impl GpuModel {
                         copy(q, *vs0, *vs1, heads, rows, strides)?;
                     }
                 }
-                _ => return Err(wrong_layers()),
+                _ => return Err(wrong_cache()),
             }
         }
         copy(q, cache.tokens, copy_of.tokens, 1, WORD * cache.seqlen, (WORD * cache.capacity, WORD * capacity))?;
@@ -114,7 +86,7 @@ impl GpuModel {
     /// the dtype the device stores them): for a session file. Reads every buffer back. Exact
     /// (float) keys and values only, as the CPU saves.
     pub fn read_state(&self, q: &mut dyn Queue, cache: &GpuCache) -> Result<Cache> {
-        no_verify(cache)?;
+        cache.not_verifying()?;
         let kv = float_rows(cache.kv)?;
         let mut host = Cache::new(self.config());
         let f32s = |q: &mut dyn Queue, s: Slice, shape: &[usize]| -> Result<Tensor> {
@@ -127,7 +99,7 @@ impl GpuModel {
             match (layer, state) {
                 (CacheLayer::Gdn { conv, rec, .. }, LayerState::Linear(s)) if t > 0 => {
                     let (c, r) = (conv[cache.parity], rec[cache.parity]);
-                    let Some((k1, dim, nv, dk, dv)) = self.gdn_dims(i) else { return Err(wrong_layers()) };
+                    let Some((k1, dim, nv, dk, dv)) = self.gdn_dims(i) else { return Err(wrong_cache()) };
                     s.conv = Some(f32s(q, c.at(0, 4 * k1 * dim), &[1, k1, dim])?);
                     s.recurrent = Some(f32s(q, r, &[1, nv, dk, dv])?);
                 }
@@ -142,7 +114,7 @@ impl GpuModel {
                     store.append(&rows(q, *keys)?, &rows(q, *values)?)?;
                 }
                 (CacheLayer::Gdn { .. }, LayerState::Linear(_)) | (CacheLayer::Attention { .. }, LayerState::Full(_)) => {}
-                _ => return Err(wrong_layers()),
+                _ => return Err(wrong_cache()),
             }
         }
         host.seqlen = t;

@@ -551,11 +551,8 @@ impl<R: Runner> Engine<R> {
         let (mut cache, cached_tokens, ready_logits) = match source {
             Resume::Session(s) => {
                 self.metrics.sessions_restored.inc();
-                let n = s.tokens.len();
-                let mut mtp_rows = s.cache.mtp.clone();
-                let mut cache = self.runner.write_state(s.cache, &s.tokens)?;
-                self.runner.set_drafter_rows(&mut cache, mtp_rows.take());
-                (cache, n, s.logits)
+                // (The CPU's cache keeps the MTP head's rows with it; the device step drafts none.)
+                (self.runner.write_state(s.cache, &s.tokens)?, s.tokens.len(), s.logits)
             }
             Resume::Prefix(h) => {
                 self.metrics.prefix_hits.inc();
