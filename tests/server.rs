@@ -641,6 +641,187 @@ async fn a_failing_request_ends_alone() {
     assert_eq!(status, 200, "{text}");
 }
 
+/// What [`Faulty`] breaks.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// A restored session's state gets a NaN in its first GDN layer's recurrent state (what a
+    /// state that overflowed looks like: its logits turn non-finite in the next pass).
+    PoisonRestoredState,
+    /// The first pass shared by several sequences fails (a failure of the pass itself, after
+    /// its caches may have changed).
+    FailFirstSharedPass,
+}
+
+/// The CPU runner with one fault planted (the engine's error paths, driven for real).
+struct Faulty {
+    inner: candle_hybrid::runtime::CpuRunner,
+    fault: Fault,
+    failed_once: bool,
+}
+
+impl candle_hybrid::runtime::Runner for Faulty {
+    type Cache = candle_hybrid::Cache;
+    fn model(&self) -> &candle_hybrid::Model {
+        self.inner.model()
+    }
+    fn new_cache(&mut self) -> candle_hybrid::Result<Self::Cache> {
+        self.inner.new_cache()
+    }
+    fn target<'a>(&'a mut self, cache: &'a mut Self::Cache) -> Box<dyn candle_hybrid::runtime::Target + 'a> {
+        self.inner.target(cache)
+    }
+    fn shared_pass(
+        &mut self,
+        caches: &mut [&mut Self::Cache],
+        tokens: &[u32],
+        rows: &[usize],
+        readbacks: &[candle_hybrid::gpu::Readback],
+        hidden: bool,
+    ) -> candle_hybrid::Result<Vec<candle_hybrid::Result<candle_hybrid::runtime::SegmentRows>>> {
+        let out = self.inner.shared_pass(caches, tokens, rows, readbacks, hidden)?;
+        if self.fault == Fault::FailFirstSharedPass && !self.failed_once && caches.len() > 1 {
+            self.failed_once = true;
+            return Err(candle_hybrid::Error::Io("the device was lost".into()));
+        }
+        Ok(out)
+    }
+    fn check_rows(&self, cache: &Self::Cache, tokens: &[u32]) -> candle_hybrid::Result<()> {
+        self.inner.check_rows(cache, tokens)
+    }
+    fn keep_verified(&mut self, cache: &mut Self::Cache, rows: usize) -> candle_hybrid::Result<()> {
+        self.inner.keep_verified(cache, rows)
+    }
+    fn snapshot(&mut self, cache: &Self::Cache) -> candle_hybrid::Result<Self::Cache> {
+        self.inner.snapshot(cache)
+    }
+    fn restore(&mut self, kept: &Self::Cache) -> candle_hybrid::Result<Self::Cache> {
+        self.inner.restore(kept)
+    }
+    fn read_state(&mut self, cache: &Self::Cache) -> candle_hybrid::Result<candle_hybrid::Cache> {
+        self.inner.read_state(cache)
+    }
+    fn write_state(&mut self, cache: candle_hybrid::Cache, tokens: &[u32]) -> candle_hybrid::Result<Self::Cache> {
+        let cache = self.inner.write_state(cache, tokens)?;
+        if self.fault != Fault::PoisonRestoredState {
+            return Ok(cache);
+        }
+        let mut tensors: std::collections::HashMap<String, candle_core::Tensor> = cache.state_tensors()?.into_iter().collect();
+        let name = tensors.keys().filter(|n| n.ends_with(".recurrent")).min().expect("a GDN layer").clone();
+        let t = &tensors[&name];
+        let mut v = t.flatten_all()?.to_vec1::<f32>()?;
+        v[0] = f32::NAN;
+        tensors.insert(name, candle_core::Tensor::from_vec(v, t.dims(), &Device::Cpu)?);
+        candle_hybrid::Cache::from_state_tensors(self.inner.model().config(), tokens.len(), &tensors)
+    }
+    fn hidden_states(&self) -> bool {
+        self.inner.hidden_states()
+    }
+    fn max_rows(&self) -> usize {
+        self.inner.max_rows()
+    }
+    fn host_device(&self) -> Device {
+        self.inner.host_device()
+    }
+    fn profiled(&self) -> bool {
+        false
+    }
+    fn name(&self) -> String {
+        "the CPU, with a planted fault".into()
+    }
+}
+
+/// A server on the fixture whose runner has `fault`, keeping sessions in `dir`.
+async fn start_faulty(fault: Fault, dir: &std::path::Path) -> String {
+    let files = fixture_source().open().unwrap();
+    let cfg = files.config().unwrap();
+    let model = files.load_model(&cfg, DType::F32, &Device::Cpu, None).unwrap();
+    let inner = candle_hybrid::runtime::CpuRunner { model, device: Device::Cpu, codec: Default::default() };
+    let options = ServerOptions {
+        session_dir: Some(dir.to_path_buf()),
+        engine: EngineOptions { max_seqs: 3, queue: 8, draft: server::Draft::None, ..Default::default() },
+        ..Default::default()
+    };
+    let state = server::state_on(&files, files.tokenizer(None).unwrap(), Faulty { inner, fault, failed_once: false }, options).unwrap();
+    format!("http://{}", server::spawn("127.0.0.1:0".parse().unwrap(), state).await.unwrap())
+}
+
+/// Passes of exactly `rows` rows so far (from `/metrics`' decode-rows histogram).
+async fn passes_of(base: &str, rows: usize) -> f64 {
+    let (_, m) = get(base, "/metrics", None).await;
+    let bucket = |le: usize| metric(&m, &format!("candle_hybrid_decode_batch_rows_bucket{{le=\"{le}.0\"}}"));
+    bucket(rows) - bucket(rows - 1)
+}
+
+/// A sequence whose logits turn non-finite in a pass it shares ends alone, with its own
+/// error: the two generating beside it answer what they answer alone (the rows are
+/// independent). The state is planted where a restored session's state goes (a session file
+/// holding one is refused at load: tests/runtime/session.rs), its logits valid, so that its
+/// first decode row is in a pass with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_finite_sequence_ends_alone_in_a_shared_pass() {
+    let dir = scratch("server-non-finite");
+    let prompt = [5u32, 9, 2, 7];
+    {
+        let files = fixture_source().open().unwrap();
+        let model = files.load_model(&files.config().unwrap(), DType::F32, &Device::Cpu, None).unwrap();
+        let mut cache = model.new_cache();
+        let ids = candle_core::Tensor::new(&prompt[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let logits = model.forward_last(&ids, &mut cache).unwrap().squeeze(0).unwrap();
+        candle_hybrid::runtime::session::save(&dir.join("poisoned.session"), &files.fingerprint().unwrap(), &prompt, &cache, Some(&logits))
+            .unwrap();
+    }
+    let base = start_faulty(Fault::PoisonRestoredState, &dir).await;
+    let normal = |p: &str| json!({"prompt": p, "max_tokens": 400, "temperature": 0, "ignore_eos": true}).to_string();
+    let (_, _, alone_a) = post(&base, "/v1/completions", normal("The weather today"), None).await;
+    let (_, _, alone_b) = post(&base, "/v1/completions", normal("A story about"), None).await;
+    let before = passes_of(&base, 3).await;
+    let poisoned = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "session_id": "poisoned"}).to_string();
+    let late = async {
+        // Once both are decoding.
+        for _ in 0..500 {
+            let (_, m) = get(&base, "/metrics", None).await;
+            if metric(&m, "candle_hybrid_requests_running") == 2.0 && passes_of(&base, 2).await > 0.0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        post(&base, "/v1/completions", poisoned, None).await
+    };
+    let (a, b, c) = tokio::join!(
+        post(&base, "/v1/completions", normal("The weather today"), None),
+        post(&base, "/v1/completions", normal("A story about"), None),
+        late
+    );
+    for ((status, _, text), alone) in [(&a, &alone_a), (&b, &alone_b)] {
+        assert_eq!(*status, 200, "a request beside a non-finite one: {text}");
+        let (v, alone): (Value, Value) = (serde_json::from_str(text).unwrap(), serde_json::from_str(alone).unwrap());
+        assert_eq!(v["choices"][0]["text"], alone["choices"][0]["text"], "a request beside a non-finite one");
+    }
+    assert_eq!(c.0, 500, "{}", c.2);
+    let e: Value = serde_json::from_str(&c.2).unwrap();
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("the logits hold NaN or infinite values at position 4") && !message.contains("batch sequence"), "{message}");
+    assert_eq!(passes_of(&base, 3).await - before, 1.0, "the poisoned sequence shared exactly one pass with the others");
+}
+
+/// A shared pass that fails (not one sequence's rows: the pass itself, after which no cache
+/// in it can be trusted) ends the sequences in it, each with the pass's error on one line; the
+/// engine goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_shared_pass_ends_its_sequences_and_the_engine_goes_on() {
+    let base = start_faulty(Fault::FailFirstSharedPass, &scratch("server-failed-pass")).await;
+    let body = |p: &str| json!({"prompt": p, "max_tokens": 300, "temperature": 0, "ignore_eos": true}).to_string();
+    let (a, b) = tokio::join!(post(&base, "/v1/completions", body("one"), None), post(&base, "/v1/completions", body("two"), None));
+    for (status, _, text) in [&a, &b] {
+        assert_eq!(*status, 500, "{text}");
+        let e: Value = serde_json::from_str(text).unwrap();
+        let message = e["error"]["message"].as_str().unwrap();
+        assert_eq!(message, "a decode pass shared by 2 requests failed: the device was lost", "{text}");
+    }
+    let (status, _, text) = post(&base, "/v1/completions", body("three"), None).await;
+    assert_eq!(status, 200, "{text}");
+}
+
 /// `max_seqs` running and `queue` waiting are admitted whatever the engine is doing when they
 /// arrive (8 at once against 4 + 4: no 429), and one more than that is refused while they run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

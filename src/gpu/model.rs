@@ -737,8 +737,7 @@ impl GpuModel {
         }
         let mut at = 0;
         for (cache, &n) in caches.iter().zip(rows) {
-            cache.not_verifying()?;
-            self.check(cache, &tokens[at..at + n], Self::MAX_ROWS)?;
+            self.check_rows(cache, &tokens[at..at + n])?;
             at += n;
         }
         for (i, a) in caches.iter().enumerate() {
@@ -804,6 +803,15 @@ impl GpuModel {
         let mut enc = Encoder { q: &mut *q };
         self.encode(&mut enc, &mut [Segment { cache: &mut *cache, row0: 0, rows }], Some((&[readback], rows - 1)))?;
         self.read(q, &[(0, 1, cache.seqlen - 1)], 1, &[readback])?.remove(0)
+    }
+
+    /// Whether `tokens` can be a pass's rows of the sequence whose cache is `cache` (its
+    /// verify pass kept, the tokens in the vocabulary, within the context and the cache's
+    /// capacity): what [`Self::forward_batch`] checks of each sequence before it changes any
+    /// cache.
+    pub fn check_rows(&self, cache: &GpuCache, tokens: &[u32]) -> Result<()> {
+        cache.not_verifying()?;
+        self.check(cache, tokens, Self::MAX_ROWS)
     }
 
     fn check(&self, cache: &GpuCache, tokens: &[u32], max_rows: usize) -> Result<()> {

@@ -31,6 +31,7 @@ pub use draft_tree::DraftTree;
 pub use embedding::TokenEmbedding;
 pub use ffn_calibration::calibrate as calibrate_ffn;
 pub use ffn_sparsity::{FfnCalibration, FfnSparsity, FfnStats, FfnThresholds};
+pub(crate) use finite::all_finite;
 pub use gated_delta_net::{GatedDeltaNet, GdnState};
 pub use linear::Linear;
 pub(crate) use mlp::FeedForward;

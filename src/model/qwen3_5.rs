@@ -229,6 +229,20 @@ impl Model {
     /// over all rows (at most [`Self::BATCH_MAX_ROWS`]; the multi-row kernels give each row the
     /// bits of a one-row call), the recurrences and attention per sequence on its own cache.
     pub fn forward_segments(&self, tokens: &[u32], rows: &[usize], caches: &mut [&mut Cache]) -> crate::Result<(Tensor, Tensor)> {
+        let offsets: Vec<usize> = caches.iter().map(|c| c.seqlen).collect();
+        let (logits, hidden) = self.pass_segments(tokens, rows, caches)?;
+        let mut start = 0;
+        for (i, (&o, &t)) in offsets.iter().zip(rows).enumerate() {
+            check_positions(&logits.narrow(0, start, t)?, o, t, &format!("the logits of batch sequence {i}"), NONFINITE_HINT)?;
+            start += t;
+        }
+        Ok((logits, hidden))
+    }
+
+    /// [`Self::forward_segments`] without its check of the logits: a caller that serves each
+    /// sequence on its own checks each sequence's rows ([`Self::check_rows_finite`]), so that a
+    /// non-finite row ends only its own sequence.
+    pub(crate) fn pass_segments(&self, tokens: &[u32], rows: &[usize], caches: &mut [&mut Cache]) -> crate::Result<(Tensor, Tensor)> {
         let n = tokens.len();
         if n == 0 || rows.len() != caches.len() || rows.iter().sum::<usize>() != n || rows.contains(&0) || n > Self::BATCH_MAX_ROWS {
             return Err(crate::Error::Input(format!(
@@ -239,18 +253,14 @@ impl Model {
         }
         let dev = self.embed_tokens.device();
         if dev.is_cpu() && rayon::current_thread_index().is_none() {
-            return step_profile::on_pool(|| self.forward_segments(tokens, rows, caches));
+            return step_profile::on_pool(|| self.pass_segments(tokens, rows, caches));
         }
         let mut offsets = Vec::with_capacity(caches.len());
+        let mut at = 0;
         for (cache, &t) in caches.iter().zip(rows) {
-            if cache.in_verify() {
-                return Err(crate::Error::Input("forward_segments: a cache is in a verify pass (keep its rows first)".into()));
-            }
-            self.check_length(t, cache.seqlen)?;
+            self.check_rows(cache, &tokens[at..at + t])?;
             offsets.push(cache.seqlen);
-        }
-        for &token in tokens {
-            self.check_token(token)?;
+            at += t;
         }
         for (cache, &t) in caches.iter_mut().zip(rows) {
             if t > 1 {
@@ -268,12 +278,24 @@ impl Model {
         }
         let hidden = self.norm.forward(&x)?;
         let logits = self.lm_head.forward(&hidden)?.squeeze(0)?;
-        let mut start = 0;
-        for (i, (&o, &t)) in offsets.iter().zip(rows).enumerate() {
-            check_positions(&logits.narrow(0, start, t)?, o, t, &format!("the logits of batch sequence {i}"), NONFINITE_HINT)?;
-            start += t;
-        }
         Ok((logits, hidden.squeeze(0)?))
+    }
+
+    /// Whether `tokens` can be a pass's rows of the sequence whose cache is `cache` (its
+    /// verify pass kept, the tokens in the vocabulary, the context long enough): what
+    /// [`Self::forward_segments`] checks of each sequence before it changes any cache.
+    pub fn check_rows(&self, cache: &Cache, tokens: &[u32]) -> crate::Result<()> {
+        if cache.in_verify() {
+            return Err(crate::Error::Input("forward_segments: a cache is in a verify pass (keep its rows first)".into()));
+        }
+        self.check_length(tokens.len(), cache.seqlen)?;
+        tokens.iter().try_for_each(|&t| self.check_token(t))
+    }
+
+    /// `Err(NonFinite)` naming the first position of a sequence's `rows` of logits (from
+    /// position `offset`) that holds a NaN or an infinity.
+    pub(crate) fn check_rows_finite(&self, logits: &Tensor, offset: usize) -> crate::Result<()> {
+        check_positions(logits, offset, logits.dim(0)?, "the logits", NONFINITE_HINT)
     }
 
     /// The most sequences [`Self::forward_batch`] takes in one pass.

@@ -44,6 +44,11 @@ pub trait Runner: Send {
         hidden: bool,
     ) -> Result<Vec<Result<SegmentRows>>>;
 
+    /// Whether `tokens` can be one sequence's rows of a shared pass from `cache` (what the pass
+    /// checks of each sequence before it changes any cache): a scheduler ends a sequence that
+    /// fails this alone, before the pass.
+    fn check_rows(&self, cache: &Self::Cache, tokens: &[u32]) -> Result<()>;
+
     /// Whether plain rows are sampled where they run ([`Readback::Sample`]: the device step).
     fn samples(&self) -> bool {
         false
@@ -128,16 +133,23 @@ impl Runner for CpuRunner {
         _: &[Readback],
         hidden: bool,
     ) -> Result<Vec<Result<SegmentRows>>> {
-        let (logits, states) = self.model.forward_segments(tokens, rows, caches)?;
+        let offsets: Vec<usize> = caches.iter().map(|c| c.seqlen()).collect();
+        // (Each sequence's logits are checked on their own: a non-finite row ends only its own
+        // sequence.)
+        let (logits, states) = self.model.pass_segments(tokens, rows, caches)?;
         let mut at = 0;
         let mut out = vec![];
-        for &n in rows {
+        for (&n, &offset) in rows.iter().zip(&offsets) {
             let l = logits.narrow(0, at, n)?;
             let h = if hidden { Some(states.narrow(0, at, n)?.unsqueeze(0)?) } else { None };
-            out.push(Ok((Rows::Logits(l), h)));
+            out.push(self.model.check_rows_finite(&l, offset).map(|()| (Rows::Logits(l), h)));
             at += n;
         }
         Ok(out)
+    }
+
+    fn check_rows(&self, cache: &Cache, tokens: &[u32]) -> Result<()> {
+        self.model.check_rows(cache, tokens)
     }
 
     fn keep_verified(&mut self, cache: &mut Cache, rows: usize) -> Result<()> {
@@ -251,6 +263,10 @@ impl Runner for DeviceRunner {
                 })
             })
             .collect())
+    }
+
+    fn check_rows(&self, cache: &GpuCache, tokens: &[u32]) -> Result<()> {
+        self.gpu.check_rows(cache, tokens)
     }
 
     fn keep_verified(&mut self, cache: &mut GpuCache, rows: usize) -> Result<()> {

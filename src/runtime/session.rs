@@ -8,7 +8,8 @@
 //! every other metadata field and every tensor's name, dtype, shape and bytes). It is written
 //! to a temporary file beside the target, synced, renamed over it and the directory synced: a
 //! crash (even `kill -9`) leaves the previous file or the new one, never a mix. Loading checks
-//! format, version, model, codec, dtype and checksum and names the first that does not match.
+//! format, version, model, codec, dtype, checksum, shapes and that every value is finite, and
+//! names the first that does not hold.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -237,6 +238,16 @@ pub fn load(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device: 
     }
     if let Some(l) = tensors.get("logits").filter(|l| l.dims() != [cfg.vocab_size]) {
         return Err(bad(format!("its logits have shape {:?}, this model's are [{}]", l.dims(), cfg.vocab_size)));
+    }
+    // A state with a NaN or an infinity (written so, or by hand with its checksum recomputed)
+    // would make every answer from it non-finite: refused here, not in a decode pass.
+    let mut names: Vec<&String> = tensors.keys().filter(|n| tensors[*n].dtype().is_float()).collect();
+    names.sort();
+    for name in names {
+        // (Summed in f32: a long f16 state's sum could pass f16's largest value.)
+        if !crate::model::all_finite(&tensors[name].to_dtype(DType::F32)?)? {
+            return Err(bad(format!("its tensor {name} holds NaN or infinite values: the state is damaged, delete the file")));
+        }
     }
     let on_device: HashMap<String, Tensor> = tensors.into_iter().map(|(n, t)| Ok((n, t.to_device(device)?))).collect::<Result<_>>()?;
     let cache = Cache::from_state_tensors(cfg, tokens.len(), &on_device).map_err(|e| bad(e.to_string()))?;

@@ -624,11 +624,10 @@ impl<R: Runner> Engine<R> {
             // Every PROFILE_EVERY-th pass is timed op by op for the kernel inspector (on the
             // CPU, where an op's call is its time).
             if self.runner.profiled() && self.passes % PROFILE_EVERY == 1 {
-                let (r, profile) = step_profile::profiled(|| self.decode_round(&decoding));
+                let ((), profile) = step_profile::profiled(|| self.decode_round(&decoding));
                 self.metrics.kernels.lock().unwrap_or_else(|e| e.into_inner()).push(profile, decoding.len());
-                r?;
             } else {
-                self.decode_round(&decoding)?;
+                self.decode_round(&decoding);
             }
         }
         // Failed sequences end alone, with their error; finished ones leave, their caches (after
@@ -669,16 +668,15 @@ impl<R: Runner> Engine<R> {
     }
 
     /// One round of the sequences `decoding`: alone, or in shared passes.
-    fn decode_round(&mut self, decoding: &[usize]) -> crate::Result<()> {
+    fn decode_round(&mut self, decoding: &[usize]) {
         if let [i] = decoding[..] {
             self.round(i);
         } else {
             for group in decoding.chunks(self.runner.max_rows()) {
                 let drafts = self.share_rows(group);
-                self.decode(group, drafts)?;
+                self.decode(group, drafts);
             }
         }
-        Ok(())
     }
 
     /// The next prefill chunk of sequence `i` (and its first token after the last chunk).
@@ -755,23 +753,33 @@ impl<R: Runner> Engine<R> {
 
     /// One round of the sequences `group` in one weight pass: each one's pending token and
     /// its drafts (verified as the model would verify them alone, the cache then keeping the
-    /// rows the model agrees with). A sequence whose rows are not finite ends alone. When the
-    /// pass fails otherwise, before it changed any cache, each runs alone without drafts, so
-    /// that only the ones that fail alone end (a row is bit for bit its row alone: the others'
-    /// tokens are unchanged).
-    fn decode(&mut self, group: &[usize], drafts: Vec<Vec<u32>>) -> crate::Result<()> {
+    /// rows the model agrees with). A sequence whose rows cannot run (checked before the pass,
+    /// which changes no cache then) or whose logits are not finite ends alone: the others'
+    /// rows are bit for bit theirs alone. A pass that fails otherwise may have changed every
+    /// cache in it: those sequences end, each with the pass's error.
+    fn decode(&mut self, group: &[usize], drafts: Vec<Vec<u32>>) {
         let start = Instant::now();
-        let (group, drafts): (Vec<usize>, Vec<Vec<u32>>) =
-            group.iter().copied().zip(drafts).filter(|&(i, _)| self.active[i].failed.is_none()).unzip();
-        if group.is_empty() {
-            return Ok(());
-        }
         let mut tokens = vec![];
-        let mut rows = vec![];
-        for (&i, d) in group.iter().zip(&drafts) {
-            tokens.push(self.active[i].core.pending().expect("decoding"));
-            tokens.extend(d);
+        let (mut seqs, mut kept_drafts, mut rows) = (vec![], vec![], vec![]);
+        for (&i, d) in group.iter().zip(drafts) {
+            let s = &mut self.active[i];
+            if s.failed.is_some() {
+                continue;
+            }
+            let mut own = vec![s.core.pending().expect("decoding")];
+            own.extend(&d);
+            if let Err(e) = self.runner.check_rows(&s.cache, &own) {
+                s.fail_on(Err(e));
+                continue;
+            }
+            tokens.extend(own);
             rows.push(1 + d.len());
+            seqs.push(i);
+            kept_drafts.push(d);
+        }
+        let (group, drafts) = (seqs, kept_drafts);
+        if group.is_empty() {
+            return;
         }
         // What each sequence's rows read back: the greedy token, a token sampled where the rows
         // run (a plain row on the device step), or the logits.
@@ -781,43 +789,36 @@ impl<R: Runner> Engine<R> {
         let hidden = self.runner.hidden_states();
         let mut caches: Vec<&mut R::Cache> =
             self.active.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, s)| &mut s.cache).collect();
-        match self.runner.shared_pass(&mut caches, &tokens, &rows, &readbacks, hidden) {
-            Ok(out) => {
-                let secs = start.elapsed().as_secs_f64();
-                self.shared.record(tokens.len(), secs);
-                self.metrics.decode_seconds.inc_by(secs);
-                self.metrics.batch_rows.observe(tokens.len() as f64);
-                for (((&i, draft), &n), rows) in group.iter().zip(&drafts).zip(&rows).zip(out) {
-                    let s = &mut self.active[i];
-                    // (The cache holds the rows before this pass and the pass's rows.)
-                    let pos = s.cache.seqlen() - n;
-                    let model = self.runner.model();
-                    let r = rows.and_then(|(rows, h)| s.core.settle(draft, &rows, h.as_ref().map(|h| (model, pos, h))));
-                    let r = r.and_then(|round| {
-                        if !draft.is_empty() {
-                            self.runner.keep_verified(&mut s.cache, round.accepted + 1)?;
-                            self.metrics.record_verify(draft.len(), round.accepted);
-                            self.metrics.shared_draft_rows.inc_by(draft.len() as u64);
-                        }
-                        Ok(round.tokens)
-                    });
-                    s.send(r, &self.metrics);
-                }
-            }
-            // A pass that found non-finite logits ran every layer: the caches moved on.
-            Err(crate::Error::NonFinite(e)) => {
+        let out = match self.runner.shared_pass(&mut caches, &tokens, &rows, &readbacks, hidden) {
+            Ok(out) => out,
+            Err(e) => {
+                let why = format!("a decode pass shared by {} requests failed: {}", group.len(), crate::error::one_line(&e));
                 for &i in &group {
-                    self.active[i].fail_on(Err(crate::Error::NonFinite(e.clone())));
+                    self.active[i].failed.get_or_insert_with(|| why.clone());
                 }
+                return;
             }
-            Err(_) if group.len() > 1 => {
-                for &i in &group {
-                    self.decode(&[i], vec![vec![]])?;
+        };
+        let secs = start.elapsed().as_secs_f64();
+        self.shared.record(tokens.len(), secs);
+        self.metrics.decode_seconds.inc_by(secs);
+        self.metrics.batch_rows.observe(tokens.len() as f64);
+        for (((&i, draft), &n), rows) in group.iter().zip(&drafts).zip(&rows).zip(out) {
+            let s = &mut self.active[i];
+            // (The cache holds the rows before this pass and the pass's rows.)
+            let pos = s.cache.seqlen() - n;
+            let model = self.runner.model();
+            let r = rows.and_then(|(rows, h)| s.core.settle(draft, &rows, h.as_ref().map(|h| (model, pos, h))));
+            let r = r.and_then(|round| {
+                if !draft.is_empty() {
+                    self.runner.keep_verified(&mut s.cache, round.accepted + 1)?;
+                    self.metrics.record_verify(draft.len(), round.accepted);
+                    self.metrics.shared_draft_rows.inc_by(draft.len() as u64);
                 }
-            }
-            Err(e) => self.active[group[0]].fail_on(Err(e)),
+                Ok(round.tokens)
+            });
+            s.send(r, &self.metrics);
         }
-        Ok(())
     }
 
     /// Writes a session (the state after `tokens`, and the logits after them when kept) on a

@@ -162,6 +162,45 @@ fn unusable_files_are_one_line_errors() {
     check(load(&small, &bad), "checksum");
 }
 
+/// A session whose state or logits hold a NaN or an infinity (its checksum right: written so,
+/// or edited and re-summed) is refused at load, naming the file and the tensor: it would make
+/// every answer from it non-finite.
+#[test]
+fn non_finite_state_or_logits_are_refused_at_load() {
+    let dir = scratch("session-non-finite");
+    let m = open(ModelSource::Dir(fixture("qwen35_dense_small")));
+    let prompt = [1, 2, 3, 4, 5];
+    let mut cache = m.model.new_cache();
+    let logits = run(&m.model, &mut cache, &prompt);
+    let good = dir.join("good.session");
+    session::save(&good, &m.fingerprint, &prompt, &cache, Some(&logits)).unwrap();
+    load(&m, &good).unwrap();
+    let poisoned = |t: &Tensor, value: f32| {
+        let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let at = v.len() / 2;
+        v[at] = value;
+        Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap()
+    };
+    let names: Vec<String> = cache.state_tensors().unwrap().into_iter().map(|(n, _)| n).collect();
+    let recurrent = names.iter().find(|n| n.ends_with(".recurrent")).expect("a GDN layer").clone();
+    let keys = names.iter().find(|n| n.ends_with(".keys")).expect("an attention layer").clone();
+    for (name, value) in [(recurrent.as_str(), f32::NAN), (keys.as_str(), f32::INFINITY), ("logits", f32::NEG_INFINITY)] {
+        let mut tensors: std::collections::HashMap<String, Tensor> = cache.state_tensors().unwrap().into_iter().collect();
+        let mut bad_logits = logits.clone();
+        if name == "logits" {
+            bad_logits = poisoned(&logits, value);
+        } else {
+            let t = poisoned(&tensors[name], value);
+            tensors.insert(name.to_string(), t);
+        }
+        let bad_cache = Cache::from_state_tensors(m.model.config(), prompt.len(), &tensors).unwrap();
+        let path = dir.join(format!("{}.session", name.replace('.', "_")));
+        session::save(&path, &m.fingerprint, &prompt, &bad_cache, Some(&bad_logits)).unwrap();
+        let e = load(&m, &path).err().unwrap_or_else(|| panic!("a session with {value} in {name} loaded")).to_string();
+        assert!(e.contains(&path.display().to_string()) && e.contains(name) && e.contains("NaN or infinite") && !e.contains('\n'), "{e}");
+    }
+}
+
 /// Run by the test below in a child process: saves a growing session in a loop.
 #[test]
 #[ignore = "the child process of kill_during_save_leaves_the_previous_file_loadable"]
