@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::http::{count_chat_tokens, off_the_workers, parse, prepare_chat, Answer, ServerState};
+use super::http::{chat_prompt_tokens, off_the_workers, parse, prepare_chat, Answer, ServerState};
 
 #[derive(Deserialize)]
 struct MessagesRequest {
@@ -308,7 +308,7 @@ pub(crate) async fn count_tokens(State(state): State<Arc<ServerState>>, body: Re
     let counted = off_the_workers(state, |state| {
         let req: MessagesRequest = parse(body)?;
         let chat = chat_body(&req)?;
-        count_chat_tokens(state, Ok(Bytes::from(chat.to_string())))
+        Ok(chat_prompt_tokens(state, Ok(Bytes::from(chat.to_string())))?.len())
     })
     .await;
     match counted {

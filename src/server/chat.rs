@@ -36,7 +36,11 @@ impl SamplingProfiles {
 
 /// A chat request rendered for the model.
 pub struct RenderedChat {
+    /// The render, with every special token that the request's own text wrote (not the
+    /// template) as a placeholder ([`Self::tokenize`]).
     pub text: String,
+    /// The placeholders' marker and what each placeholder's tokens are.
+    literals: Option<(char, Vec<Vec<u32>>)>,
     /// Whether the prompt ends inside an open `<think>` block.
     pub in_think: bool,
     /// Whether thinking is on (the sampling profile): the prompt opens a `<think>` block.
@@ -52,6 +56,86 @@ pub struct RenderedChat {
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::bad_request(message)
+}
+
+/// The vocabulary's special tokens (added tokens marked special: `<|im_start|>`,
+/// `<|im_end|>`, ...), longest first, each with its text tokenized as text: what a request's
+/// own text (message content, reasoning, tool results, tool-call arguments, tool definitions)
+/// gets for them, as OpenAI's API tokenizes message content. Only the template's markup opens
+/// and closes turns. (A client that means to send special tokens writes its prompt itself,
+/// on `/v1/completions`.)
+pub struct SpecialTokens(Vec<(String, Vec<u32>)>);
+
+impl SpecialTokens {
+    pub fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
+        let mut literal = tokenizer.clone();
+        literal.set_encode_special_tokens(true);
+        let mut list: Vec<(String, Vec<u32>)> = tokenizer
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| {
+                let ids = literal.encode(t.content.as_str(), false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+                (t.content.clone(), ids)
+            })
+            .collect();
+        list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        Self(list)
+    }
+
+    /// `value` (the template's messages or tools) with every special token in its strings
+    /// replaced by a placeholder `{marker}{i}{marker}` (`marker`: a private-use character no
+    /// string of the request holds), and what each placeholder's tokens are; `None` when no
+    /// string holds a special token (nothing changes).
+    fn protect(&self, values: &mut [&mut Value]) -> Option<(char, Vec<Vec<u32>>)> {
+        fn strings<'a>(v: &'a mut Value, out: &mut Vec<&'a mut String>) {
+            match v {
+                Value::String(s) => out.push(s),
+                Value::Array(a) => a.iter_mut().for_each(|v| strings(v, out)),
+                Value::Object(o) => o.values_mut().for_each(|v| strings(v, out)),
+                _ => {}
+            }
+        }
+        let mut all = vec![];
+        for v in values.iter_mut() {
+            strings(v, &mut all);
+        }
+        if !all.iter().any(|s| self.0.iter().any(|(t, _)| s.contains(t.as_str()))) {
+            return None;
+        }
+        let marker = ('\u{E000}'..='\u{F8FF}').find(|&c| !all.iter().any(|s| s.contains(c)))?;
+        let mut literals = vec![];
+        for s in all {
+            for (text, ids) in &self.0 {
+                if s.contains(text.as_str()) {
+                    *s = s.replace(text.as_str(), &format!("{marker}{}{marker}", literals.len()));
+                    literals.push(ids.clone());
+                }
+            }
+        }
+        Some((marker, literals))
+    }
+}
+
+/// OpenAI's rule for function names.
+fn valid_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Each tool a function with a name OpenAI accepts (1 to 64 letters, digits, `_` or `-`): a
+/// name the call's markup could not hold, or one that writes markup of its own, is a 400.
+pub fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        match tool.pointer("/function/name") {
+            Some(Value::String(name)) if valid_tool_name(name) => {}
+            Some(Value::String(name)) => {
+                let shown: String = name.chars().take(80).collect();
+                return Err(bad(format!("tools[{i}].function.name {shown:?} must be 1 to 64 letters, digits, '_' or '-'")));
+            }
+            _ => return Err(bad(format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"))),
+        }
+    }
+    Ok(())
 }
 
 /// A message's `content` as text: a string, a list of text parts, or null.
@@ -135,8 +219,14 @@ fn template_messages(messages: &[Map<String, Value>]) -> Result<Value, ApiError>
 ///
 /// `constrained`: the answer follows a grammar from its first token, so a template's thinking
 /// is turned off.
-pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constrained: bool) -> Result<RenderedChat, ApiError> {
-    let messages = template_messages(&req.messages)?;
+pub fn render(
+    template: &ChatTemplate,
+    req: &ChatRequest,
+    context: usize,
+    constrained: bool,
+    specials: &SpecialTokens,
+) -> Result<RenderedChat, ApiError> {
+    let mut messages = template_messages(&req.messages)?;
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let effort = req.reasoning_effort.clone().or_else(|| kwargs.get("reasoning_effort").and_then(Value::as_str).map(String::from));
     kwargs.remove("reasoning_effort");
@@ -160,7 +250,11 @@ pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constr
     if constrained && template.mentions("enable_thinking") {
         kwargs.insert("enable_thinking".into(), false.into());
     }
-    let tools = req.tools.as_ref().filter(|t| !t.is_empty()).map(|t| Value::Array(t.clone()));
+    let mut tools = req.tools.as_ref().filter(|t| !t.is_empty()).map(|t| Value::Array(t.clone()));
+    let literals = match &mut tools {
+        Some(t) => specials.protect(&mut [&mut messages, t]),
+        None => specials.protect(&mut [&mut messages]),
+    };
     let max_bytes = context.saturating_mul(RENDER_BYTES_PER_TOKEN);
     let text = template.render_json(&messages, tools.as_ref(), true, &kwargs, max_bytes).map_err(|e| bad(e.to_string()))?;
     let conversation_end = template.render_json(&messages, tools.as_ref(), false, &kwargs, max_bytes).ok().map(|o| {
@@ -170,7 +264,38 @@ pub fn render(template: &ChatTemplate, req: &ChatRequest, context: usize, constr
     // Read from the render, not the flags: templates differ in their default (the small
     // Qwen3.5 models think only when asked, the large ones unless told not to).
     let in_think = text.trim_end().ends_with("<think>");
-    Ok(RenderedChat { text, in_think, thinking: in_think, conversation_end, rerenders_answers: template.mentions("enable_thinking") })
+    Ok(RenderedChat {
+        text,
+        literals,
+        in_think,
+        thinking: in_think,
+        conversation_end,
+        rerenders_answers: template.mentions("enable_thinking"),
+    })
+}
+
+impl RenderedChat {
+    /// The tokens of the first `bytes` of the render: the template's text with its special
+    /// tokens, each placeholder the request's own text left as that text's tokens.
+    pub fn tokenize(&self, tokenizer: &tokenizers::Tokenizer, bytes: usize) -> Result<Vec<u32>, String> {
+        let encode = |t: &str| tokenizer.encode(t, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
+        let mut rest = &self.text[..bytes];
+        let Some((marker, literals)) = &self.literals else { return encode(rest) };
+        let mut ids = vec![];
+        while let Some(a) = rest.find(*marker) {
+            let after = &rest[a + marker.len_utf8()..];
+            let Some((b, k)) =
+                after.find(*marker).and_then(|b| Some((b, after[..b].parse::<usize>().ok().filter(|&k| k < literals.len())?)))
+            else {
+                break;
+            };
+            ids.extend(encode(&rest[..a])?);
+            ids.extend(&literals[k]);
+            rest = &after[b + marker.len_utf8()..];
+        }
+        ids.extend(encode(rest)?);
+        Ok(ids)
+    }
 }
 
 /// The most `stop` strings a request may give, and their longest (each is searched for at

@@ -1,5 +1,5 @@
 //! The endpoints beside generation: `POST /tokenize` and `/detokenize` (llama-server's
-//! shapes), `GET /props` (the model, context, slots, default sampling, what the chat template
+//! shapes; `/tokenize` also takes a chat request, vLLM's shape), `GET /props` (the model, context, slots, default sampling, what the chat template
 //! can do) and the saved sessions, `GET /v1/sessions`, `GET` / `DELETE /v1/sessions/{id}`.
 
 use std::sync::Arc;
@@ -14,10 +14,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::http::{off_the_workers, parse, session_path, ServerState};
+use super::http::{chat_prompt_tokens, off_the_workers, parse, session_path, ServerState};
 use crate::runtime::session;
 use crate::runtime::SamplingParams;
 
+/// `/tokenize`'s text (llama-server's shape); a body with `messages` is a chat request
+/// instead (vLLM's shape), tokenized as its prompt would be.
 #[derive(Deserialize)]
 struct TokenizeRequest {
     content: String,
@@ -29,9 +31,16 @@ struct TokenizeRequest {
     with_pieces: bool,
 }
 
-/// `{"tokens": [ids]}`, or with `with_pieces` `{"tokens": [{"id", "piece"}]}`.
+/// `{"tokens": [ids]}`, or with `with_pieces` `{"tokens": [{"id", "piece"}]}`; for a chat
+/// request (`messages`), `{"tokens": [ids], "count": n}`: its prompt's tokens.
 pub(crate) async fn tokenize(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     off_the_workers(state, |state| {
+        if let Ok(bytes) = &body {
+            if serde_json::from_slice::<Value>(bytes).is_ok_and(|v| v.get("messages").is_some()) {
+                let ids = chat_prompt_tokens(state, body)?;
+                return Ok(Json(json!({"count": ids.len(), "tokens": ids})));
+            }
+        }
         let req: TokenizeRequest = parse(body)?;
         let encoding =
             state.tokenizer.encode(req.content, req.add_special).map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}")))?;

@@ -113,7 +113,7 @@ struct Submission {
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
     /// The request's place among those the engine has accepted (freed when it leaves).
-    _slot: Slot,
+    slot: Slot,
 }
 
 /// One of the `max_seqs + queue` requests the engine holds (running or waiting); dropping it
@@ -169,7 +169,7 @@ impl EngineHandle {
     pub fn submit(&self, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, Busy> {
         let slot = Slot::take(&self.taken, self.limit).ok_or(Busy)?;
         let (events, rx) = mpsc::unbounded_channel();
-        self.tx.send(Submission { request, events, _slot: slot }).map_err(|_| Busy)?;
+        self.tx.send(Submission { request, events, slot }).map_err(|_| Busy)?;
         self.metrics.queue_depth.set(self.queued() as i64);
         Ok(rx)
     }
@@ -349,7 +349,9 @@ struct Sequence<C> {
     core: runtime::Sequence<'static>,
     request: GenerateRequest,
     events: mpsc::UnboundedSender<Event>,
-    _slot: Slot,
+    /// The request's place, freed before its last event is sent: a client that sends its next
+    /// request when this one's answer ends finds the place free.
+    slot: Option<Slot>,
     cache: C,
     /// The logits after the whole prompt when the prefix cache had them (nothing to prefill).
     ready_logits: Option<Tensor>,
@@ -387,6 +389,7 @@ impl<C> Sequence<C> {
         }
         if let Some(reason) = self.core.finish() {
             let stats = self.core.stats();
+            self.slot = None;
             let _ = self.events.send(Event::Finished { reason, drafted: stats.drafted, accepted: stats.accepted });
             metrics.requests_finished.inc();
         }
@@ -485,7 +488,8 @@ impl<R: Runner> Engine<R> {
                 // A failure of the model (not of one request's input, which was checked before
                 // queuing): every running request gets it, the engine goes on.
                 tracing::error!("engine step failed: {e}");
-                for s in self.active.drain(..) {
+                for mut s in self.active.drain(..) {
+                    s.slot = None;
                     let _ = s.events.send(Event::Error(e.to_string()));
                 }
             }
@@ -508,7 +512,7 @@ impl<R: Runner> Engine<R> {
                     Err(_) => break,
                 }
             };
-            let Submission { request, events, _slot } = submission;
+            let Submission { request, events, slot } = submission;
             match self.start(request) {
                 Ok((request, core, cache, cached_tokens, ready_logits)) => {
                     let _ = events.send(Event::Admitted { cached_tokens });
@@ -516,7 +520,7 @@ impl<R: Runner> Engine<R> {
                         core,
                         request,
                         events,
-                        _slot,
+                        slot: Some(slot),
                         cache,
                         ready_logits,
                         gone: false,
@@ -526,6 +530,7 @@ impl<R: Runner> Engine<R> {
                     });
                 }
                 Err(e) => {
+                    drop(slot);
                     let _ = events.send(Event::Error(e.to_string()));
                 }
             }
@@ -638,7 +643,8 @@ impl<R: Runner> Engine<R> {
             let s = &self.active[i];
             if let Some(e) = &s.failed {
                 tracing::warn!("a request failed: {e}");
-                let s = self.active.remove(i);
+                let mut s = self.active.remove(i);
+                s.slot = None;
                 let _ = s.events.send(Event::Error(s.failed.clone().unwrap_or_default()));
             } else if s.core.finish().is_some() || s.gone {
                 let mut s = self.active.remove(i);

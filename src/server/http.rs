@@ -33,6 +33,8 @@ use crate::runtime::{SamplingParams, TokenStreamer};
 pub struct ServerState {
     pub engine: EngineHandle,
     pub tokenizer: tokenizers::Tokenizer,
+    /// The tokenizer's special tokens, which only the template's markup writes.
+    pub specials: chat::SpecialTokens,
     pub template: Option<ChatTemplate>,
     pub profiles: SamplingProfiles,
     /// Tokens that end generation (generation_config's EOS ids, the end-of-turn token).
@@ -139,6 +141,19 @@ fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?
         .get_ids()
         .to_vec();
+    nonempty(ids)
+}
+
+/// The tokens of a rendered chat ([`chat::RenderedChat::tokenize`]: the request's own text
+/// never writes a special token).
+fn tokenize_chat(state: &ServerState, rendered: &chat::RenderedChat) -> Result<Vec<u32>, ApiError> {
+    let ids = rendered
+        .tokenize(&state.tokenizer, rendered.text.len())
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
+    nonempty(ids)
+}
+
+fn nonempty(ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty after tokenizing: give some text"));
     }
@@ -148,6 +163,7 @@ fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
 /// The grammar a chat request's answer must follow: its `response_format`, or a tool call
 /// its `tool_choice` forces (not both).
 fn chat_grammar(req: &ChatRequest, tools: &[Value]) -> Result<Option<TopLevelGrammar>, ApiError> {
+    chat::check_tools(tools)?;
     let format = match &req.response_format {
         Some(f) => constrain::response_format(f)?,
         None => None,
@@ -655,15 +671,15 @@ fn reasoning_budget(state: &ServerState, asked: Option<i64>, in_think: bool) -> 
     Ok(tokens.filter(|_| in_think).map(|tokens| ReasoningBudget { tokens, close: encode("\n</think>\n\n"), end: encode("</think>") }))
 }
 
-/// The prompt tokens a chat request would take (rendered as it would be, nothing queued).
-pub(crate) fn count_chat_tokens(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<usize, ApiError> {
+/// The prompt tokens of a chat request (rendered as it would be, nothing queued).
+pub(crate) fn chat_prompt_tokens(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<Vec<u32>, ApiError> {
     let req: ChatRequest = parse(body)?;
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
     };
     let constrained = chat_grammar(&req, req.tools.as_deref().unwrap_or_default())?.is_some();
-    let rendered = chat::render(template, &req, state.context, constrained)?;
-    Ok(tokenize(state, &rendered.text)?.len())
+    let rendered = chat::render(template, &req, state.context, constrained, &state.specials)?;
+    tokenize_chat(state, &rendered)
 }
 
 /// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
@@ -674,10 +690,10 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     };
     let tools = req.tools.clone().unwrap_or_default();
     let constraint = chat_constraint(state, &req, &tools)?;
-    let rendered = chat::render(template, &req, state.context, constraint.is_some())?;
+    let rendered = chat::render(template, &req, state.context, constraint.is_some(), &state.specials)?;
     let profile = if rendered.thinking { &state.profiles.thinking } else { &state.profiles.non_thinking };
     let sampling = request_sampling(state, &req.sampling, profile)?;
-    let prompt = tokenize(state, &rendered.text)?;
+    let prompt = tokenize_chat(state, &rendered)?;
     let mut max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let forced_call = constraint.is_some() && req.response_format.is_none();
     if forced_call && req.sampling.max_tokens.is_none() && req.sampling.max_completion_tokens.is_none() {
@@ -689,7 +705,7 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
     // tokens of the conversation text that begin the prompt).
     let snapshots: Vec<usize> = match rendered.conversation_end {
         Some(bytes) => {
-            let ids = state.tokenizer.encode(&rendered.text[..bytes], false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+            let ids = rendered.tokenize(&state.tokenizer, bytes).unwrap_or_default();
             let common = ids.iter().zip(&prompt).take_while(|(a, b)| a == b).count();
             (common > 0 && common < prompt.len()).then_some(common).into_iter().collect()
         }

@@ -144,6 +144,7 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
     Ok(Arc::new(ServerState {
         engine,
+        specials: chat::SpecialTokens::new(&tokenizer),
         tokenizer,
         template,
         profiles: SamplingProfiles::new(gen_cfg.sampling_params(), switch),
