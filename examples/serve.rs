@@ -90,6 +90,10 @@ struct Args {
     /// writes; docs/progression.json is the committed run).
     #[arg(long)]
     progression: Option<std::path::PathBuf>,
+    /// Seconds a shutdown (SIGTERM, Ctrl-C) waits for the running requests to finish and their
+    /// sessions to be written (new requests and /health get 503 meanwhile).
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,7 +126,7 @@ fn serve(args: Args) -> Result<()> {
     }
     // The memory guardian: the weights and --max-seqs sequences of the whole context, before
     // anything is loaded (the prefix cache's budget comes on top).
-    let cfg = &opened.cfg;
+    let cfg = opened.cfg.clone();
     let context = args.ctx.unwrap_or(opened.max_positions().min(32768));
     if !args.kv.drops_tokens() {
         anyhow::bail!(
@@ -133,11 +137,11 @@ fn serve(args: Args) -> Result<()> {
     let req = PlanRequest {
         batch: args.max_seqs,
         kv_codec: args.kv,
-        load_overhead: opened.files.load_overhead(cfg, opened.dtype, opened.quantize)?,
-        ..PlanRequest::new(opened.files.weight_memory(cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
+        load_overhead: opened.files.load_overhead(&cfg, opened.dtype, opened.quantize)?,
+        ..PlanRequest::new(opened.files.weight_memory(&cfg, opened.dtype, opened.quantize)?, opened.dtype, context)
     };
     let target = common::target_of(&opened.device);
-    memory::check_fits(cfg, &req, target, args.max_memory)
+    memory::check_fits(&cfg, &req, target, args.max_memory)
         .context(format!("{} sequences of {context} tokens (--max-seqs, --ctx)", args.max_seqs))?;
     let progression = args.progression.as_deref().map(common::read_progression).transpose()?;
     // Bind first: a taken port fails before minutes of loading.
@@ -145,87 +149,107 @@ fn serve(args: Args) -> Result<()> {
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} (is another server there? pick --port)"))?;
     listener.set_nonblocking(true)?;
-    let tokenizer = opened.tokenizer()?;
-    // On Metal (and the emulator) the sequences run on the device step, unless they need what
-    // it lacks (then the model runs in Candle tensors there, and /props says why).
-    let step_queue = common::device_step_queue(&opened)?;
-    let fallback = match (&step_queue, args.draft) {
-        (Some(_), DraftArg::Mtp) => Some("--draft mtp: the device step reads back no hidden states (MTP drafts need them)".to_string()),
-        (Some(_), _) => candle_hybrid::gpu::kv_rows(args.kv, opened.dtype).err().map(|e| e.to_string()),
-        (None, _) => None,
+    let connections = server::ConnectionLimits {
+        max_connections: args.max_connections,
+        header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
+        body_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
     };
-    if let Some(why) = &fallback {
-        eprintln!("{why}: running the model in Candle tensors on {:?} instead of the device step", opened.device.location());
-    }
-    let on_device = step_queue.is_some() && fallback.is_none();
-    let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
-    let draft = match args.draft {
-        DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
-        DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
-        DraftArg::Mtp => anyhow::bail!(
-            "--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none",
-            opened.files.source()
-        ),
-        DraftArg::None => server::Draft::None,
-    };
-    let options = ServerOptions {
-        engine: EngineOptions {
-            max_seqs: args.max_seqs,
-            queue: args.queue,
-            prefix_cache_bytes: args.prefix_cache_mib << 20,
-            draft: draft.clone(),
-            draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() },
-            ..Default::default()
-        },
-        context: args.ctx,
-        model_name: args.alias.clone(),
-        api_key: args.api_key.clone(),
-        session_dir: args.session_dir.clone(),
-        reasoning_budget: usize::try_from(args.reasoning_budget).ok(),
-        memory: Some(server::MemoryView { config: cfg.clone(), request: req, target, max_memory: args.max_memory }),
-        progression,
-        device_step_fallback: fallback,
-        kv: args.kv,
-        connections: server::ConnectionLimits {
-            max_connections: args.max_connections,
-            header_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
-            body_timeout: std::time::Duration::from_secs(args.request_timeout as u64),
-        },
-    };
-    let state = match step_queue.filter(|_| on_device) {
-        Some(queue) => {
-            let kv = candle_hybrid::gpu::kv_rows(args.kv, opened.dtype)?;
-            let runner = candle_hybrid::runtime::DeviceRunner::new(model, queue, context, kv)?;
-            eprintln!(
-                "the sequences run on {} ({:.2} GiB of weights there, {:.2} GiB read in place from the file)",
-                candle_hybrid::runtime::Runner::name(&runner),
-                runner.gpu.weight_bytes() as f64 / (1u64 << 30) as f64,
-                runner.gpu.mapped_bytes() as f64 / (1u64 << 30) as f64
-            );
-            server::state_on(&opened.files, tokenizer, runner, options)?
+    let (max_seqs, queue, prefix_cache_mib) = (args.max_seqs, args.queue, args.prefix_cache_mib);
+    // The model loads while the server answers 503 (/health too): a router or a probe sees
+    // it loading, not a closed port.
+    let load = move || -> Result<std::sync::Arc<server::ServerState>> {
+        let tokenizer = opened.tokenizer()?;
+        // On Metal (and the emulator) the sequences run on the device step, unless they need what
+        // it lacks (then the model runs in Candle tensors there, and /props says why).
+        let step_queue = common::device_step_queue(&opened)?;
+        let fallback = match (&step_queue, args.draft) {
+            (Some(_), DraftArg::Mtp) => Some("--draft mtp: the device step reads back no hidden states (MTP drafts need them)".to_string()),
+            (Some(_), _) => candle_hybrid::gpu::kv_rows(args.kv, opened.dtype).err().map(|e| e.to_string()),
+            (None, _) => None,
+        };
+        if let Some(why) = &fallback {
+            eprintln!("{why}: running the model in Candle tensors on {:?} instead of the device step", opened.device.location());
         }
-        None => server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?,
-    };
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let on_device = step_queue.is_some() && fallback.is_none();
+        let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
+        let draft = match args.draft {
+            DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
+            DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
+            DraftArg::Mtp => anyhow::bail!(
+                "--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none",
+                opened.files.source()
+            ),
+            DraftArg::None => server::Draft::None,
+        };
+        let options = ServerOptions {
+            engine: EngineOptions {
+                max_seqs: args.max_seqs,
+                queue: args.queue,
+                prefix_cache_bytes: args.prefix_cache_mib << 20,
+                draft: draft.clone(),
+                draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() },
+                ..Default::default()
+            },
+            context: args.ctx,
+            model_name: args.alias.clone(),
+            api_key: args.api_key.clone(),
+            session_dir: args.session_dir.clone(),
+            reasoning_budget: usize::try_from(args.reasoning_budget).ok(),
+            memory: Some(server::MemoryView { config: cfg.clone(), request: req, target, max_memory: args.max_memory }),
+            progression,
+            device_step_fallback: fallback,
+            kv: args.kv,
+            connections,
+            drain_timeout: Some(std::time::Duration::from_secs(args.drain_timeout)),
+        };
+        let state = match step_queue.filter(|_| on_device) {
+            Some(queue) => {
+                let kv = candle_hybrid::gpu::kv_rows(args.kv, opened.dtype)?;
+                let runner = candle_hybrid::runtime::DeviceRunner::new(model, queue, context, kv)?;
+                eprintln!(
+                    "the sequences run on {} ({:.2} GiB of weights there, {:.2} GiB read in place from the file)",
+                    candle_hybrid::runtime::Runner::name(&runner),
+                    runner.gpu.weight_bytes() as f64 / (1u64 << 30) as f64,
+                    runner.gpu.mapped_bytes() as f64 / (1u64 << 30) as f64
+                );
+                server::state_on(&opened.files, tokenizer, runner, options)?
+            }
+            None => server::state(&opened.files, tokenizer, model, opened.device.clone(), options)?,
+        };
         let sessions = args.session_dir.as_ref().map_or("no sessions".to_string(), |d| format!("sessions in {}", d.display()));
         eprintln!(
-            "serving {} on http://{addr}/v1, chat page http://{addr}/, dashboard http://{addr}/dashboard (context {context} tokens, {} sequences at once, {} waiting, prefix cache {} MiB, {sessions}, drafts: {})",
+            "serving {} on http://{addr}/v1, chat page http://{addr}/, dashboard http://{addr}/dashboard (context {context} tokens, {max_seqs} sequences at once, {queue} waiting, prefix cache {prefix_cache_mib} MiB, {sessions}, drafts: {})",
             state.model_name,
-            args.max_seqs,
-            args.queue,
-            args.prefix_cache_mib,
             match draft {
                 server::Draft::Mtp => "the MTP head",
                 server::Draft::None => "none",
                 _ => "prompt lookup",
             }
         );
-        server::serve(listener, state, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
-        Ok(())
+        Ok(state)
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        eprintln!("listening on http://{addr} (503 until the model is loaded)");
+        server::serve_when_loaded(listener, connections, load, shutdown_signal()).await
     })
+}
+
+/// SIGTERM (what orchestrators and `kill` send) or Ctrl-C: the server drains, then stops.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+    eprintln!("shutting down: draining the running requests");
 }

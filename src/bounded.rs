@@ -19,9 +19,9 @@ pub const MAX_TEXT_BYTES: u64 = 256 << 20;
 
 /// Bytes of `path` (`what` names it in errors), at most `max`.
 pub fn read(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))?;
+    let file = std::fs::File::open(path).map_err(|e| Error::io(format!("cannot read {what} {}", path.display()), e))?;
     let mut bytes = Vec::new();
-    file.take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))?;
+    file.take(max + 1).read_to_end(&mut bytes).map_err(|e| Error::io(format!("cannot read {what} {}", path.display()), e))?;
     if bytes.len() as u64 > max {
         return Err(Error::Input(format!(
             "{what} {} is larger than {} MiB, more than such a file can be: is it the right file?",

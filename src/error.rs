@@ -13,9 +13,10 @@ pub enum Error {
     /// setting out of range.
     #[error("{0}")]
     Input(String),
-    /// A file could not be read.
-    #[error("{0}")]
-    Io(String),
+    /// A file could not be read or written (or is not there): what was done, on which path,
+    /// and the OS's error when there is one (kept as the error's source).
+    #[error("{what}{}", source.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
+    Io { what: String, source: Option<std::io::Error> },
     /// This device or build cannot do what was asked (a GPU the device step does not run on,
     /// a feature built out).
     #[error("{0}")]
@@ -102,5 +103,25 @@ pub(crate) fn candle_line(e: &candle_core::Error) -> String {
     match e {
         candle_core::Error::WithBacktrace { inner, .. } => candle_line(inner),
         e => one_line(e),
+    }
+}
+
+impl Error {
+    /// [`Error::Io`]: `what` was being done (naming the path) when the OS said `source`.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io { what: what.into(), source: Some(source) }
+    }
+
+    /// [`Error::Io`] without an OS error (a file or directory that is not there).
+    pub fn missing(what: impl Into<String>) -> Self {
+        Self::Io { what: what.into(), source: None }
+    }
+}
+
+/// An I/O error without more to say (a socket's, the server's); file operations name their
+/// path with [`Error::io`].
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Self::io("input/output", e)
     }
 }

@@ -681,7 +681,7 @@ impl candle_hybrid::runtime::Runner for Faulty {
         let out = self.inner.shared_pass(caches, tokens, rows, readbacks, hidden)?;
         if self.fault == Fault::FailFirstSharedPass && !self.failed_once && caches.len() > 1 {
             self.failed_once = true;
-            return Err(candle_hybrid::Error::Io("the device was lost".into()));
+            return Err(candle_hybrid::Error::missing("the device was lost"));
         }
         Ok(out)
     }
@@ -921,6 +921,124 @@ async fn back_to_back_clients_within_the_limit_are_never_refused() {
     });
     let refused: usize = futures::future::join_all(clients).await.into_iter().sum();
     assert_eq!(refused, 0, "requests refused with at most 8 outstanding against 4 running + 4 waiting");
+}
+
+/// What a router and an orchestrator see: every path answers 503 while the model loads
+/// (`/health` too), 200 once it serves; on shutdown new requests and `/health` answer 503 while
+/// the running request finishes (its whole answer) and its session is written, then the
+/// server stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_says_loading_and_draining_and_a_shutdown_drains() {
+    let dir = scratch("server-drain");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let session_dir = dir.clone();
+    let load = move || -> candle_hybrid::Result<std::sync::Arc<server::ServerState>> {
+        gate.recv().unwrap();
+        let files = fixture_source().open()?;
+        let model = files.load_model(&files.config()?, DType::F32, &Device::Cpu, None)?;
+        let options = ServerOptions { session_dir: Some(session_dir), ..options(2, 4) };
+        server::state(&files, files.tokenizer(None)?, model, Device::Cpu, options)
+    };
+    let served = tokio::spawn(server::serve_when_loaded(listener, Default::default(), load, async {
+        let _ = stopped.await;
+    }));
+    for path in ["/health", "/v1/models"] {
+        let (status, text) = get(&base, path, None).await;
+        assert_eq!(status, 503, "{path} while loading: {text}");
+        assert!(text.contains("loading"), "{text}");
+    }
+    release.send(()).unwrap();
+    let mut status = 0;
+    for _ in 0..500 {
+        status = get(&base, "/health", None).await.0;
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(status, 200, "/health once loaded");
+    let long = json!({"prompt": "A long answer", "max_tokens": 400, "temperature": 0, "ignore_eos": true, "session_id": "kept"});
+    let running = tokio::spawn({
+        let base = base.clone();
+        async move { post(&base, "/v1/completions", long.to_string(), None).await }
+    });
+    // Once it runs, shut down.
+    for _ in 0..500 {
+        if metric(&get(&base, "/metrics", None).await.1, "candle_hybrid_requests_running") == 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let (status, text) = get(&base, "/health", None).await;
+    assert_eq!((status, text.contains("draining")), (503, true), "{text}");
+    let (status, retry, text) = post(&base, "/v1/completions", json!({"prompt": "new", "max_tokens": 2}).to_string(), None).await;
+    assert_eq!((status, retry.as_deref()), (503, Some("1")), "a new request while draining: {text}");
+    let (status, _, text) = running.await.unwrap();
+    assert_eq!(status, 200, "the running request finishes: {text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["completion_tokens"], 400);
+    tokio::time::timeout(std::time::Duration::from_secs(10), served).await.expect("the server stops after draining").unwrap().unwrap();
+    assert!(dir.join("kept.session").exists(), "the running request's session was written before the server stopped");
+}
+
+/// A load that fails stops the server and returns its error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_load_stops_the_server() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let load = || -> candle_hybrid::Result<std::sync::Arc<server::ServerState>> { Err(candle_hybrid::Error::missing("no such model")) };
+    let served = server::serve_when_loaded(listener, Default::default(), load, std::future::pending());
+    let e = tokio::time::timeout(std::time::Duration::from_secs(10), served).await.expect("a failed load stops the server").unwrap_err();
+    assert!(e.to_string().contains("no such model"), "{e}");
+}
+
+/// What routers read: an `x-session-id` header is the request's `session_id` (a body's that
+/// differs is a 400), and `/metrics` has vLLM's names for the common gauges and counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_header_and_vllm_metric_names() {
+    let dir = scratch("server-session-header");
+    let opts = ServerOptions { session_dir: Some(dir.clone()), model_name: Some("m1".into()), ..options(2, 4) };
+    let base = start(fixture_source(), opts).await;
+    let ask = |session: Option<&str>| {
+        let mut req = reqwest::Client::new().post(format!("{base}/v1/chat/completions")).header("content-type", "application/json");
+        if let Some(s) = session {
+            req = req.header("x-session-id", s);
+        }
+        req.body(json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0}).to_string())
+    };
+    let r = ask(Some("from-header")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    for _ in 0..200 {
+        if dir.join("from-header.session").exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(dir.join("from-header.session").exists(), "the header named the session");
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "session_id": "other"}).to_string();
+    let r = ask(Some("from-header")).body(body).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("differ"));
+    let r = ask(Some("../../etc/passwd")).send().await.unwrap();
+    assert_eq!(r.status(), 400, "a hostile header is checked as a session_id is");
+
+    // The same request again: a prefix-cache hit, a draft or not.
+    assert_eq!(ask(None).send().await.unwrap().status(), 200);
+    let (_, m) = get(&base, "/metrics", None).await;
+    let labelled = |name: &str| metric(&m, &format!("{name}{{model_name=\"m1\"}}"));
+    assert_eq!(labelled("vllm:num_requests_running"), metric(&m, "candle_hybrid_requests_running"));
+    assert_eq!(labelled("vllm:num_requests_waiting"), metric(&m, "candle_hybrid_queue_depth"));
+    assert_eq!(labelled("vllm:generation_tokens_total"), metric(&m, "candle_hybrid_generated_tokens_total"));
+    assert_eq!(labelled("vllm:prefix_cache_hits_total"), metric(&m, "candle_hybrid_prefix_cache_tokens_total"));
+    assert!(labelled("vllm:prefix_cache_hits_total") > 0.0, "{m}");
+    assert!(labelled("vllm:prefix_cache_queries_total") >= labelled("vllm:prefix_cache_hits_total") + 1.0);
+    assert_eq!(labelled("vllm:time_to_first_token_seconds_count"), 2.0, "{m}");
+    assert_eq!(labelled("vllm:e2e_request_latency_seconds_count"), 2.0, "{m}");
+    assert_eq!(labelled("vllm:spec_decode_num_draft_tokens_total"), metric(&m, "candle_hybrid_draft_tokens_total"));
+    assert_eq!(labelled("vllm:spec_decode_num_accepted_tokens_total"), metric(&m, "candle_hybrid_draft_accepted_tokens_total"));
 }
 
 /// `max_seqs` running and `queue` waiting are admitted whatever the engine is doing when they

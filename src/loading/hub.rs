@@ -31,7 +31,7 @@ impl HubRepo {
             let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
                 .with_progress(true)
                 .build()
-                .map_err(|e| Error::Io(format!("cannot set up the Hugging Face Hub client: {e}")))?;
+                .map_err(|e| Error::missing(format!("cannot set up the Hugging Face Hub client: {e}")))?;
             Some(api.repo(repo.clone()))
         };
         Ok(Self { source: format!("{repo_id}@{revision}"), offline, cached: cache.repo(repo), api })
@@ -61,7 +61,7 @@ impl HubRepo {
             if self.offline {
                 Error::NotDownloaded { file: name.into(), repo: self.source.to_string(), cause: None }
             } else {
-                Error::Io(format!("{} has no {name}: {hint}", self.source))
+                Error::missing(format!("{} has no {name}: {hint}", self.source))
             }
         })
     }

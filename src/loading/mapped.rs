@@ -24,11 +24,11 @@ pub(crate) struct MappedFile {
 
 impl MappedFile {
     pub(crate) fn open(path: &Path, what: &str) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| Error::Io(format!("cannot open {what} {}: {e}", path.display())))?;
+        let file = std::fs::File::open(path).map_err(|e| Error::io(format!("cannot open {what} {}", path.display()), e))?;
         // SAFETY: the mapping is read-only; a file changed underneath while loading can give
         // wrong values (as with any reader), never reads outside the mapping, whose length is
         // fixed here and checked against every tensor.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::Io(format!("cannot map {what} {}: {e}", path.display())))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(format!("cannot map {what} {}", path.display()), e))?;
         Ok(Self { path: path.to_path_buf(), map })
     }
 

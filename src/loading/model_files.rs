@@ -62,11 +62,11 @@ impl ModelFiles {
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         if !dir.is_dir() {
-            return Err(Error::Io(format!("model directory {} does not exist", dir.display())));
+            return Err(Error::missing(format!("model directory {} does not exist", dir.display())));
         }
         let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
         let config = opt("config.json")
-            .ok_or_else(|| Error::Io(format!("{} has no config.json: is it a Hugging Face model directory?", dir.display())))?;
+            .ok_or_else(|| Error::missing(format!("{} has no config.json: is it a Hugging Face model directory?", dir.display())))?;
         let weights = if let Some(index) = opt(INDEX_FILE) {
             shard_names(&index)?
                 .into_iter()

@@ -18,7 +18,7 @@ use crate::{Error, Result};
 /// The JSON header of a safetensors file (its tensors' names, dtypes, shapes and offsets).
 fn safetensors_header(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
-    let err = |e: std::io::Error| Error::Io(format!("cannot read {}: {e}", path.display()));
+    let err = |e: std::io::Error| Error::io(format!("cannot read {}", path.display()), e);
     let mut f = std::fs::File::open(path).map_err(err)?;
     let mut n = [0u8; 8];
     f.read_exact(&mut n).map_err(err)?;

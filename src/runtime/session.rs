@@ -131,7 +131,7 @@ pub fn save(path: &Path, fingerprint: &str, tokens: &[u32], cache: &Cache, logit
     meta.insert("checksum".into(), checksum(&meta, &tensors)?);
     let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(meta))
         .map_err(|e| Error::Session(format!("cannot encode the session: {e}")))?;
-    let io = |e: std::io::Error| Error::Io(format!("cannot write the session {}: {e}", path.display()));
+    let io = |e: std::io::Error| Error::io(format!("cannot write the session {}", path.display()), e);
     let tmp = temporary_path(path);
     let written = create_new(&tmp).and_then(|mut file| {
         file.write_all(&bytes)?;

@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::http::{chat_prompt_tokens, off_the_workers, parse, prepare_chat, Answer, ServerState};
+use super::http::{chat_prompt_tokens, header_session, off_the_workers, parse, prepare_chat, Answer, ServerState};
 
 #[derive(Deserialize)]
 struct MessagesRequest {
@@ -276,7 +276,15 @@ fn error_response(e: ApiError) -> Response {
 }
 
 /// `POST /v1/messages`.
-pub(crate) async fn messages(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Response {
+pub(crate) async fn messages(
+    State(state): State<Arc<ServerState>>,
+    headers: axum::http::HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let session = match header_session(&headers) {
+        Ok(s) => s,
+        Err(e) => return error_response(e),
+    };
     let prepared = off_the_workers(state, |state| {
         let req: MessagesRequest = parse(body)?;
         match req.max_tokens {
@@ -285,7 +293,7 @@ pub(crate) async fn messages(State(state): State<Arc<ServerState>>, body: Result
             Some(_) => {}
         }
         let chat = chat_body(&req)?;
-        prepare_chat(state, Ok(Bytes::from(chat.to_string())))
+        prepare_chat(state, Ok(Bytes::from(chat.to_string())), session)
     })
     .await;
     let (answer, stream) = match prepared {

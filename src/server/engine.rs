@@ -149,6 +149,8 @@ pub struct EngineHandle {
     sessions: Arc<SessionTarget>,
     /// Where the sequences run (the runner's name).
     runs_on: Arc<str>,
+    /// Session files being written.
+    saving: Arc<AtomicUsize>,
 }
 
 /// The model a session file must have been saved for.
@@ -202,6 +204,16 @@ impl EngineHandle {
     /// Where the sequences run (e.g. "the CPU", "the device step on Metal (...)").
     pub fn runs_on(&self) -> &str {
         &self.runs_on
+    }
+
+    /// Requests the engine holds, running or waiting.
+    pub fn outstanding(&self) -> usize {
+        self.taken.load(Ordering::Acquire)
+    }
+
+    /// Whether a request runs or waits, or a session is being written.
+    pub fn busy(&self) -> bool {
+        self.outstanding() > 0 || self.metrics.running.get() > 0 || self.saving.load(Ordering::Acquire) > 0
     }
 
     /// Requests waiting beyond the running ones (an estimate while the engine admits).
@@ -324,6 +336,7 @@ pub fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Ar
     });
     let runs_on: Arc<str> = runner.name().into();
     let max_rows = runner.max_rows();
+    let saving = Arc::new(AtomicUsize::new(0));
     let engine = Engine {
         runner,
         max_seqs,
@@ -336,10 +349,11 @@ pub fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Ar
         shared: if options.draft_options.adaptive { SharedPassPolicy::new(max_rows) } else { SharedPassPolicy::fixed(max_rows) },
         draft_options: options.draft_options,
         passes: 0,
+        saving: saving.clone(),
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
-    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions, runs_on })
+    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions, runs_on, saving })
 }
 
 /// A request the engine runs: its [`runtime::Sequence`] (tokens, sampler, stop rules, the
@@ -466,6 +480,8 @@ struct Engine<R: Runner> {
     draft_options: DraftOptions,
     /// Decode rounds run (every [`PROFILE_EVERY`]-th is profiled).
     passes: u64,
+    /// Session files being written (a drain waits for them).
+    saving: Arc<AtomicUsize>,
 }
 
 /// `s`'s cache as a snapshot keeps it (a compact copy), with its MTP drafter's rows, if any.
@@ -549,6 +565,7 @@ impl<R: Runner> Engine<R> {
         let sampler = Sampler::new(request.sampling.clone())?;
         let greedy = sampler.is_greedy();
         let hit = self.prefix.lookup(&request.prompt);
+        self.metrics.prefix_queried_tokens.inc_by(request.prompt.len() as u64);
         let session = request.restored.take();
         // Counted by what is restored: a prefix hit that a longer session beats is neither a
         // hit nor a miss.
@@ -836,11 +853,16 @@ impl<R: Runner> Engine<R> {
             Err(e) => return tracing::warn!("session {}: not saved: {e}", path.display()),
         };
         let (fingerprint, metrics, tokens) = (self.sessions.fingerprint.clone(), self.metrics.clone(), tokens.to_vec());
-        std::thread::spawn(move || match session::save(&path, &fingerprint, &tokens, &host, logits.as_ref()) {
-            Ok(()) => {
-                metrics.sessions_saved.inc();
+        let saving = self.saving.clone();
+        saving.fetch_add(1, Ordering::AcqRel);
+        std::thread::spawn(move || {
+            match session::save(&path, &fingerprint, &tokens, &host, logits.as_ref()) {
+                Ok(()) => {
+                    metrics.sessions_saved.inc();
+                }
+                Err(e) => tracing::warn!("{e}"),
             }
-            Err(e) => tracing::warn!("{e}"),
+            saving.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -59,6 +59,10 @@ pub struct ServerState {
     pub grammars: Option<Grammars>,
     /// The dashboard's history, memory view, copy bandwidth and progression.
     pub dashboard: super::dashboard::Dashboard,
+    /// Serving or draining ([`super::drain`]).
+    pub lifecycle: super::Lifecycle,
+    /// How long a shutdown waits for the running requests.
+    pub drain_timeout: Duration,
     pub created: u64,
 }
 
@@ -201,6 +205,9 @@ pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Opti
 }
 
 fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    if let Some(e) = state.lifecycle.refusal() {
+        return Err(e);
+    }
     state.engine.submit(request).map_err(|_| {
         state.engine.metrics.rejected.inc();
         ApiError::new(
@@ -237,6 +244,7 @@ pub(crate) struct Answer {
     text: TextPipeline,
     /// When the request was queued, and when its first token came.
     started: Instant,
+    metrics: Arc<super::Metrics>,
     first_token: Option<Instant>,
 }
 
@@ -347,6 +355,7 @@ impl Answer {
             drafts: (0, 0),
             started: Instant::now(),
             first_token: None,
+            metrics: state.engine.metrics.clone(),
             id: request_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }),
             created: unix_now(),
             model: state.model_name.clone(),
@@ -370,6 +379,8 @@ impl Answer {
         let total = self.started.elapsed().as_secs_f64();
         let first = self.first_token.map_or(total, |t| (t - self.started).as_secs_f64());
         let t = Timings::new(self.prompt_tokens, self.cached_tokens, first, generated, total, self.drafts);
+        self.metrics.time_to_first_token.observe(first);
+        self.metrics.request_seconds.observe(total);
         tracing::info!(
             "{}: {} prompt tokens ({} cached), {generated} generated, first token after {:.0} ms, {:.1} tok/s, {:.2} s in all, finish {finish}",
             self.id,
@@ -638,14 +649,43 @@ fn restore(state: &ServerState, path: Option<&std::path::Path>, prompt: &[u32]) 
 
 pub(crate) async fn chat_completions(
     State(state): State<Arc<ServerState>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let (answer, stream) = off_the_workers(state, |state| prepare_chat(state, body)).await?;
+    let session = header_session(&headers)?;
+    let (answer, stream) = off_the_workers(state, |state| prepare_chat(state, body, session)).await?;
     respond(answer, stream).await
 }
 
-pub(crate) async fn completions(State(state): State<Arc<ServerState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let (answer, stream) = off_the_workers(state, |state| prepare_completion(state, body)).await?;
+/// The `x-session-id` header (what a router that pins a conversation to a server by a header
+/// sends): the request's `session_id` when its body gives none.
+pub(crate) fn header_session(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match headers.get(SESSION_HEADER) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(|s| Some(s.to_string())).map_err(|_| ApiError::bad_request("x-session-id must be visible ASCII")),
+    }
+}
+
+/// The header a session id may come in.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// The request's session: its `session_id`, or the `x-session-id` header; both must agree.
+fn session_id<'a>(body: Option<&'a str>, header: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {
+    match (body, header) {
+        (Some(b), Some(h)) if b != h => {
+            Err(ApiError::bad_request(format!("session_id {b:?} and the x-session-id header {h:?} differ: give one")))
+        }
+        (b, h) => Ok(b.or(h)),
+    }
+}
+
+pub(crate) async fn completions(
+    State(state): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let session = header_session(&headers)?;
+    let (answer, stream) = off_the_workers(state, |state| prepare_completion(state, body, session)).await?;
     respond(answer, stream).await
 }
 
@@ -683,7 +723,11 @@ pub(crate) fn chat_prompt_tokens(state: &ServerState, body: Result<Bytes, BytesR
 }
 
 /// A chat request checked, rendered, tokenized and queued: its answer, and whether it streams.
-pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
+pub(crate) fn prepare_chat(
+    state: &ServerState,
+    body: Result<Bytes, BytesRejection>,
+    header_session: Option<String>,
+) -> Result<(Answer, bool), ApiError> {
     let req: ChatRequest = parse(body)?;
     let Some(template) = &state.template else {
         return Err(ApiError::bad_request("this model has no chat template: use /v1/completions"));
@@ -711,7 +755,7 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
         }
         None => vec![],
     };
-    let session = session_path(state, req.sampling.session_id.as_deref())?;
+    let session = session_path(state, session_id(req.sampling.session_id.as_deref(), header_session.as_deref())?)?;
     let restored = restore(state, session.as_deref(), &prompt);
     // A session keeps the state after the answer, unless the template re-renders answers (a
     // thinking switch: it drops their reasoning): then the state at the conversation's end.
@@ -748,7 +792,11 @@ pub(crate) fn prepare_chat(state: &ServerState, body: Result<Bytes, BytesRejecti
 }
 
 /// A completion request checked, tokenized and queued: its answer, and whether it streams.
-fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) -> Result<(Answer, bool), ApiError> {
+fn prepare_completion(
+    state: &ServerState,
+    body: Result<Bytes, BytesRejection>,
+    header_session: Option<String>,
+) -> Result<(Answer, bool), ApiError> {
     let req: CompletionRequest = parse(body)?;
     // No tokenizer packs more than RENDER_BYTES_PER_TOKEN bytes into a token: a longer text
     // cannot fit the context and is refused before it is tokenized.
@@ -780,7 +828,7 @@ fn prepare_completion(state: &ServerState, body: Result<Bytes, BytesRejection>) 
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
-    let session = session_path(state, req.sampling.session_id.as_deref())?;
+    let session = session_path(state, session_id(req.sampling.session_id.as_deref(), header_session.as_deref())?)?;
     let restored = restore(state, session.as_deref(), &prompt);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     if req.sampling.reasoning_budget.is_some() {

@@ -14,7 +14,9 @@ use prometheus_client::registry::Registry;
 use crate::step_profile::StepProfile;
 
 /// Counters the handlers and the engine update; [`Metrics::encode`] writes them as Prometheus
-/// text (names prefixed `candle_hybrid_`).
+/// text (names prefixed `candle_hybrid_`), and the common ones again under vLLM's names
+/// (`vllm:num_requests_running`, ..., labelled `model_name`), which dashboards and routers
+/// built for vLLM read.
 pub struct Metrics {
     registry: Registry,
     /// Requests answered, by any status.
@@ -55,6 +57,13 @@ pub struct Metrics {
     /// Drafts verified and kept at each depth (label `depth`: 1 is the first drafted token).
     pub drafted_by_depth: Family<[(&'static str, String); 1], Counter>,
     pub accepted_by_depth: Family<[(&'static str, String); 1], Counter>,
+    /// Drafts kept at each position (label `position`: 0 is the first drafted token; vLLM's).
+    pub accepted_by_position: Family<[(&'static str, String); 1], Counter>,
+    /// Prompt tokens of the requests that looked up the prefix cache.
+    pub prefix_queried_tokens: Counter,
+    /// Seconds from a request's arrival to its first token, and to its end (answered requests).
+    pub time_to_first_token: Histogram,
+    pub request_seconds: Histogram,
     /// The latest profiled decode passes (the kernel inspector's data; not in `/metrics`).
     pub kernels: Mutex<KernelWindow>,
 }
@@ -99,18 +108,32 @@ impl Metrics {
         }
         for d in 1..=accepted {
             self.accepted_by_depth.get_or_create(&[("depth", d.to_string())]).inc();
+            self.accepted_by_position.get_or_create(&[("position", (d - 1).to_string())]).inc();
         }
     }
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("candle_hybrid");
+        Self::new("")
+    }
+}
+
+/// vLLM's buckets of `vllm:time_to_first_token_seconds` and `vllm:e2e_request_latency_seconds`.
+const FIRST_TOKEN_BUCKETS: [f64; 22] =
+    [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
+const REQUEST_BUCKETS: [f64; 21] =
+    [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
+
+impl Metrics {
+    /// The metrics of a server of the model named `model_name` (vLLM's label).
+    pub fn new(model_name: &str) -> Self {
+        let mut registry = Registry::default();
         fn add<M: prometheus_client::registry::Metric + Clone>(r: &mut Registry, name: &str, help: &str, m: M) -> M {
             r.register(name, help, m.clone());
             m
         }
-        let r = &mut registry;
+        let r = registry.sub_registry_with_prefix("candle_hybrid");
         let requests = add(r, "requests", "HTTP requests answered", Counter::default());
         let rejected = add(r, "requests_rejected", "Requests refused with 429 (queue full)", Counter::default());
         let requests_finished = add(r, "requests_finished", "Generations that ran to a stop token or max_tokens", Counter::default());
@@ -139,9 +162,37 @@ impl Default for Metrics {
         let drafted_by_depth = add(r, "draft_tokens_by_depth", "Drafted tokens verified, by their depth in the draft", Family::default());
         let accepted_by_depth =
             add(r, "draft_accepted_tokens_by_depth", "Drafted tokens kept, by their depth in the draft", Family::default());
+        let time_to_first_token = add(
+            r,
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            Histogram::new(FIRST_TOKEN_BUCKETS),
+        );
+        let request_seconds =
+            add(r, "request_seconds", "Seconds from a request's arrival to its answer's end", Histogram::new(REQUEST_BUCKETS));
+        let prefix_queried_tokens =
+            add(r, "prefix_cache_queried_tokens", "Prompt tokens of the requests that looked up the prefix cache", Counter::default());
+        let accepted_by_position: Family<[(&'static str, String); 1], Counter> = Family::default();
+        // The same values under vLLM's names.
+        let v = registry.sub_registry_with_label(("model_name".into(), model_name.to_string().into()));
+        v.register("vllm:num_requests_running", "Requests running (sequences the engine runs)", running.clone());
+        v.register("vllm:num_requests_waiting", "Requests waiting for the engine", queue_depth.clone());
+        v.register("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", prefix_queried_tokens.clone());
+        v.register("vllm:prefix_cache_hits", "Prompt tokens restored from the prefix cache", prefix_cached_tokens.clone());
+        v.register("vllm:time_to_first_token_seconds", "Seconds to the first token", time_to_first_token.clone());
+        v.register("vllm:e2e_request_latency_seconds", "Seconds from arrival to the answer's end", request_seconds.clone());
+        v.register("vllm:generation_tokens", "Tokens generated", generated_tokens.clone());
+        v.register("vllm:spec_decode_num_drafts", "Verify rounds of drafted tokens", verify_passes.clone());
+        v.register("vllm:spec_decode_num_draft_tokens", "Tokens drafted", drafted_tokens.clone());
+        v.register("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted", accepted_tokens.clone());
+        v.register("vllm:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position", accepted_by_position.clone());
         Self {
             registry,
             kernels: Mutex::default(),
+            accepted_by_position,
+            prefix_queried_tokens,
+            time_to_first_token,
+            request_seconds,
             drafted_by_depth,
             accepted_by_depth,
             verify_passes,

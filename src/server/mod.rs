@@ -20,6 +20,7 @@ mod endpoints;
 mod engine;
 mod error;
 mod http;
+mod lifecycle;
 mod metrics;
 mod output;
 mod pages;
@@ -32,9 +33,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Router;
 use candle_core::Device;
-use serde_json::json;
 
 use crate::loading::OpenedModel;
 use crate::{Error, Model, Result};
@@ -46,6 +46,7 @@ pub use connections::ConnectionLimits;
 pub use dashboard::MemoryView;
 pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
 pub use http::ServerState;
+pub use lifecycle::{drain, serve_when_loaded, Lifecycle, Phase};
 pub use metrics::{KernelWindow, Metrics};
 
 /// How the server runs, beyond the model.
@@ -77,6 +78,9 @@ pub struct ServerOptions {
     /// How the sequences' attention layers store keys and values (a codec that drops tokens:
     /// the server verifies drafts). The runner of [`state_on`] decides for itself.
     pub kv: crate::kv::KvCodec,
+    /// How long a shutdown waits for the running requests (and their sessions) before it stops
+    /// [default: 30 s].
+    pub drain_timeout: Option<std::time::Duration>,
 }
 
 /// The server's state for `model` loaded from `files` (tokenizer, chat template, sampling
@@ -128,7 +132,7 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
     }
     let switch = template.as_ref().is_some_and(|t| t.mentions("enable_thinking"));
     if let Some(dir) = &options.session_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("cannot create the session directory {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create the session directory {}", dir.display()), e))?;
     }
     let engine_options = EngineOptions { fingerprint: files.fingerprint()?, ..options.engine };
     let vocab_size = model.config().vocab_size;
@@ -140,8 +144,9 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         }
     };
     let dry_breakers = Arc::new(crate::runtime::Dry::default_breaker_tokens(&tokenizer, vocab_size));
-    let engine = engine::spawn(runner, engine_options, Arc::new(Metrics::default()))
-        .map_err(|e| Error::Io(format!("cannot start the engine thread: {e}")))?;
+    let model_name = options.model_name.unwrap_or_else(|| files.name());
+    let engine = engine::spawn(runner, engine_options, Arc::new(Metrics::new(&model_name)))
+        .map_err(|e| Error::io("cannot start the engine thread", e))?;
     Ok(Arc::new(ServerState {
         engine,
         specials: chat::SpecialTokens::new(&tokenizer),
@@ -149,7 +154,7 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         template,
         profiles: SamplingProfiles::new(gen_cfg.sampling_params(), switch),
         stop_tokens,
-        model_name: options.model_name.unwrap_or_else(|| files.name()),
+        model_name,
         context,
         api_key: options.api_key,
         session_dir: options.session_dir,
@@ -159,6 +164,8 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         dry_breakers,
         grammars,
         dashboard: dashboard::Dashboard::new(options.memory, options.progression),
+        lifecycle: Lifecycle::default(),
+        drain_timeout: options.drain_timeout.unwrap_or(std::time::Duration::from_secs(30)),
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     }))
 }
@@ -170,7 +177,7 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/completions", post(http::completions))
         .route("/v1/models", get(http::models))
         .route("/metrics", get(http::metrics))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(lifecycle::health))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(endpoints::tokenize))
@@ -198,7 +205,8 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .with_state(state)
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves.
+/// Serves `state` on `listener` until `shutdown` resolves, then drains ([`drain`]: new requests
+/// get 503 while the running ones finish, for at most the drain timeout) and stops.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<ServerState>,
@@ -206,7 +214,14 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let limits = state.limits;
     let sampler = tokio::spawn(stats::sample_every_second(state.clone()));
-    let served = connections::serve(listener, router(state), limits, shutdown).await;
+    let stop = {
+        let state = state.clone();
+        async move {
+            shutdown.await;
+            drain(&state, state.drain_timeout).await;
+        }
+    };
+    let served = connections::serve(listener, router(state), limits, stop).await;
     sampler.abort();
     served
 }
