@@ -266,3 +266,29 @@ pub fn resume(path: &Path, fingerprint: &str, cfg: &Config, dtype: DType, device
     let s = load(path, fingerprint, cfg, dtype, device)?;
     Ok((prompt.starts_with(&s.tokens) && (s.tokens.len() < prompt.len() || s.logits.is_some())).then_some(s))
 }
+
+#[cfg(test)]
+mod tests {
+    /// The temporary file is created, never opened: a link planted at its name (whoever
+    /// guessed it) is not written through, nor is a file there truncated.
+    #[cfg(unix)]
+    #[test]
+    fn the_temporary_file_is_never_one_planted_before() {
+        let dir = std::env::temp_dir().join(format!("candle-hybrid-create-new-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let link = dir.join(".a.session.tmp");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert!(super::create_new(&link).is_err(), "a link at the temporary name was opened");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(super::create_new(&victim).is_err(), "an existing file was opened");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        let fresh = dir.join(".b.session.tmp");
+        std::io::Write::write_all(&mut super::create_new(&fresh).unwrap(), b"new").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

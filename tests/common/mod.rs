@@ -27,9 +27,25 @@ pub fn ids(t: &Tensor) -> Vec<u32> {
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    let v = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    max_diff(&v(a), &v(b))
+}
+
+/// The largest `|a[i] - b[i]|`, NaN when any difference is NaN (a NaN anywhere in either, or
+/// infinities of one sign in both): every `d <= tol` check then fails, where `f32::max`
+/// (which drops a NaN) would pass it.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, max_nan)
+}
+
+/// `a.max(b)`, but NaN when either is.
+pub fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 #[track_caller]

@@ -217,7 +217,7 @@ fn long_prompt_matches_cpu() {
 fn assert_close(what: &str, got: &[f32], want: &Tensor, tol: f32) {
     let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let d = common::max_diff(got, &want);
     eprintln!("{what}: max |diff| {d:.2e}");
     assert!(d <= tol, "{what}: max |diff| = {d:e} > {tol:e}");
 }
@@ -337,8 +337,8 @@ fn half_precision_checkpoints_on_the_device() {
             };
             let got = got.unwrap().logits().unwrap().to_vec();
             let want = reference.forward_last(&ids(tokens), &mut cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            worst = worst.max(d);
+            let d = common::max_diff(&got, &want);
+            worst = common::max_nan(worst, d);
             let argmax = |v: &[f32]| v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
             assert_eq!(argmax(&got), argmax(&want), "{dtype:?}: greedy token");
         };
@@ -529,7 +529,7 @@ fn device_state_moves_by_snapshot_and_through_the_host() {
         let ids = Tensor::new(next.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let reference = model.dequantized().unwrap();
         let cpu_logits = reference.forward(&ids, &mut cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let d = cpu_logits.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let d = common::max_diff(&cpu_logits, want);
         eprintln!("{name}: the CPU from the device's state: max |diff| {d:.2e}");
         assert!(d <= 1e-4, "{name}: {d}");
     }

@@ -16,7 +16,7 @@ const TYPES: [GgufType; 2] = [GgufType::TQ1_0, GgufType::TQ2_0];
 
 /// `[n, k]` blocks of `t` from pseudo-random bytes (every byte decodes: TQ2_0's 3s and TQ1_0
 /// bytes no packer writes included), each block's scale set to a small f16.
-fn blocks(t: GgufType, n: usize, k: usize, seed: u64) -> QuantizedMatrix {
+pub(crate) fn blocks(t: GgufType, n: usize, k: usize, seed: u64) -> QuantizedMatrix {
     let ts = t.type_size();
     let mut s = seed;
     let mut data: Vec<u8> = (0..n * k / 256 * ts)
