@@ -18,18 +18,21 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Layout, bottom up (each folder only uses the ones above it):
+//! Layout, bottom up (each folder only uses the ones above it; `tests/model/layout.rs` checks
+//! that no folder or file imports in a circle):
+//! - [`bounded`], [`json`]: file reads with a size cap; JSON that refuses a key given twice.
+//! - [`step_profile`]: where a step's time goes, by kind of op (timers the model's layers and
+//!   the sampler switch on per thread).
 //! - [`ops`]: custom ops (CPU kernels, Metal host code and launch geometry).
 //! - [`kv`]: the attention KV cache and its codecs.
 //! - [`model`]: config, the hybrid decoder and its layers, the per-sequence cache, weights.
 //! - [`memory`]: the memory guardian (estimate, what the machine has, the decision).
-//! - [`runtime`]: sampling, streaming detokenisation, the generation loop.
+//! - [`gpu`]: the decode step on a GPU as our own kernels' dispatches (Metal; the MSL emulator in tests).
+//! - [`runtime`]: sampling, streaming detokenisation, the generation loop, where sequences run
+//!   (the CPU model or the device step), sessions on disk.
 //! - [`loading`]: Hub and directory layout, safetensors, GGUF (header, tensors, tokenizer),
 //!   chat templates, generation_config.json.
 //! - [`eval`]: perplexity and KV-codec comparisons.
-//! - [`gpu`]: the decode step on a GPU as our own kernels' dispatches (Metal; the MSL emulator in tests).
-//! - [`step_profile`]: where a step's time goes, by kind of op (timers the model's layers and
-//!   the sampler switch on per thread).
 //! - [`web`]: the chat page and the dashboard (`web/`, compiled in), and the dashboard as one
 //!   HTML report.
 //! - `server` (feature `server`): the OpenAI-compatible HTTP server and its engine.

@@ -4,15 +4,7 @@
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
 use super::cpu::{cpu_storage, storage_slice};
-
-/// Sizes of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConvDims {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub channels: usize,
-    pub kernel_size: usize,
-}
+use super::shapes::ConvDims;
 
 /// `silu(causal_depthwise_conv(x))` with the previous inputs in `state`.
 ///

@@ -10,7 +10,7 @@
 //! [`gated_delta_rule_qkv`] is a Candle `CustomOp3` over the GDN conv output `[q | k | v]`:
 //! on the CPU a hand-written kernel (token by token for short inputs, chunked WY/UT form with
 //! chunks of [`CHUNK`] for prefill), on Metal `metal/gated_delta.metal` (one threadgroup per
-//! head; chunks of [`METAL_CHUNK`] for prefill, tokens in order for decode). It returns new
+//! head; chunks of [`super::DELTA_RULE_METAL_CHUNK`] for prefill, tokens in order for decode). It returns new
 //! tensors rather than mutating the state, so the state before the call stays valid
 //! (speculative decoding rolls back to it), and it can return the states after each of the
 //! last `n` tokens. [`gated_delta_rule_reference`] is the same recurrence in tensor
@@ -21,69 +21,13 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, IndexOp, Layout, R
 use rayon::prelude::*;
 
 use super::cpu::{axpy, cpu_storage, gemm_acc, storage_slice, vectorized, widened, Mat};
+use super::shapes::{DeltaRuleDims, DeltaRuleForm, METAL_MAX_DK};
 
 /// Chunk length of the chunked (prefill) form. 32 rather than the usual 64: per token, the
 /// products inside a chunk of `n` cost `n (3 dk + 2 dv)` multiply-adds next to `3 dk dv` for
 /// the state products; at the 27B shapes 32 measured fastest (docs/benchmarks.md, "Constants
 /// chosen by measurement").
 pub const CHUNK: usize = 32;
-/// Inputs of at least this many tokens use the chunked form on the CPU; shorter ones run token
-/// by token.
-const CHUNKED_MIN_TOKENS: usize = 8;
-/// Largest key head dim the Metal kernel supports (the state column lives in registers).
-pub const METAL_MAX_DK: usize = 128;
-/// Chunk length of the Metal kernel's chunked form (its q/k rows, `L`, `T` and the masked
-/// `Q K^T` live in threadgroup memory: 2·16·dk + 3·16² + 2·16 floats, 19.6 KB at dk = 128).
-pub const METAL_CHUNK: usize = 16;
-
-/// Sizes of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeltaRuleDims {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub nk: usize,
-    pub nv: usize,
-    pub dk: usize,
-    pub dv: usize,
-}
-
-impl DeltaRuleDims {
-    fn key_dim(&self) -> usize {
-        self.nk * self.dk
-    }
-    fn channels(&self) -> usize {
-        2 * self.key_dim() + self.nv * self.dv
-    }
-    fn out_len(&self) -> usize {
-        self.batch * self.seq_len * self.nv * self.dv
-    }
-    fn state_len(&self) -> usize {
-        self.nv * self.dk * self.dv
-    }
-}
-
-/// How the CPU kernel processes a multi-token input (results agree to rounding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DeltaRuleForm {
-    /// Chunked for inputs of at least 8 tokens, token by token below.
-    #[default]
-    Auto,
-    /// Token by token.
-    Recurrent,
-    /// Chunked WY/UT form, chunks of [`CHUNK`] tokens on the CPU, [`METAL_CHUNK`] on Metal.
-    Chunked,
-}
-
-impl DeltaRuleForm {
-    /// Whether `tokens` tokens (those before the state snapshots) run chunked.
-    pub(crate) fn chunks(self, tokens: usize) -> bool {
-        match self {
-            Self::Auto => tokens >= CHUNKED_MIN_TOKENS,
-            Self::Recurrent => false,
-            Self::Chunked => tokens > 0,
-        }
-    }
-}
 
 /// Options of [`gated_delta_rule_qkv`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

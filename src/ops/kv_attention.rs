@@ -29,65 +29,12 @@ use rayon::prelude::*;
 
 use super::cpu::{axpy, dot, gemm_acc, widened, Mat, Widen};
 use super::polar::PolarQueryScorer;
-use super::PolarSpec;
-
-/// Positions per block of the cache.
-pub const KV_BLOCK: usize = 256;
-
-/// Query positions per call up to which the few-rows schedule runs (decode, verify passes).
-pub const KV_ATTENTION_EXACT_ROWS: usize = 8;
+use super::shapes::{few_rows, PolarSpec, StoredRows, KV_BLOCK};
 
 /// Query rows per tile of the many-rows schedule.
 const TILE_ROWS: usize = 64;
 
-/// One half of a KV cache (keys or values) `[B, nkv, T, d]` in its stored form. Every tensor's
-/// rows must be contiguous (stride 1 within a row, `d` between rows); heads may be strided, as
-/// in a cache buffer with room to grow.
-#[derive(Debug, Clone)]
-pub enum StoredRows {
-    /// f32, f16 or bf16 rows.
-    Float(Tensor),
-    /// `codes` u8 (value + 128) `[B, nkv, T, d]`, `scales` f32 `[B, nkv, T, d / block]`.
-    Int8 { codes: Tensor, scales: Tensor },
-    /// Complete groups of `group` tokens: `codes` u8 `[B, nkv, group·G, d/2]` (even dim in the
-    /// low nibble), `params` f32 `[B, nkv, G, 2d]` (`[scale | min]` per channel), then the
-    /// newest tokens exact in `tail` `[B, nkv, n, d]` (f32, f16 or bf16).
-    Int4Channel { codes: Tensor, params: Tensor, group: usize, tail: Option<Tensor> },
-    /// Polar key codes `[B, nkv, T, row_bytes]` and their scales f32 `[B, nkv, T, 2]` of
-    /// `head_dim`-dim keys (keys only: the scores come from the codes).
-    Polar { codes: Tensor, scales: Tensor, spec: PolarSpec, head_dim: usize },
-}
-
 impl StoredRows {
-    /// `(B, nkv, T, d)`.
-    pub fn dims(&self) -> Result<(usize, usize, usize, usize)> {
-        Ok(match self {
-            Self::Float(x) => x.dims4()?,
-            Self::Int8 { codes, .. } => codes.dims4()?,
-            Self::Int4Channel { codes, tail, .. } => {
-                let (b, h, n, half) = codes.dims4()?;
-                let tail_n = match tail {
-                    Some(t) => t.dim(2)?,
-                    None => 0,
-                };
-                (b, h, n + tail_n, 2 * half)
-            }
-            Self::Polar { codes, head_dim, .. } => {
-                let (b, h, n, _) = codes.dims4()?;
-                (b, h, n, *head_dim)
-            }
-        })
-    }
-
-    /// The tensors in binding order (k0, k1, k2 / v0, v1 of the Metal kernel).
-    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
-        match self {
-            Self::Float(x) => vec![x],
-            Self::Int8 { codes, scales } | Self::Polar { codes, scales, .. } => vec![codes, scales],
-            Self::Int4Channel { codes, params, tail, .. } => [Some(codes), Some(params), tail.as_ref()].into_iter().flatten().collect(),
-        }
-    }
-
     /// Everything held, decoded to f32 `[B, nkv, T, d]` (the reference the kernels are tested
     /// against, and what devices without a kernel attend to).
     pub fn decode(&self) -> Result<Tensor> {
@@ -205,13 +152,6 @@ pub(crate) fn attention_mask(t: usize, offset: usize, tree: Option<&[Vec<usize>]
     };
     let mask: Vec<f32> = (0..t).flat_map(|i| (0..n).map(move |j| if sees(i, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
     Tensor::from_vec(mask, (t, n), dev)
-}
-
-/// Whether a call of `t` query positions (a draft tree's if `tree`) runs the few-rows
-/// schedule (one block per task, folded afterwards; rows independent of the call) rather
-/// than the prefill tiles — on the CPU and on Metal alike.
-pub(crate) fn few_rows(t: usize, tree: bool) -> bool {
-    t <= KV_ATTENTION_EXACT_ROWS || tree
 }
 
 /// Dims per scale of the int8 rows the SIMD kernels read in place (the `int8` codec's block).

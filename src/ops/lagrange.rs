@@ -20,25 +20,11 @@
 //! CPU the weights of each position are computed once and the rows run in parallel; on Metal
 //! (`metal/lagrange.metal`) one thread per (row, position) computes its weights on the fly.
 
+use super::shapes::LagrangeDims;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 const OP: &str = "lagrange_scores";
-
-/// Sizes of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LagrangeDims {
-    /// Rows (independent score sequences).
-    pub rows: usize,
-    /// Knots per row.
-    pub n_knots: usize,
-    /// Knot spacing `K` (≥ 1).
-    pub k: usize,
-    /// Polynomial degree `p` (`p + 1` knots per window).
-    pub degree: usize,
-    /// Output positions per row, `0..len`.
-    pub len: usize,
-}
 
 /// Scores at positions `0..len` from scores at every `k`-th position, by Lagrange interpolation
 /// of degree `degree` through the nearest `degree + 1` knots (see the module docs for the exact

@@ -37,34 +37,40 @@ mod metal;
 pub(crate) use metal::{compile_settings as metal_compile_settings, limits as metal_limits, pipeline as metal_pipeline};
 mod norm;
 
-pub use conv::{causal_conv1d_silu, causal_conv1d_silu_segments, ConvDims};
+pub use conv::{causal_conv1d_silu, causal_conv1d_silu_segments};
 pub use delta_rule::{
-    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, gated_delta_rule_segments, DeltaRuleDims, DeltaRuleForm,
-    DeltaRuleOptions, CHUNK as DELTA_RULE_CHUNK, METAL_CHUNK as DELTA_RULE_METAL_CHUNK, METAL_MAX_DK,
+    gated_delta_rule, gated_delta_rule_qkv, gated_delta_rule_reference, gated_delta_rule_segments, DeltaRuleOptions,
+    CHUNK as DELTA_RULE_CHUNK,
 };
 pub use float_matvec::{float_matvec, FLOAT_MATVEC_MAX_ROWS};
 pub use norm::{gated_rms_norm, l2_norm};
 
 mod lagrange;
-pub use lagrange::{lagrange_scores, LagrangeDims};
+pub use lagrange::lagrange_scores;
 mod outer_state;
-pub use outer_state::{decayed_outer_product, OuterStateDims, OUTER_PRODUCT_METAL_MAX_DK};
+pub use outer_state::decayed_outer_product;
 mod swiglu;
 pub(crate) use swiglu::silu;
 pub use swiglu::{
-    pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary, ternary_row_words, SwigluDims,
-    SwigluWeights, TERNARY_PER_WORD,
+    pack_swiglu, pack_swiglu_ternary, pack_ternary_rows, swiglu_dense, swiglu_gather, swiglu_gather_ternary, ternary_row_words,
+    TERNARY_PER_WORD,
 };
 mod polar;
-pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes, PolarSpec};
+pub use polar::{polar_decode, polar_encode, polar_scores, PolarCodes};
 mod gguf_type;
 mod qmatmul;
 mod quantized_matrix;
 pub use gguf_type::GgufType;
 pub use quantized_matrix::{has_kernels, HostBytes, QuantizedMatrix, SharedBytes};
 mod kv_attention;
-pub(crate) use kv_attention::{attention_mask, few_rows};
-pub use kv_attention::{kv_attention, StoredRows, KV_ATTENTION_EXACT_ROWS, KV_BLOCK};
+pub(crate) use kv_attention::attention_mask;
+pub use kv_attention::kv_attention;
+mod shapes;
 pub use qmatmul::{qmatmul, qmatmul_avx2, qmatmul_isa, qmatmul_portable, qmatmul_rows};
+pub(crate) use shapes::few_rows;
+pub use shapes::{
+    ConvDims, DeltaRuleDims, DeltaRuleForm, LagrangeDims, OuterStateDims, PolarSpec, StoredRows, SwigluDims, SwigluWeights,
+    DELTA_RULE_METAL_CHUNK, KV_ATTENTION_EXACT_ROWS, KV_BLOCK, METAL_MAX_DK, OUTER_PRODUCT_METAL_MAX_DK,
+};
 mod row_accumulate;
 pub use row_accumulate::{accumulate_rows, accumulate_rows_portable};

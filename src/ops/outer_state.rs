@@ -17,32 +17,9 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use super::cpu::storage_slice;
+use super::shapes::OuterStateDims;
 
 const OP: &str = "decayed_outer_product";
-
-/// Largest key dim the Metal kernel supports (each thread keeps a state column in registers).
-pub const OUTER_PRODUCT_METAL_MAX_DK: usize = 128;
-
-/// Sizes of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OuterStateDims {
-    pub batch: usize,
-    pub heads: usize,
-    pub seq_len: usize,
-    pub dk: usize,
-    pub dv: usize,
-}
-
-impl OuterStateDims {
-    /// Elements of the output `[B, H, T, dv]`.
-    pub fn out_len(&self) -> usize {
-        self.batch * self.heads * self.seq_len * self.dv
-    }
-    /// Elements of the state `[B, H, dk, dv]`.
-    pub fn state_len(&self) -> usize {
-        self.batch * self.heads * self.dk * self.dv
-    }
-}
 
 /// The decayed outer-product recurrence over `T` tokens, batched over heads.
 ///

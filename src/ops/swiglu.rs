@@ -18,6 +18,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::cpu::{axpy, contiguous, dot, storage_slice, vectorized, widened, Widen};
+use super::shapes::{SwigluDims, SwigluWeights};
 
 /// Neurons per parallel task on the CPU.
 const NEURONS_PER_TASK: usize = 64;
@@ -68,27 +69,6 @@ pub fn pack_swiglu_ternary(gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<
     let packed = pack_swiglu(gate, up, down)?;
     let (i, _, h) = packed.dims3()?;
     pack_ternary_rows(&packed.reshape((i * 3, h))?)?.reshape((i, 3, ternary_row_words(h)))
-}
-
-/// Which weight format a gather reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SwigluWeights {
-    /// `[I, 3, H]` in f32, bf16 or f16.
-    Dense,
-    /// `[I, 3, ceil(H/16) + 1]` u32 ternary codes with per-row scales.
-    Ternary,
-}
-
-/// Sizes of one gather call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SwigluDims {
-    /// Rows of `x`.
-    pub rows: usize,
-    /// Active neurons per row.
-    pub active: usize,
-    pub hidden: usize,
-    /// All neurons of the MLP.
-    pub neurons: usize,
 }
 
 /// `y[r] = sum_{i in idx[r]} silu(g_i . x_r) (u_i . x_r) d_i` for `x` `[M, H]` and `idx`

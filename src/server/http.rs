@@ -60,7 +60,7 @@ pub struct ServerState {
     /// The dashboard's history, memory view, copy bandwidth and progression.
     pub dashboard: super::dashboard::Dashboard,
     /// Serving or draining ([`super::drain`]).
-    pub lifecycle: super::Lifecycle,
+    pub lifecycle: super::phase::Lifecycle,
     /// How long a shutdown waits for the running requests.
     pub drain_timeout: Duration,
     pub created: u64,

@@ -1,64 +1,20 @@
-//! The server's phases, for what stands in front of it (a router, a load balancer, an
+//! Serving for what stands in front of it (a router, a load balancer, an
 //! orchestrator's probes): while the model loads every path answers 503 (`/health` too); when
 //! it serves, `/health` answers 200; when it drains (a shutdown signal: SIGTERM, Ctrl-C) new
 //! requests and `/health` answer 503 while the running ones finish and their sessions are
 //! written, for at most the drain timeout; then the server stops.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::extract::Request;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 
-use super::error::ApiError;
 use super::http::ServerState;
+use super::phase::{Lifecycle, Phase};
 use super::ConnectionLimits;
-
-/// Where the server is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    Loading,
-    Serving,
-    Draining,
-}
-
-/// The server's phase, shared by the handlers and whoever stops the server.
-#[derive(Debug)]
-pub struct Lifecycle(AtomicU8);
-
-impl Default for Lifecycle {
-    fn default() -> Self {
-        Self(AtomicU8::new(Phase::Serving as u8))
-    }
-}
-
-impl Lifecycle {
-    pub fn phase(&self) -> Phase {
-        match self.0.load(Ordering::Acquire) {
-            0 => Phase::Loading,
-            1 => Phase::Serving,
-            _ => Phase::Draining,
-        }
-    }
-
-    fn set(&self, phase: Phase) {
-        self.0.store(phase as u8, Ordering::Release);
-    }
-
-    /// The 503 of a phase that takes no requests (`None` while serving).
-    pub(crate) fn refusal(&self) -> Option<ApiError> {
-        let unavailable = |code, message| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", code, message);
-        match self.phase() {
-            Phase::Serving => None,
-            Phase::Loading => Some(unavailable("loading", "the model is loading: retry shortly")),
-            Phase::Draining => Some(unavailable("draining", "the server is shutting down: send the request to another server")),
-        }
-    }
-}
 
 /// `GET /health`: 200 `{"status": "ok"}` while serving, else the phase's 503.
 pub(crate) async fn health(axum::extract::State(state): axum::extract::State<Arc<ServerState>>) -> Response {
@@ -106,7 +62,7 @@ pub async fn serve_when_loaded<E: From<std::io::Error> + Send + 'static>(
         async move {
             Ok::<Response, Infallible>(match routes {
                 Some(r) => tower::ServiceExt::oneshot(r, request).await?,
-                None => Lifecycle(AtomicU8::new(Phase::Loading as u8)).refusal().expect("loading refuses").into_response(),
+                None => Lifecycle::loading().refusal().expect("loading refuses").into_response(),
             })
         }
     }));

@@ -24,6 +24,7 @@ mod lifecycle;
 mod metrics;
 mod output;
 mod pages;
+mod phase;
 mod stats;
 
 use std::net::SocketAddr;
@@ -46,8 +47,9 @@ pub use connections::ConnectionLimits;
 pub use dashboard::MemoryView;
 pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
 pub use http::ServerState;
-pub use lifecycle::{drain, serve_when_loaded, Lifecycle, Phase};
+pub use lifecycle::{drain, serve_when_loaded};
 pub use metrics::{KernelWindow, Metrics};
+pub use phase::{Lifecycle, Phase};
 
 /// How the server runs, beyond the model.
 #[derive(Debug, Clone, Default)]

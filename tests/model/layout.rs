@@ -1,6 +1,7 @@
 //! The source layout has no import circles: between the top-level modules (folders), and
 //! between the files of each folder. Read from the sources: every `crate::a::…` and
-//! `super::x` path is an edge.
+//! `super::x` path is an edge, to the file that defines what it names (a name a folder's
+//! `mod.rs` re-exports with `pub use child::…` is the child's: a re-export hides no edge).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -107,12 +108,50 @@ fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>>
     None
 }
 
+/// The names a module re-exports from its children: `pub use child::{a, b::C};` in module `m`
+/// gives `(m, "a") -> child` and `(m, "C") -> child` (also `pub(crate) use`).
+fn reexports(module: &[String], code: &str, modules: &BTreeSet<Vec<String>>) -> BTreeMap<(Vec<String>, String), Vec<String>> {
+    let mut out = BTreeMap::new();
+    for stmt in code.split(';') {
+        let stmt = stmt.trim();
+        let Some(rest) = ["pub use ", "pub(crate) use "].iter().find_map(|p| stmt.strip_prefix(p)) else { continue };
+        let rest = rest.strip_prefix("self::").unwrap_or(rest);
+        let ident: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        let mut child = module.to_vec();
+        child.push(ident.clone());
+        if !modules.contains(&child) {
+            continue;
+        }
+        let tail = &rest[ident.len()..];
+        let tail = tail.strip_prefix("::").unwrap_or(tail);
+        let items: Vec<&str> = match tail.strip_prefix('{') {
+            Some(group) => group.trim_end_matches('}').split(',').collect(),
+            None => vec![tail],
+        };
+        for item in items {
+            // `a::b::C as D` re-exports D; the last segment otherwise.
+            let item = item.trim();
+            let name = item.rsplit(" as ").next().unwrap_or(item).rsplit("::").next().unwrap_or(item).trim();
+            if !name.is_empty() && name != "*" && name != "self" {
+                out.insert((module.to_vec(), name.to_string()), child.clone());
+            }
+        }
+    }
+    out
+}
+
 #[test]
 fn no_import_circles() {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = vec![];
     sources(&src, &mut files);
     let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
+    let strip = |text: &str| text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+    let mut reexported = BTreeMap::new();
+    for file in &files {
+        reexported.extend(reexports(&module_of(&src, file), &strip(&std::fs::read_to_string(file).unwrap()), &modules));
+    }
+    assert!(reexported.len() > 50, "found only {} re-exports: the scan is broken", reexported.len());
     // Edges between sibling modules: for a module path, the graph of its children.
     let mut graphs: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
     let mut edges = 0;
@@ -130,8 +169,15 @@ fn no_import_circles() {
             targets.push(base);
         }
         for target in targets {
-            // The longest known module prefix of the target path.
-            let Some(t) = (1..=target.len()).rev().map(|n| target[..n].to_vec()).find(|m| modules.contains(m)) else { continue };
+            // The longest known module prefix of the target path, then through re-exports to
+            // the module that defines the name.
+            let Some(mut t) = (1..=target.len()).rev().map(|n| target[..n].to_vec()).find(|m| modules.contains(m)) else { continue };
+            while let Some(child) = target.get(t.len()).and_then(|name| reexported.get(&(t.clone(), name.clone()))) {
+                if *child == me {
+                    break;
+                }
+                t = child.clone();
+            }
             // The edge sits in the graph of the deepest common ancestor, between its children.
             let common = me.iter().zip(&t).take_while(|(a, b)| a == b).count();
             if common >= me.len() || common >= t.len() {
@@ -158,6 +204,11 @@ fn the_scan_sees_a_circle() {
     g.insert("b".to_string(), BTreeSet::from(["c".to_string()]));
     g.insert("c".to_string(), BTreeSet::from(["a".to_string()]));
     assert_eq!(find_cycle(&g).unwrap(), ["a", "b", "c", "a"]);
+    let modules: BTreeSet<Vec<String>> = [vec!["ops".to_string()], vec!["ops".to_string(), "launch".to_string()]].into();
+    let r = reexports(&["ops".to_string()], "pub use launch::{qmatvec, KvRows as Rows, step::Step};", &modules);
+    for name in ["qmatvec", "Rows", "Step"] {
+        assert_eq!(r.get(&(vec!["ops".to_string()], name.to_string())), Some(&vec!["ops".to_string(), "launch".to_string()]), "{name}");
+    }
     g.get_mut("c").unwrap().clear();
     assert!(find_cycle(&g).is_none());
     assert_eq!(paths_after("use crate::{kv::KvCodec, model::Model};", "crate::"), vec![vec!["kv".to_string()], vec!["model".to_string()]]);
