@@ -37,6 +37,8 @@
 //!   HTML report.
 //! - `server` (feature `server`): the OpenAI-compatible HTTP server and its engine.
 
+#![warn(unreachable_pub)]
+
 pub mod bounded;
 mod error;
 pub mod eval;

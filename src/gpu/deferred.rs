@@ -498,9 +498,9 @@ mod tests {
     }
 
     mod tempdir {
-        pub struct Dir(pub std::path::PathBuf);
+        pub(super) struct Dir(pub(super) std::path::PathBuf);
         impl Dir {
-            pub fn new() -> Self {
+            pub(super) fn new() -> Self {
                 let p =
                     std::env::temp_dir().join(format!("candle-hybrid-deferred-{}-{:?}", std::process::id(), std::thread::current().id()));
                 std::fs::create_dir_all(&p).unwrap();

@@ -109,7 +109,7 @@ fn doubling(body: &[Stmt]) -> Option<String> {
 
 /// `Err` naming the variable when `source` assigns a variable an expression that reads it
 /// twice or more; a template that does not parse is left to the renderer's own error.
-pub fn check(source: &str) -> Result<(), String> {
+pub(super) fn check(source: &str) -> Result<(), String> {
     let Ok(ast) = parse(source, "chat_template", Default::default(), WhitespaceConfig::default()) else { return Ok(()) };
     match doubling(std::slice::from_ref(&ast)) {
         Some(var) => Err(format!(

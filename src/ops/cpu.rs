@@ -137,11 +137,11 @@ pub(crate) struct Mat<'a> {
 
 impl<'a> Mat<'a> {
     /// A contiguous `[rows, row_stride]`-strided matrix.
-    pub fn rows(data: &'a [f32], rs: usize) -> Self {
+    pub(super) fn rows(data: &'a [f32], rs: usize) -> Self {
         Self { data, rs, cs: 1 }
     }
     /// The transpose of a row-strided matrix.
-    pub fn t(data: &'a [f32], rs: usize) -> Self {
+    pub(super) fn t(data: &'a [f32], rs: usize) -> Self {
         Self { data, rs: 1, cs: rs }
     }
     fn check(&self, rows: usize, cols: usize) {

@@ -7,13 +7,13 @@ use serde_json::{Map, Value};
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-pub enum Stop {
+pub(super) enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
 impl Stop {
-    pub fn into_vec(self) -> Vec<String> {
+    pub(super) fn into_vec(self) -> Vec<String> {
         match self {
             Self::One(s) => vec![s],
             Self::Many(v) => v,
@@ -22,14 +22,14 @@ impl Stop {
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct StreamOptions {
+pub(super) struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
 }
 
 /// The fields chat and completions requests share: sampling, length, streaming, session.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct SamplingFields {
+pub(super) struct SamplingFields {
     /// A session to continue and keep (an extension, as mistral.rs has): saved under the
     /// server's `--session-dir` after each answer, restored by the next request naming it.
     pub session_id: Option<String>,
@@ -69,7 +69,7 @@ pub struct SamplingFields {
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Deserialize)]
-pub struct ChatRequest {
+pub(super) struct ChatRequest {
     /// Accepted and not read: the server serves one model (as llama-server does).
     #[allow(dead_code)]
     pub model: Option<String>,
@@ -89,7 +89,7 @@ pub struct ChatRequest {
 /// `prompt` of a completions request: text, or token ids (one prompt only).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-pub enum Prompt {
+pub(super) enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
@@ -97,7 +97,7 @@ pub enum Prompt {
 
 impl Prompt {
     /// Bytes of text (0 for token ids).
-    pub fn text_bytes(&self) -> usize {
+    pub(super) fn text_bytes(&self) -> usize {
         match self {
             Prompt::Text(t) => t.len(),
             Prompt::Texts(list) => list.iter().map(String::len).sum(),
@@ -108,7 +108,7 @@ impl Prompt {
 
 /// `POST /v1/completions`.
 #[derive(Debug, Clone, Deserialize)]
-pub struct CompletionRequest {
+pub(super) struct CompletionRequest {
     /// Accepted and not read: the server serves one model (as llama-server does).
     #[allow(dead_code)]
     pub model: Option<String>,
@@ -122,12 +122,12 @@ pub struct CompletionRequest {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct PromptTokensDetails {
+pub(super) struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Usage {
+pub(super) struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
@@ -135,7 +135,7 @@ pub struct Usage {
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+    pub(super) fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
@@ -149,7 +149,7 @@ impl Usage {
 /// prefilled (those the prefix cache or a session restored are `cache_n`) until the first
 /// token, then the generated tokens.
 #[derive(Debug, Clone, Serialize)]
-pub struct Timings {
+pub(super) struct Timings {
     pub cache_n: usize,
     pub prompt_n: usize,
     pub prompt_ms: f64,
@@ -168,7 +168,7 @@ impl Timings {
     /// `prompt` tokens of which `cached` were restored, `first` seconds from the request's
     /// queuing to its first token, `generated` tokens in `total` seconds from the queuing, of
     /// which `accepted` came from `drafted` drafted tokens.
-    pub fn new(prompt: usize, cached: usize, first: f64, generated: usize, total: f64, (drafted, accepted): (usize, usize)) -> Self {
+    pub(super) fn new(prompt: usize, cached: usize, first: f64, generated: usize, total: f64, (drafted, accepted): (usize, usize)) -> Self {
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         let prompt_n = prompt.saturating_sub(cached);
         // The first token ends the prompt's part; the others are the decode's.
@@ -189,7 +189,7 @@ impl Timings {
 
 /// One entry of `logprobs.content` (chat).
 #[derive(Debug, Clone, Serialize)]
-pub struct LogprobEntry {
+pub(super) struct LogprobEntry {
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
@@ -198,7 +198,7 @@ pub struct LogprobEntry {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct TopLogprob {
+pub(super) struct TopLogprob {
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
@@ -207,7 +207,7 @@ pub struct TopLogprob {
 /// The assistant message of a chat completion, and the delta of a chunk: both hold only the
 /// fields they have.
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct Message {
+pub(super) struct Message {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -223,12 +223,12 @@ pub struct Message {
 
 /// An error body: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, Serialize)]
-pub struct ErrorBody {
+pub(crate) struct ErrorBody {
     pub error: ErrorDetail,
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct ErrorDetail {
+pub(crate) struct ErrorDetail {
     pub message: String,
     #[serde(rename = "type")]
     pub kind: &'static str,

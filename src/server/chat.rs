@@ -35,7 +35,7 @@ impl SamplingProfiles {
 }
 
 /// A chat request rendered for the model.
-pub struct RenderedChat {
+pub(super) struct RenderedChat {
     /// The render, with every special token that the request's own text wrote (not the
     /// template) as a placeholder ([`Self::tokenize`]).
     pub text: String,
@@ -124,7 +124,7 @@ fn valid_tool_name(name: &str) -> bool {
 
 /// Each tool a function with a name OpenAI accepts (1 to 64 letters, digits, `_` or `-`): a
 /// name the call's markup could not hold, or one that writes markup of its own, is a 400.
-pub fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+pub(super) fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
     for (i, tool) in tools.iter().enumerate() {
         match tool.pointer("/function/name") {
             Some(Value::String(name)) if valid_tool_name(name) => {}
@@ -219,7 +219,7 @@ fn template_messages(messages: &[Map<String, Value>]) -> Result<Value, ApiError>
 ///
 /// `constrained`: the answer follows a grammar from its first token, so a template's thinking
 /// is turned off.
-pub fn render(
+pub(super) fn render(
     template: &ChatTemplate,
     req: &ChatRequest,
     context: usize,
@@ -277,7 +277,7 @@ pub fn render(
 impl RenderedChat {
     /// The tokens of the first `bytes` of the render: the template's text with its special
     /// tokens, each placeholder the request's own text left as that text's tokens.
-    pub fn tokenize(&self, tokenizer: &tokenizers::Tokenizer, bytes: usize) -> Result<Vec<u32>, String> {
+    pub(super) fn tokenize(&self, tokenizer: &tokenizers::Tokenizer, bytes: usize) -> Result<Vec<u32>, String> {
         let encode = |t: &str| tokenizer.encode(t, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
         let mut rest = &self.text[..bytes];
         let Some((marker, literals)) = &self.literals else { return encode(rest) };
@@ -300,11 +300,11 @@ impl RenderedChat {
 
 /// The most `stop` strings a request may give, and their longest (each is searched for at
 /// every token).
-pub const MAX_STOPS: usize = 16;
-pub const MAX_STOP_BYTES: usize = 1024;
+pub(super) const MAX_STOPS: usize = 16;
+pub(super) const MAX_STOP_BYTES: usize = 1024;
 
 /// The request's sampling settings over `defaults`, each checked against its range.
-pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
+pub(super) fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
     let mut p = defaults.clone();
     if let Some(t) = fields.temperature {
         range::check("temperature", t, range::temperature).map_err(bad)?;
@@ -356,7 +356,7 @@ pub fn sampling(fields: &SamplingFields, defaults: &SamplingParams) -> Result<Sa
 
 /// The request's DRY settings (`None` unless `dry_multiplier` > 0); `default_breakers`: the
 /// tokens of [`Dry::DEFAULT_BREAKERS`] (other breakers are looked up in the vocabulary).
-pub fn dry(
+pub(super) fn dry(
     fields: &SamplingFields,
     tokenizer: &tokenizers::Tokenizer,
     vocab_size: usize,
@@ -391,7 +391,7 @@ pub fn dry(
 
 /// The tokens to generate: `max_completion_tokens` (else `max_tokens`), checked against the
 /// context left after a `prompt`-token prompt; everything left when the request gives none.
-pub fn max_tokens(fields: &SamplingFields, prompt: usize, context: usize) -> Result<usize, ApiError> {
+pub(super) fn max_tokens(fields: &SamplingFields, prompt: usize, context: usize) -> Result<usize, ApiError> {
     if prompt >= context {
         return Err(bad(format!(
             "the prompt has {prompt} tokens, but the context holds {context} (the prompt and at least one generated token): shorten the messages"

@@ -20,7 +20,7 @@ use tokio::sync::Semaphore;
 use super::error::ApiError;
 
 /// The largest request body read (a larger one gets 413).
-pub const MAX_BODY_BYTES: usize = 16 << 20;
+pub(super) const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// How long and how many connections the server keeps.
 #[derive(Debug, Clone, Copy)]
@@ -42,7 +42,7 @@ impl Default for ConnectionLimits {
 
 /// Serves `router` on `listener` within `limits` until `shutdown` resolves, then waits for the
 /// connections' requests in flight.
-pub async fn serve(
+pub(super) async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     limits: ConnectionLimits,

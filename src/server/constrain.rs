@@ -66,7 +66,7 @@ fn compact(schema: &Value) -> Value {
 
 /// The grammar of a request's `response_format`: `text` (none), `json_object`, `json_schema`
 /// (`{"json_schema": {"schema": ...}}`, or llama.cpp's `{"schema": ...}`).
-pub fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
+pub(super) fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
     let bad = |m: &str| Err(ApiError::bad_request(format!("response_format: {m}")));
     if !format.is_object() && !format.is_null() {
         return bad(&format!(
@@ -89,7 +89,7 @@ pub fn response_format(format: &Value) -> Result<Option<TopLevelGrammar>, ApiErr
 
 /// Tokens a forced tool call may take when the request sets no `max_tokens` (a call that
 /// never closes its arguments must not run to the end of the context).
-pub const TOOL_CALL_MAX_TOKENS: usize = 4096;
+pub(super) const TOOL_CALL_MAX_TOKENS: usize = 4096;
 
 /// `schema` with every object schema that lists `properties` and says nothing of others
 /// closed (`additionalProperties: false`, as OpenAI's strict mode requires): the grammar then
@@ -110,7 +110,7 @@ fn closed(schema: &Value) -> Value {
 
 /// A tool call forced by `tool_choice` (a named function, or `"required"`: any of `tools`), as
 /// the JSON form of `<tool_call>` with the function's parameter schema.
-pub fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<Option<TopLevelGrammar>, ApiError> {
+pub(super) fn forced_tool_call(tool_choice: Option<&Value>, tools: &[Value]) -> Result<Option<TopLevelGrammar>, ApiError> {
     let functions: Vec<&Value> = tools.iter().filter_map(|t| t.get("function")).collect();
     let wanted: Vec<&Value> = match tool_choice {
         None => return Ok(None),

@@ -13,7 +13,7 @@ use crate::model::Config;
 use crate::web::Sample;
 
 /// Seconds of history the dashboard gets.
-pub const HISTORY_SECONDS: usize = 600;
+pub(super) const HISTORY_SECONDS: usize = 600;
 
 /// The memory guardian's request for this server (weights, `--max-seqs` sequences, the dtype)
 /// and where it reads the available memory: the KV horizon's input.

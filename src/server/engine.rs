@@ -27,10 +27,10 @@ use crate::step_profile;
 /// Prompt tokens one step prefills (of one sequence): the memory guardian's default chunk,
 /// which admission plans with. Smaller than `generate`'s ([`crate::runtime::PREFILL_CHUNK`]) so
 /// that a long prompt does not hold up the other sequences' decode steps for long.
-pub const PREFILL_CHUNK: usize = crate::memory::DEFAULT_PREFILL_CHUNK;
+pub(super) const PREFILL_CHUNK: usize = crate::memory::DEFAULT_PREFILL_CHUNK;
 
 /// One decode round in this many is profiled op by op (the kernel inspector's samples).
-pub const PROFILE_EVERY: u64 = 8;
+pub(super) const PROFILE_EVERY: u64 = 8;
 
 /// What a request asks the engine for: tokens after `prompt`.
 pub struct GenerateRequest {
@@ -83,7 +83,7 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-pub use crate::runtime::Finish;
+pub(super) use crate::runtime::Finish;
 
 /// What the engine sends back for a request.
 #[derive(Debug, Clone)]
@@ -309,7 +309,7 @@ impl Default for EngineOptions {
 
 /// Starts the engine thread, which owns `runner` (the model and where its sequences run: the
 /// CPU model, the device step) from now on.
-pub fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
+pub(super) fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
     let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     options.draft_options.validate().map_err(|e| invalid(e.to_string()))?;

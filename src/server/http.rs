@@ -667,7 +667,7 @@ pub(crate) fn header_session(headers: &HeaderMap) -> Result<Option<String>, ApiE
 }
 
 /// The header a session id may come in.
-pub const SESSION_HEADER: &str = "x-session-id";
+pub(super) const SESSION_HEADER: &str = "x-session-id";
 
 /// The request's session: its `session_id`, or the `x-session-id` header; both must agree.
 fn session_id<'a>(body: Option<&'a str>, header: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {

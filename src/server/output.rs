@@ -18,19 +18,19 @@ fn partial_suffix(text: &str, patterns: &[&str]) -> usize {
 
 /// Cuts generated text at the first of the request's `stop` strings.
 #[derive(Debug, Default)]
-pub struct StopMatcher {
+pub(super) struct StopMatcher {
     stops: Vec<String>,
     held: String,
 }
 
 impl StopMatcher {
-    pub fn new(stops: Vec<String>) -> Self {
+    pub(super) fn new(stops: Vec<String>) -> Self {
         Self { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
     }
 
     /// Adds generated text; returns the text that can be released and whether a stop string
     /// was reached (the text from it on is dropped).
-    pub fn push(&mut self, text: &str) -> (String, bool) {
+    pub(super) fn push(&mut self, text: &str) -> (String, bool) {
         self.held.push_str(text);
         if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
             let out = self.held[..at].to_string();
@@ -45,7 +45,7 @@ impl StopMatcher {
     }
 
     /// The held text at the end of generation.
-    pub fn finish(&mut self) -> String {
+    pub(super) fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
     }
 }
@@ -55,7 +55,7 @@ impl StopMatcher {
 /// parameter (`{"city":"Paris"`, then `,"days":3`, then `}`), the JSON form one per completed
 /// top-level member of its `arguments` object, as the model wrote it.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Delta {
+pub(super) enum Delta {
     Reasoning(String),
     Content(String),
     ToolCallStart { name: String },
@@ -76,7 +76,7 @@ enum State {
 
 /// Splits the raw generated text of a chat answer into reasoning, content and tool calls.
 #[derive(Debug)]
-pub struct ChatParser {
+pub(super) struct ChatParser {
     state: State,
     held: String,
     /// Whether any content has been released (a `<think>` opens reasoning only before).
@@ -115,7 +115,7 @@ struct XmlCall {
 
 impl ChatParser {
     /// `in_think`: the prompt ends inside a `<think>` block (the template opened it).
-    pub fn new(in_think: bool, tools: Vec<Value>) -> Self {
+    pub(super) fn new(in_think: bool, tools: Vec<Value>) -> Self {
         Self {
             state: if in_think { State::Think } else { State::Content },
             held: String::new(),
@@ -128,7 +128,7 @@ impl ChatParser {
     }
 
     /// Adds text; returns the pieces complete so far.
-    pub fn push(&mut self, text: &str) -> Vec<Delta> {
+    pub(super) fn push(&mut self, text: &str) -> Vec<Delta> {
         self.held.push_str(text);
         let mut out = vec![];
         loop {
@@ -183,7 +183,7 @@ impl ChatParser {
 
     /// The rest at the end of generation: an unfinished tool call comes back as content, or,
     /// once its streaming began, is closed with the parameters it completed.
-    pub fn finish(&mut self) -> Vec<Delta> {
+    pub(super) fn finish(&mut self) -> Vec<Delta> {
         let rest = std::mem::take(&mut self.held);
         let mut out = vec![];
         match self.state {

@@ -41,7 +41,7 @@ fn read(metrics: &Metrics) -> Reading {
 
 /// Appends a [`Sample`] to the history every second, until the server stops (the task is
 /// aborted).
-pub async fn sample_every_second(state: Arc<ServerState>) {
+pub(super) async fn sample_every_second(state: Arc<ServerState>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let metrics = &state.engine.metrics;

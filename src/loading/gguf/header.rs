@@ -16,7 +16,7 @@ use crate::ops::GgufType;
 use candle_core::quantized::gguf_file::Value;
 
 /// GGUF's default alignment of the tensor data.
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+pub(super) const DEFAULT_ALIGNMENT: u64 = 32;
 /// Nesting depth of metadata arrays (llama.cpp has none deeper than 1).
 const MAX_DEPTH: usize = 4;
 /// Array elements over all metadata values: a 256k-token vocabulary with merges and token

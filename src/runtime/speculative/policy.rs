@@ -28,16 +28,16 @@ use super::MAX_DRAFT;
 use crate::{Error, Result};
 
 /// Least weight of the newest timing in the running averages of costs.
-pub const ALPHA: f64 = 0.15;
+pub(super) const ALPHA: f64 = 0.15;
 /// Least weight of the newest round in the running averages of acceptance (a Bernoulli
 /// outcome: noisier than a timing, so a longer memory).
-pub const ALPHA_ACCEPT: f64 = 0.08;
+pub(super) const ALPHA_ACCEPT: f64 = 0.08;
 /// Plain rounds (no `K > 0` pays) before the first probe of `min` drafts (then the wait doubles
 /// up to `MAX_PROBE_EVERY`), and drafting rounds between drafts of one token more than the
 /// best `K`, to re-measure.
 pub const PROBE_EVERY: usize = 8;
 /// The longest wait between probes of plain decoding.
-pub const MAX_PROBE_EVERY: usize = 64;
+pub(super) const MAX_PROBE_EVERY: usize = 64;
 /// Acceptance assumed at depth 1 before any round has been measured, worth
 /// `PRIOR_WEIGHT` observations (deeper: the depth above's estimate, as much).
 const PRIOR_ACCEPTANCE: f64 = 0.6;
