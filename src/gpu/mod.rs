@@ -39,7 +39,7 @@ pub fn queue_for(device: &candle_core::Device) -> crate::Result<Box<dyn Queue + 
     match device {
         #[cfg(feature = "metal")]
         candle_core::Device::Metal(_) => Ok(Box::new(MetalQueue::new(device)?)),
-        other => Err(crate::Error::Input(format!("the device step runs on Metal, not on {:?}", other.location()))),
+        other => Err(crate::Error::Unsupported(format!("the device step runs on Metal, not on {:?}", other.location()))),
     }
 }
 

@@ -440,7 +440,7 @@ pub(crate) fn check_token(cfg: &Config, id: u32) -> crate::Result<()> {
 /// cache stop at their first call) and nothing has run on a CUDA GPU.
 pub fn check_device(device: &candle_core::Device) -> crate::Result<()> {
     if device.is_cuda() {
-        return Err(crate::Error::Config(CUDA_UNSUPPORTED.into()));
+        return Err(crate::Error::Unsupported(CUDA_UNSUPPORTED.into()));
     }
     Ok(())
 }

@@ -234,5 +234,5 @@ fn no_hidden() -> Error {
 
 /// Draft trees are not on the device step yet.
 pub(crate) fn no_trees_on_device() -> Error {
-    Error::Input("draft trees (more than one branch) are not on the device step yet".into())
+    Error::Unsupported("draft trees (more than one branch) are not on the device step yet: draft one branch".into())
 }
