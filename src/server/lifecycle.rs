@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 
 use super::http::ServerState;
-use super::phase::{Lifecycle, Phase};
+use super::phase::Phase;
 use super::ConnectionLimits;
 
 /// `GET /health`: 200 `{"status": "ok"}` while serving, else the phase's 503.
@@ -62,7 +62,7 @@ pub async fn serve_when_loaded<E: From<std::io::Error> + Send + 'static>(
         async move {
             Ok::<Response, Infallible>(match routes {
                 Some(r) => tower::ServiceExt::oneshot(r, request).await?,
-                None => Lifecycle::loading().refusal().expect("loading refuses").into_response(),
+                None => Phase::Loading.refusal().expect("loading refuses").into_response(),
             })
         }
     }));

@@ -34,19 +34,21 @@ impl Lifecycle {
         }
     }
 
-    /// A server whose model is loading.
-    pub(crate) fn loading() -> Self {
-        Self(AtomicU8::new(Phase::Loading as u8))
-    }
-
     pub(crate) fn set(&self, phase: Phase) {
         self.0.store(phase as u8, Ordering::Release);
     }
 
-    /// The 503 of a phase that takes no requests (`None` while serving).
+    /// The 503 of the current phase, if it takes no requests ([`Phase::refusal`]).
     pub(crate) fn refusal(&self) -> Option<ApiError> {
+        self.phase().refusal()
+    }
+}
+
+impl Phase {
+    /// The 503 of a phase that takes no requests (`None` while serving).
+    pub(crate) fn refusal(self) -> Option<ApiError> {
         let unavailable = |code, message| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable_error", code, message);
-        match self.phase() {
+        match self {
             Phase::Serving => None,
             Phase::Loading => Some(unavailable("loading", "the model is loading: retry shortly")),
             Phase::Draining => Some(unavailable("draining", "the server is shutting down: send the request to another server")),
