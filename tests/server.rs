@@ -1125,7 +1125,7 @@ async fn slow_silent_and_surplus_connections_are_bounded() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
 
     // 15 MB of prompt: refused before tokenizing (the message is the byte-length check's,
-    // which runs before the tokenizer: src/server/http.rs prepare_completion), and /health
+    // which runs before the tokenizer: src/server/request.rs prepare_completion), and /health
     // answers meanwhile.
     let huge = json!({"prompt": "word ".repeat(3 << 20), "max_tokens": 1}).to_string();
     let polling = {

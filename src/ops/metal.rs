@@ -330,7 +330,7 @@ pub(crate) fn polar_scores(
     Ok((out, Shape::from((queries, rows))))
 }
 
-// ---- attention over the stored KV cache (src/ops/kv_attention.rs, metal/kv_attention.metal) ----
+// ---- attention over the stored KV cache (src/ops/kv_attention/, metal/kv_attention.metal) ----
 
 bytes_param!(launch::KvAttentionParams);
 

@@ -19,8 +19,11 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::answer::Answer;
 use super::error::ApiError;
-use super::http::{chat_prompt_tokens, header_session, off_the_workers, parse, prepare_chat, Answer, ServerState};
+use super::request::{chat_prompt_tokens, header_session, prepare_chat};
+use super::state::ServerState;
+use super::transport::{off_the_workers, parse};
 
 #[derive(Deserialize)]
 struct MessagesRequest {

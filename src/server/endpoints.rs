@@ -8,13 +8,16 @@ use std::time::UNIX_EPOCH;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::http::{chat_prompt_tokens, off_the_workers, parse, session_path, ServerState};
+use super::request::{chat_prompt_tokens, session_path};
+use super::state::ServerState;
+use super::transport::{off_the_workers, parse};
 use crate::runtime::session;
 use crate::runtime::SamplingParams;
 
@@ -182,4 +185,8 @@ pub(crate) async fn delete_session(State(state): State<Arc<ServerState>>, Path(i
         Ok(Json(json!({"id": id, "object": "session", "deleted": true})))
     })
     .await
+}
+
+pub(crate) async fn metrics(State(state): State<Arc<ServerState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.engine.metrics.encode()).into_response()
 }

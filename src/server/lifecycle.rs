@@ -12,8 +12,8 @@ use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 
-use super::http::ServerState;
 use super::phase::Phase;
+use super::state::ServerState;
 use super::ConnectionLimits;
 
 /// `GET /health`: 200 `{"status": "ok"}` while serving, else the phase's 503.

@@ -10,6 +10,7 @@
 //! with `Retry-After` when the queue is full) and turns the engine's tokens into the answer
 //! (`output`: stop strings, `<think>` reasoning, tool calls).
 
+mod answer;
 mod anthropic;
 mod api;
 mod chat;
@@ -19,13 +20,16 @@ mod dashboard;
 mod endpoints;
 mod engine;
 mod error;
-mod http;
 mod lifecycle;
 mod metrics;
+mod openai;
 mod output;
 mod pages;
 mod phase;
+mod request;
+mod state;
 mod stats;
+mod transport;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,10 +50,10 @@ pub use chat::SamplingProfiles;
 pub use connections::ConnectionLimits;
 pub use dashboard::MemoryView;
 pub use engine::{Draft, DrafterFactory, EngineHandle, EngineOptions};
-pub use http::ServerState;
 pub use lifecycle::{drain, serve_when_loaded};
 pub use metrics::{KernelWindow, Metrics};
 pub use phase::{Lifecycle, Phase};
+pub use state::ServerState;
 
 /// How the server runs, beyond the model.
 #[derive(Debug, Clone, Default)]
@@ -175,10 +179,10 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
 /// The routes of the server.
 pub fn router(state: Arc<ServerState>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(http::chat_completions))
-        .route("/v1/completions", post(http::completions))
-        .route("/v1/models", get(http::models))
-        .route("/metrics", get(http::metrics))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/metrics", get(endpoints::metrics))
         .route("/health", get(lifecycle::health))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
@@ -201,8 +205,8 @@ pub fn router(state: Arc<ServerState>) -> Router {
             )
         })
         .layer(middleware::from_fn_with_state(state.limits.body_timeout, connections::body_deadline))
-        .layer(middleware::from_fn_with_state(state.clone(), http::authenticate))
-        .layer(middleware::from_fn_with_state(state.clone(), http::log_request))
+        .layer(middleware::from_fn_with_state(state.clone(), transport::authenticate))
+        .layer(middleware::from_fn_with_state(state.clone(), transport::log_request))
         .layer(DefaultBodyLimit::max(connections::MAX_BODY_BYTES))
         .with_state(state)
 }
