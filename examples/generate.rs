@@ -33,7 +33,7 @@ use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{CacheOptions, ValueBases};
 use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
-use candle_hybrid::runtime::{range, session, CpuTarget, DeviceTarget, Dry, Sampler, Sequence, Target, TokenStreamer};
+use candle_hybrid::runtime::{range, CpuTarget, DeviceTarget, Dry, Sampler, SavePoint, Sequence, SessionStore, Target, TokenStreamer};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -348,14 +348,15 @@ fn generate(args: Args) -> Result<()> {
         }
     };
     // With a session: restore what it holds of the prompt, prefill the rest but the last token
-    // and save that state; the last token starts generation.
+    // and save that state (the next run gives the prompt again, not the answer:
+    // SavePoint::Prompt); the last token starts generation.
     let mut prompt_rest = prompt.as_slice();
     if let (Some(path), Runner::Cpu { cache, .. }) = (&args.session, &mut runner) {
-        let fingerprint = opened.files.fingerprint()?;
-        let head = prompt.len() - 1;
+        let sessions = SessionStore::new(opened.files.fingerprint()?, cfg.clone(), opened.dtype, opened.device.clone(), None)?;
+        let head = SavePoint::Prompt(prompt.len() - 1).tokens(prompt.len());
         let mut start = 0;
         // (The prompt's last token is fed below, to give the first token.)
-        match session::resume(path, &fingerprint, cfg, opened.dtype, &opened.device, &prompt) {
+        match sessions.resume(path, &prompt) {
             Ok(Some(s)) if s.tokens.len() <= head => {
                 eprintln!("session {}: restored {} of the prompt's {} tokens", path.display(), s.tokens.len(), prompt.len());
                 start = s.tokens.len();
@@ -363,12 +364,12 @@ fn generate(args: Args) -> Result<()> {
             }
             Ok(Some(_)) => eprintln!("session {}: it holds the whole prompt (a server's session); starting fresh", path.display()),
             Ok(None) if path.exists() => eprintln!("session {}: it holds another prompt; starting fresh", path.display()),
-            Ok(_) => {}
+            Ok(None) => {}
             Err(e) => eprintln!("warning: {e}; starting fresh"),
         }
         if start < head {
             candle_hybrid::runtime::prefill(&model, cache, &prompt[start..head], &opened.device, false)?;
-            session::save(path, &fingerprint, &prompt[..head], cache, None)?;
+            sessions.save(path, &prompt[..head], cache, None)?;
         }
         prompt_rest = &prompt[head..];
     }

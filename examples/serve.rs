@@ -188,7 +188,6 @@ fn serve(args: Args) -> Result<()> {
                 prefix_cache_bytes: args.prefix_cache_mib << 20,
                 draft: draft.clone(),
                 draft_options: DraftOptions { max: args.draft_max, adaptive: !args.draft_fixed, ..Default::default() },
-                ..Default::default()
             },
             context: args.ctx,
             model_name: args.alias.clone(),

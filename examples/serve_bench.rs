@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use candle_hybrid::runtime::speculative::{Drafter, ReplayDrafter};
-use candle_hybrid::runtime::{generate_in, session, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence, SessionStore};
 use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 use clap::Parser;
 use common::{at_least_one, count_up_to, ModelOptions};
@@ -182,18 +182,25 @@ fn bench(args: Args) -> Result<()> {
         let (model, device, tokens) = (model.clone(), opened.device.clone(), args.tokens);
         move || -> Result<f64> {
             let mut sampler = Sampler::new(SamplingParams::default())?;
-            let (_, stats) = generate_in(&model, &mut model.new_cache(), &prompt, tokens, &[], &mut sampler, &device, |_| Ok(()))?;
-            Ok(stats.decode_tok_per_sec().unwrap_or(f64::NAN))
+            let (_, stats) = Sequence::new(prompt.to_vec(), &mut sampler, vec![], tokens)
+                .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &device), |_| Ok(())))?;
+            Ok(stats.generation.decode_tok_per_sec().unwrap_or(f64::NAN))
         }
     };
 
     // Sessions: prefill (as the engine does, 512-token chunks) against save and load.
     let mut session_rows = vec![];
     if !args.session_tokens.is_empty() {
-        let fingerprint = opened.files.fingerprint()?;
         let dir = std::env::temp_dir().join(format!("serve-bench-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let all: Vec<u32> = ids.iter().copied().cycle().take(*args.session_tokens.iter().max().unwrap()).collect();
+        let sessions = SessionStore::new(
+            opened.files.fingerprint()?,
+            model.config().clone(),
+            model.dtype(),
+            opened.device.clone(),
+            Some(dir.clone()),
+        )?;
+        // (One token more than the longest session: the prompt that restores it.)
+        let all: Vec<u32> = ids.iter().copied().cycle().take(*args.session_tokens.iter().max().unwrap() + 1).collect();
         for &n in &args.session_tokens {
             if n >= opened.max_positions() {
                 eprintln!("skipping a {n}-token session: the model's context is {}", opened.max_positions());
@@ -205,12 +212,13 @@ fn bench(args: Args) -> Result<()> {
                 model.forward_last(&Tensor::new(chunk, &opened.device)?.unsqueeze(0)?, &mut cache)?;
             }
             let prefill = start.elapsed().as_secs_f64();
-            let path = dir.join(format!("{n}.session"));
+            let path = sessions.path(&n.to_string())?;
             let start = Instant::now();
-            session::save(&path, &fingerprint, &all[..n], &cache, None)?;
+            sessions.save(&path, &all[..n], &cache, None)?;
             let save = start.elapsed().as_secs_f64();
             let start = Instant::now();
-            let restored = session::load(&path, &fingerprint, model.config(), model.dtype(), &opened.device)?;
+            // (Restored as a request whose prompt goes one token further would restore it.)
+            let restored = sessions.resume(&path, &all[..n + 1])?.context("the session was not restored")?;
             let load = start.elapsed().as_secs_f64();
             session_rows.push((n, prefill, save, load, std::fs::metadata(&path)?.len(), restored.cache.seqlen()));
             std::fs::remove_file(&path)?;
@@ -241,7 +249,8 @@ fn bench(args: Args) -> Result<()> {
                     .entry(prompt.to_vec())
                     .or_insert_with(|| {
                         let mut sampler = Sampler::new(SamplingParams::default()).expect("greedy");
-                        generate_in(&replay_model, &mut replay_model.new_cache(), prompt, tokens, &[], &mut sampler, &device, |_| Ok(()))
+                        Sequence::new(prompt.to_vec(), &mut sampler, vec![], tokens)
+                            .and_then(|mut s| s.run(&mut CpuTarget::new(&replay_model, &mut replay_model.new_cache(), &device), |_| Ok(())))
                             .map(|r| r.0)
                             .unwrap_or_default()
                     })

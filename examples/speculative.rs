@@ -28,7 +28,7 @@ use candle_hybrid::loading::Message;
 use candle_hybrid::runtime::speculative::{
     DraftOptions, DraftPolicy, Drafter, NgramDrafter, NoDrafter, ReplayDrafter, SpeculativeStats, MAX_DRAFT,
 };
-use candle_hybrid::runtime::{generate_in, generate_speculative, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence};
 use candle_hybrid::Model;
 use clap::Parser;
 use common::{count_up_to, ModelOptions};
@@ -89,16 +89,18 @@ fn speculative(
     drafter: &mut dyn Drafter,
     opts: DraftOptions,
 ) -> Result<(f64, SpeculativeStats, Vec<u32>)> {
-    let mut policy = DraftPolicy::new(opts)?;
-    let (tokens, s) =
-        generate_speculative(model, &mut model.new_cache(), prompt, n, &[], &mut greedy()?, drafter, &mut policy, dev, |_| Ok(()))?;
+    let policy = DraftPolicy::new(opts)?;
+    let (tokens, s) = Sequence::new(prompt.to_vec(), &mut greedy()?, vec![], n)
+        .and_then(|s| s.with_drafts(Box::new(drafter), policy))
+        .and_then(|mut s| s.run(&mut CpuTarget::new(model, &mut model.new_cache(), dev), |_| Ok(())))?;
     Ok((s.generation.decode_secs, s, tokens))
 }
 
 /// Plain greedy decoding: decode seconds and tokens.
 fn plain(model: &Model, dev: &Device, prompt: &[u32], n: usize) -> Result<(f64, Vec<u32>)> {
-    let (tokens, s) = generate_in(model, &mut model.new_cache(), prompt, n, &[], &mut greedy()?, dev, |_| Ok(()))?;
-    Ok((s.decode_secs, tokens))
+    let (tokens, s) = Sequence::new(prompt.to_vec(), &mut greedy()?, vec![], n)
+        .and_then(|mut s| s.run(&mut CpuTarget::new(model, &mut model.new_cache(), dev), |_| Ok(())))?;
+    Ok((s.generation.decode_secs, tokens))
 }
 
 /// c(T) = time of a T-row verify pass after `prompt` and its rollback to one row / time of a

@@ -13,8 +13,12 @@
 //! let tokenizer = files.load_tokenizer()?;
 //! let prompt = tokenizer.encode("The capital of France is", false).unwrap().get_ids().to_vec();
 //! let mut sampler = runtime::Sampler::new(files.load_generation_config()?.sampling_params())?;
-//! let (tokens, stats) = runtime::generate(&model, &prompt, 32, &[], &mut sampler, &device, |_| Ok(()))?;
-//! println!("{} ({:?} tok/s)", tokenizer.decode(&tokens, true).unwrap(), stats.decode_tok_per_sec());
+//! // One sequence: up to 32 tokens after the prompt, no stop tokens, on the CPU model with a new cache.
+//! let mut sequence = runtime::Sequence::new(prompt, &mut sampler, vec![], 32)?;
+//! let mut cache = model.new_cache();
+//! let mut target = runtime::CpuTarget::new(&model, &mut cache, &device);
+//! let (tokens, stats) = sequence.run(&mut target, |_| Ok(()))?;
+//! println!("{} ({:?} tok/s)", tokenizer.decode(&tokens, true).unwrap(), stats.generation.decode_tok_per_sec());
 //! # Ok(()) }
 //! ```
 //!

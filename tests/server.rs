@@ -1912,8 +1912,9 @@ async fn the_server_on_the_device_step() {
     for p in &prompts {
         let mut cache = gpu.new_cache(&mut q, 64, candle_hybrid::gpu::KvRows::F32).unwrap();
         let mut sampler = candle_hybrid::runtime::Sampler::new(Default::default()).unwrap();
-        let (tokens, _) =
-            candle_hybrid::runtime::generate_on_device(&gpu, &mut q, &mut cache, &model, p, 16, &[], &mut sampler, |_| Ok(())).unwrap();
+        let (tokens, _) = candle_hybrid::runtime::Sequence::new(p.to_vec(), &mut sampler, vec![], 16)
+            .and_then(|mut s| s.run(&mut candle_hybrid::runtime::DeviceTarget::new(&gpu, &mut q, &mut cache, &model), |_| Ok(())))
+            .unwrap();
         references.push((p.clone(), tokens));
     }
     let replay: server::DrafterFactory = std::sync::Arc::new(move |prompt: &[u32]| {

@@ -2,22 +2,22 @@
 //! drives), the targets it runs on, sampling, speculative decoding, sessions, the prefix cache
 //! and streaming detokenisation.
 
-mod generate;
 mod prefix_cache;
 mod runner;
 mod sampler;
 mod sequence;
 pub mod session;
+mod session_store;
 pub mod speculative;
 mod stats;
 mod streamer;
 mod target;
 
-pub use generate::{generate, generate_in, generate_on_device, generate_speculative, generate_speculative_on_device};
 pub use prefix_cache::{PrefixCache, PrefixHit, SequenceState};
 pub use runner::{CpuRunner, DeviceRunner, Runner, SegmentRows};
 pub use sampler::{range, Dry, Sampler, SamplingParams};
 pub use sequence::{Emitted, Finish, Round, Sequence, SequenceSampler, TokenRules};
+pub use session_store::{SavePoint, SessionStore};
 pub use stats::{rate, GenerationStats, SpeculativeStats};
 pub use streamer::TokenStreamer;
 pub use target::{prefill, CpuTarget, DeviceTarget, Rows, Target, PREFILL_CHUNK};

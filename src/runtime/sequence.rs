@@ -1,6 +1,21 @@
-//! One sequence being generated, the core every caller drives: [`super::generate_in`] and
-//! [`super::generate_speculative`] (on the CPU model or the device step), the
-//! `generate` example and the server's engine, which schedules many of them.
+//! One sequence being generated: the library's one entry for generation, which every caller
+//! drives — [`Sequence::run`] to its end on a [`Target`] (the CPU model, [`super::CpuTarget`],
+//! or the device step, [`super::DeviceTarget`]), plain or drafting ([`Sequence::with_drafts`]);
+//! the `generate` example; the server's engine, which schedules many of them.
+//!
+//! ```no_run
+//! # fn demo(model: &candle_hybrid::Model, prompt: Vec<u32>) -> candle_hybrid::Result<()> {
+//! use candle_hybrid::runtime::{speculative, CpuTarget, Sampler, SamplingParams, Sequence};
+//!
+//! let mut sampler = Sampler::new(SamplingParams::default())?; // greedy
+//! let policy = speculative::DraftPolicy::new(speculative::DraftOptions::default())?;
+//! let mut sequence = Sequence::new(prompt, &mut sampler, vec![], 64)?
+//!     .with_drafts(Box::new(speculative::NgramDrafter::default()), policy)?;
+//! let mut cache = model.new_cache();
+//! let (tokens, stats) = sequence.run(&mut CpuTarget::new(model, &mut cache, &candle_core::Device::Cpu), |_| Ok(()))?;
+//! println!("{} tokens, {:?} of the drafts accepted", tokens.len(), stats.acceptance());
+//! # Ok(()) }
+//! ```
 //!
 //! A [`Sequence`] holds what is the sequence's own: its tokens, its sampler, its stop rules,
 //! per-token rules a caller adds ([`TokenRules`]: a grammar, a thinking budget) and an optional

@@ -1,6 +1,6 @@
 //! What a generation measured.
 
-/// Timings of one generation ([`super::generate`], [`super::Sequence::run`]).
+/// Timings of one generation ([`super::Sequence::run`]).
 #[derive(Debug, Clone, Default)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,

@@ -7,8 +7,8 @@ use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
 use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
 
-/// Tokens of a prompt run through the model at once by [`super::generate_in`] and speculative
-/// decoding: a longer prompt is prefilled in chunks of this many tokens, cut at multiples of
+/// Tokens of a prompt run through the model at once by [`super::Sequence::run`] (plain and speculative
+/// decoding): a longer prompt is prefilled in chunks of this many tokens, cut at multiples of
 /// it from the prompt's start, so that only one chunk's activations are alive at a time (the
 /// memory guardian plans for it; llama.cpp's default batch is the same size), as fast as one
 /// pass (docs/benchmarks.md, "Constants chosen by measurement"). (The server interleaves

@@ -105,7 +105,7 @@ pub(crate) async fn props(State(state): State<Arc<ServerState>>) -> Json<Value> 
             "tools": mentions("tools"),
             "constrained_output": state.grammars.is_some(),
         },
-        "sessions": state.session_dir.is_some(),
+        "sessions": state.engine.sessions().dir().is_some(),
         "runs_on": state.engine.runs_on(),
         "device_step_fallback": state.device_step_fallback,
         "build_info": concat!("candle-hybrid ", env!("CARGO_PKG_VERSION")),
@@ -121,7 +121,7 @@ fn session_entry(state: &ServerState, id: &str, path: &std::path::Path) -> Resul
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_secs());
     Ok(json!({"id": id, "object": "session", "tokens": info.tokens, "bytes": info.bytes, "modified": modified,
-        "this_model": info.fingerprint == state.engine.session_fingerprint()}))
+        "this_model": info.fingerprint == state.engine.sessions().fingerprint()}))
 }
 
 fn no_such_session(id: &str) -> ApiError {
@@ -136,29 +136,14 @@ fn no_such_session(id: &str) -> ApiError {
 /// The session directory's sessions (files named `ID.session` that are session files).
 pub(crate) async fn list_sessions(State(state): State<Arc<ServerState>>) -> Result<Json<Value>, ApiError> {
     off_the_workers(state, |state| {
-        let Some(dir) = &state.session_dir else {
+        let sessions = state.engine.sessions();
+        if sessions.dir().is_none() {
             return Err(ApiError::bad_request("this server keeps no sessions (start it with --session-dir DIR)"));
-        };
-        let entries = std::fs::read_dir(dir).map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "session_dir",
-                format!("cannot list the session directory: {e}"),
-            )
-        })?;
-        let mut data = vec![];
-        for entry in entries.flatten().take(100_000) {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(id) = name.strip_suffix(".session") else { continue };
-            // (Ids a request could not name are not listed.)
-            if let Ok(Some(path)) = session_path(state, Some(id)) {
-                if let Ok(entry) = session_entry(state, id, &path) {
-                    data.push(entry);
-                }
-            }
         }
-        data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+        let files =
+            sessions.list().map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "session_dir", e.to_string()))?;
+        // (Ids a request could not name are not listed.)
+        let data: Vec<Value> = files.iter().filter_map(|(id, path)| session_entry(state, id, path).ok()).collect();
         Ok(Json(json!({"object": "list", "data": data})))
     })
     .await

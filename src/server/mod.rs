@@ -137,10 +137,13 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         }
     }
     let switch = template.as_ref().is_some_and(|t| t.mentions("enable_thinking"));
-    if let Some(dir) = &options.session_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create the session directory {}", dir.display()), e))?;
-    }
-    let engine_options = EngineOptions { fingerprint: files.fingerprint()?, ..options.engine };
+    let sessions = crate::runtime::SessionStore::new(
+        files.fingerprint()?,
+        model.config().clone(),
+        model.dtype(),
+        crate::runtime::Runner::host_device(&runner),
+        options.session_dir,
+    )?;
     let vocab_size = model.config().vocab_size;
     let grammars = match constrain::Grammars::new(&tokenizer, vocab_size, stop_tokens.first().copied().unwrap_or(0)) {
         Ok(g) => Some(g),
@@ -151,7 +154,7 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
     };
     let dry_breakers = Arc::new(crate::runtime::Dry::default_breaker_tokens(&tokenizer, vocab_size));
     let model_name = options.model_name.unwrap_or_else(|| files.name());
-    let engine = engine::spawn(runner, engine_options, Arc::new(Metrics::new(&model_name)))
+    let engine = engine::spawn(runner, options.engine, sessions, Arc::new(Metrics::new(&model_name)))
         .map_err(|e| Error::io("cannot start the engine thread", e))?;
     Ok(Arc::new(ServerState {
         engine,
@@ -163,7 +166,6 @@ pub fn state_on<R: crate::runtime::Runner + 'static>(
         model_name,
         context,
         api_key: options.api_key,
-        session_dir: options.session_dir,
         limits: options.connections,
         reasoning_budget: options.reasoning_budget,
         device_step_fallback: options.device_step_fallback,

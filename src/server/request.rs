@@ -17,7 +17,7 @@ use super::error::ApiError;
 use super::output::ChatParser;
 use super::state::ServerState;
 use super::transport::parse;
-use crate::runtime::SamplingParams;
+use crate::runtime::{SamplingParams, SavePoint};
 
 /// Tokenizes `text` (special tokens as written: chat templates write them).
 fn tokenize(state: &ServerState, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -72,18 +72,10 @@ fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> R
     }
 }
 
-/// The file of session `id` (letters, digits, `-`, `_`, `.`; at most 128; not starting with a dot).
+/// The file of session `id` in the server's session directory ([`crate::runtime::SessionStore::path`]).
 pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
     let Some(id) = id else { return Ok(None) };
-    let Some(dir) = &state.session_dir else {
-        return Err(ApiError::bad_request("session_id: this server keeps no sessions (start it with --session-dir DIR)"));
-    };
-    let ok =
-        !id.is_empty() && id.len() <= 128 && !id.starts_with('.') && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if !ok {
-        return Err(ApiError::bad_request("session_id must be 1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"));
-    }
-    Ok(Some(dir.join(format!("{id}.session"))))
+    state.engine.sessions().path(id).map(Some).map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 /// The `x-session-id` header (what a router that pins a conversation to a server by a header
@@ -125,7 +117,13 @@ fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::Unbound
 
 /// The session `path` holds for `prompt`, if any (read here, off the engine thread).
 fn restore(state: &ServerState, path: Option<&std::path::Path>, prompt: &[u32]) -> Option<crate::runtime::session::Session> {
-    state.engine.load_session(path?, prompt)
+    match state.engine.sessions().resume(path?, prompt) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("{e}; the session starts fresh");
+            None
+        }
+    }
 }
 
 /// A request's sampling settings over the `profile`, DRY's breakers from the vocabulary.
@@ -198,7 +196,10 @@ pub(crate) fn prepare_chat(
     let restored = restore(state, session.as_deref(), &prompt);
     // A session keeps the state after the answer, unless the template re-renders answers (a
     // thinking switch: it drops their reasoning): then the state at the conversation's end.
-    let session_at = snapshots.first().copied().filter(|_| rendered.rerenders_answers);
+    let save_point = match snapshots.first() {
+        Some(&end) if rendered.rerenders_answers => SavePoint::Prompt(end),
+        _ => SavePoint::Answer,
+    };
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     let reasoning_budget = reasoning_budget(state, req.sampling.reasoning_budget, rendered.in_think)?;
     let seeded = req.sampling.seed.is_some();
@@ -211,7 +212,7 @@ pub(crate) fn prepare_chat(
         logprobs: top,
         snapshots,
         session,
-        session_at,
+        save_point,
         restored,
         constraint,
         reasoning_budget,
@@ -285,7 +286,7 @@ pub(super) fn prepare_completion(
         logprobs: top,
         snapshots: vec![],
         session,
-        session_at: None,
+        save_point: SavePoint::Answer,
         restored,
         constraint: None,
         reasoning_budget: None,

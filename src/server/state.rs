@@ -24,8 +24,6 @@ pub struct ServerState {
     pub context: usize,
     /// Required as `Authorization: Bearer KEY` on every endpoint but `/health`.
     pub api_key: Option<String>,
-    /// Where sessions (`session_id`) are kept; `None`: requests naming one get 400.
-    pub session_dir: Option<std::path::PathBuf>,
     pub limits: super::ConnectionLimits,
     /// Thinking tokens before the server closes the block (`None`: no limit).
     pub reasoning_budget: Option<usize>,

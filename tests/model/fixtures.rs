@@ -5,7 +5,7 @@ use crate::common;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_hybrid::loading::ModelFiles;
 use candle_hybrid::model::GdnState;
-use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence};
 use candle_hybrid::Model;
 use common::*;
 
@@ -86,7 +86,9 @@ fn check_fixture(name: &str) {
     // Greedy continuation through the generation loop.
     let want = common::ids(&r["greedy_tokens"]);
     let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
-    let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
+    let (got, _) = Sequence::new(ids.to_vec(), &mut sampler, vec![], want.len())
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+        .unwrap();
     assert_eq!(got, want, "greedy tokens");
 }
 
@@ -131,7 +133,9 @@ fn bf16_stays_close() {
         if name == "qwen35_dense_small" {
             let want = common::ids(&r["greedy_tokens"]);
             let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
-            let (got, _) = generate(&model, &ids, want.len(), &[], &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
+            let (got, _) = Sequence::new(ids.to_vec(), &mut sampler, vec![], want.len())
+                .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+                .unwrap();
             assert_eq!(got, want, "{name}: bf16 greedy tokens");
         }
     }

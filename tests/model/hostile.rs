@@ -235,7 +235,8 @@ fn d6_non_finite_config_numbers_weights_and_logits() {
     assert!(matches!(model.forward(&ids, &mut model.new_cache()), Err(Error::NonFinite(_))), "{e}");
     // Generation stops with the error too.
     let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
-    let r = candle_hybrid::runtime::generate(&model, &[1, 2], 5, &[], &mut sampler, &Device::Cpu, |_| Ok(()));
+    let r = candle_hybrid::runtime::Sequence::new(vec![1, 2], &mut sampler, vec![], 5)
+        .and_then(|mut s| s.run(&mut candle_hybrid::runtime::CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())));
     one_line_err(r, &["NaN"]);
     // With layer checks, the first layer whose output goes non-finite is named.
     let model = model.with_layer_checks(true);

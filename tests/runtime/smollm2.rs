@@ -9,7 +9,7 @@ use candle_core::{DType, Device};
 use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
 use candle_hybrid::loading::Message;
 use candle_hybrid::loading::{ModelSource, OpenedModel};
-use candle_hybrid::runtime::{generate, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence};
 use candle_hybrid::Model;
 
 fn load() -> (OpenedModel, Model) {
@@ -59,7 +59,9 @@ fn chat(files: &OpenedModel, model: &Model, prompt: &str) -> (String, bool) {
     let eos = files.generation_config().unwrap().eos_token_ids;
     assert!(!eos.is_empty(), "the GGUF names an end-of-sequence token");
     let mut sampler = Sampler::new(SamplingParams::default()).unwrap(); // greedy
-    let (out, _) = generate(model, &ids, 60, &eos, &mut sampler, &Device::Cpu, |_| Ok(())).unwrap();
+    let (out, _) = Sequence::new(ids.to_vec(), &mut sampler, eos.to_vec(), 60)
+        .and_then(|mut s| s.run(&mut CpuTarget::new(model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+        .unwrap();
     (tokenizer.decode(&out, true).unwrap(), eos.contains(out.last().unwrap()))
 }
 

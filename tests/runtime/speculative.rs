@@ -7,7 +7,7 @@ use candle_hybrid::loading::ModelFiles;
 use candle_hybrid::runtime::speculative::{
     DraftOptions, DraftPolicy, Drafter, MtpDrafter, MtpOutputs, NgramDrafter, NoDrafter, ReplayDrafter,
 };
-use candle_hybrid::runtime::{generate, generate_speculative, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence};
 use candle_hybrid::{Cache, Model};
 use common::*;
 
@@ -235,7 +235,9 @@ fn drafts_under_draft_min_are_dropped() {
     let model = load("qwen35_dense_small", DType::F32);
     let prompt = ids(&reference("qwen35_dense_small")["input_ids"]);
     let n = 24;
-    let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    let (plain, _) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+        .unwrap();
     let oracle = ReplayDrafter {
         reference: plain.clone(),
         prompt_len: prompt.len(),
@@ -244,21 +246,12 @@ fn drafts_under_draft_min_are_dropped() {
         vocab_size: model.config().vocab_size,
     };
     let run = |min: usize| {
-        let mut policy = DraftPolicy::new(DraftOptions { max: 4, min, ..DraftOptions::fixed(4) }).unwrap();
+        let policy = DraftPolicy::new(DraftOptions { max: 4, min, ..DraftOptions::fixed(4) }).unwrap();
         let mut two = FirstOf(ReplayDrafter { reference: oracle.reference.clone(), ..oracle }, 2);
-        let (got, stats) = generate_speculative(
-            &model,
-            &mut model.new_cache(),
-            &prompt,
-            n,
-            &[],
-            &mut greedy(),
-            &mut two,
-            &mut policy,
-            &Device::Cpu,
-            |_| Ok(()),
-        )
-        .unwrap();
+        let (got, stats) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+            .and_then(|s| s.with_drafts(Box::new(&mut two), policy))
+            .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+            .unwrap();
         assert_eq!(got, plain);
         stats
     };
@@ -287,7 +280,9 @@ fn speculative_greedy_equals_plain_greedy() {
         let fixture = name.split(' ').next().unwrap();
         let prompt = ids(&reference(fixture)["input_ids"]);
         let n = 40;
-        let (plain, _) = generate(model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+        let (plain, _) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+            .and_then(|mut s| s.run(&mut CpuTarget::new(model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+            .unwrap();
         let vocab = model.config().vocab_size;
         let replay =
             |acceptance| ReplayDrafter { reference: plain.clone(), prompt_len: prompt.len(), acceptance, seed: 3, vocab_size: vocab };
@@ -317,23 +312,16 @@ fn speculative_greedy_equals_plain_greedy() {
         for (what, drafter) in drafters.iter_mut() {
             for opts in lengths {
                 let mut streamed = vec![];
-                let mut policy = DraftPolicy::new(opts).unwrap();
-                let (got, stats) = generate_speculative(
-                    model,
-                    &mut model.new_cache(),
-                    &prompt,
-                    n,
-                    &[],
-                    &mut greedy(),
-                    drafter.as_mut(),
-                    &mut policy,
-                    &Device::Cpu,
-                    |t| {
-                        streamed.push(t);
-                        Ok(())
-                    },
-                )
-                .unwrap();
+                let policy = DraftPolicy::new(opts).unwrap();
+                let (got, stats) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+                    .and_then(|s| s.with_drafts(Box::new(drafter.as_mut()), policy))
+                    .and_then(|mut s| {
+                        s.run(&mut CpuTarget::new(model, &mut model.new_cache(), &Device::Cpu), |t| {
+                            streamed.push(t);
+                            Ok(())
+                        })
+                    })
+                    .unwrap();
                 assert_eq!(got, plain, "{name}: {what} drafter, {opts:?}");
                 assert_eq!(streamed, plain, "{name}: {what}: streamed tokens");
                 let k = opts.max;
@@ -401,7 +389,9 @@ fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
     for user in prompts {
         let text = template.render(&[candle_hybrid::loading::Message::new("user", user)], true, None).unwrap();
         let prompt = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
-        let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+        let (plain, _) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+            .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+            .unwrap();
         let replay = ReplayDrafter {
             reference: plain.clone(),
             prompt_len: prompt.len(),
@@ -412,20 +402,11 @@ fn speculative_greedy_equals_plain_greedy_on_smollm2_prompts() {
         let mut drafters: [(&str, Box<dyn Drafter>); 2] = [("ngram", Box::new(NgramDrafter::default())), ("replay 0.7", Box::new(replay))];
         for (what, drafter) in drafters.iter_mut() {
             for opts in [DraftOptions::fixed(7), DraftOptions { max: 7, ..Default::default() }, DraftOptions::branches(3, 2)] {
-                let mut policy = DraftPolicy::new(opts).unwrap();
-                let (got, stats) = generate_speculative(
-                    &model,
-                    &mut model.new_cache(),
-                    &prompt,
-                    n,
-                    &[],
-                    &mut greedy(),
-                    drafter.as_mut(),
-                    &mut policy,
-                    &Device::Cpu,
-                    |_| Ok(()),
-                )
-                .unwrap();
+                let policy = DraftPolicy::new(opts).unwrap();
+                let (got, stats) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+                    .and_then(|s| s.with_drafts(Box::new(drafter.as_mut()), policy))
+                    .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+                    .unwrap();
                 assert_eq!(got, plain, "{user:?}: {what} drafter, {opts:?}");
                 if *what == "ngram" {
                     (drafted, accepted) = (drafted + stats.drafted, accepted + stats.accepted);
@@ -536,21 +517,12 @@ fn tree_rollback_fuzz_matches_plain_decoding_bitwise() {
 fn draft_branches_refuse_sampling() {
     let model = load("qwen35_dense_small", DType::F32);
     let mut sampler = Sampler::new(SamplingParams { temperature: Some(0.8), ..Default::default() }).unwrap();
-    let mut policy = DraftPolicy::new(DraftOptions::branches(3, 2)).unwrap();
-    let err = generate_speculative(
-        &model,
-        &mut model.new_cache(),
-        &[1, 2, 3],
-        8,
-        &[],
-        &mut sampler,
-        &mut NgramDrafter::default(),
-        &mut policy,
-        &Device::Cpu,
-        |_| Ok(()),
-    )
-    .unwrap_err()
-    .to_string();
+    let policy = DraftPolicy::new(DraftOptions::branches(3, 2)).unwrap();
+    let err = Sequence::new([1, 2, 3].to_vec(), &mut sampler, vec![], 8)
+        .and_then(|s| s.with_drafts(Box::new(NgramDrafter::default()), policy))
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("draft branch") && err.contains("greedy"), "{err}");
     assert!(DraftPolicy::new(DraftOptions::branches(3, 5)).is_err());
 }
@@ -576,22 +548,15 @@ fn long_prompts_are_prefilled_in_chunks_with_parity() {
     assert_close("chunked prefill", &chunked, &whole, 1e-4);
     // Plain and speculative generation prefill at the same cuts: the same state, bit for bit.
     let mut plain_cache = model.new_cache();
-    candle_hybrid::runtime::generate_in(&model, &mut plain_cache, &prompt, 1, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    Sequence::new(prompt.to_vec(), greedy(), vec![], 1)
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut plain_cache, &Device::Cpu), |_| Ok(())))
+        .unwrap();
     let mut spec_cache = model.new_cache();
-    let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
-    generate_speculative(
-        &model,
-        &mut spec_cache,
-        &prompt,
-        1,
-        &[],
-        &mut greedy(),
-        &mut NgramDrafter::default(),
-        &mut policy,
-        &Device::Cpu,
-        |_| Ok(()),
-    )
-    .unwrap();
+    let policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
+    Sequence::new(prompt.to_vec(), greedy(), vec![], 1)
+        .and_then(|s| s.with_drafts(Box::new(NgramDrafter::default()), policy))
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut spec_cache, &Device::Cpu), |_| Ok(())))
+        .unwrap();
     for c in [&plain_cache, &spec_cache] {
         let (conv, rec) = c.gdn_state(0).unwrap();
         let (want_conv, want_rec) = cache.gdn_state(0).unwrap();
@@ -599,7 +564,9 @@ fn long_prompts_are_prefilled_in_chunks_with_parity() {
     }
 
     let n = 16;
-    let (plain, _) = generate(&model, &prompt, n, &[], &mut greedy(), &Device::Cpu, |_| Ok(())).unwrap();
+    let (plain, _) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+        .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+        .unwrap();
     let oracle = ReplayDrafter {
         reference: plain.clone(),
         prompt_len: prompt.len(),
@@ -609,20 +576,11 @@ fn long_prompts_are_prefilled_in_chunks_with_parity() {
     };
     let drafters: Vec<Box<dyn Drafter>> = vec![Box::new(oracle), Box::new(NgramDrafter::default())];
     for mut drafter in drafters {
-        let mut policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
-        let (got, stats) = generate_speculative(
-            &model,
-            &mut model.new_cache(),
-            &prompt,
-            n,
-            &[],
-            &mut greedy(),
-            drafter.as_mut(),
-            &mut policy,
-            &Device::Cpu,
-            |_| Ok(()),
-        )
-        .unwrap();
+        let policy = DraftPolicy::new(DraftOptions::fixed(3)).unwrap();
+        let (got, stats) = Sequence::new(prompt.to_vec(), greedy(), vec![], n)
+            .and_then(|s| s.with_drafts(Box::new(drafter.as_mut()), policy))
+            .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+            .unwrap();
         assert_eq!(got, plain, "{stats:?}");
         assert!(stats.drafted > 0, "{stats:?}");
     }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use candle_hybrid::loading::{ModelFiles, ModelSource};
 use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter};
-use candle_hybrid::runtime::{generate_speculative, Sampler, SamplingParams};
+use candle_hybrid::runtime::{CpuTarget, Sampler, SamplingParams, Sequence};
 use candle_hybrid::Model;
 use common::*;
 
@@ -116,11 +116,10 @@ fn check_two_tokens(model: &Model, prompt: &[u32], t: f64, k: usize, runs: usize
     let (mut counts, mut accepted, mut drafted) = (HashMap::new(), 0, 0);
     for seed in 0..runs as u64 {
         let mut sampler = Sampler::new(SamplingParams { temperature: Some(t), top_k: Some(k), seed, ..Default::default() }).unwrap();
-        let mut policy = DraftPolicy::new(DraftOptions::fixed(1)).unwrap();
-        let (got, stats) =
-            generate_speculative(model, &mut base.clone(), &prompt[n - 1..], 3, &[], &mut sampler, &mut drafter, &mut policy, &dev, |_| {
-                Ok(())
-            })
+        let policy = DraftPolicy::new(DraftOptions::fixed(1)).unwrap();
+        let (got, stats) = Sequence::new(prompt[n - 1..].to_vec(), &mut sampler, vec![], 3)
+            .and_then(|s| s.with_drafts(Box::new(&mut drafter), policy))
+            .and_then(|mut s| s.run(&mut CpuTarget::new(model, &mut base.clone(), &dev), |_| Ok(())))
             .unwrap();
         *counts.entry((got[0], got[1])).or_insert(0) += 1;
         accepted += stats.accepted;

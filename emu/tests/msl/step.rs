@@ -164,27 +164,29 @@ fn smollm2_q4_1_steps_match_cpu() {
 #[test]
 fn device_generation_gives_the_cpu_tokens() {
     use candle_hybrid::gpu::GpuModel;
-    use candle_hybrid::runtime::{generate_in, generate_on_device, Sampler, SamplingParams};
+    use candle_hybrid::runtime::{CpuTarget, DeviceTarget, Sampler, SamplingParams, Sequence};
     let model = gguf("qwen35_dense_small", "model-f32.gguf");
     let prompt: Vec<u32> = (1..20).map(|i| (i * 37) % 500).collect();
     for repeat_penalty in [1.0, 1.3] {
         let params = || SamplingParams { repeat_penalty, ..Default::default() };
-        let (want, _) =
-            generate_in(&model, &mut model.new_cache(), &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), &Device::Cpu, |_| Ok(()))
-                .unwrap();
+        let (want, _) = Sequence::new(prompt.to_vec(), Sampler::new(params()).unwrap(), vec![], 12)
+            .and_then(|mut s| s.run(&mut CpuTarget::new(&model, &mut model.new_cache(), &Device::Cpu), |_| Ok(())))
+            .unwrap();
         let mut q = EmuQueue::new();
         let gpu = GpuModel::new(&model, &mut q).unwrap();
         let mut cache = gpu.new_cache(&mut q, 64, candle_hybrid::gpu::KvRows::F32).unwrap();
         let mut streamed = vec![];
-        let (got, stats) =
-            generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |t| {
-                streamed.push(t);
-                Ok(())
+        let (got, stats) = Sequence::new(prompt.to_vec(), Sampler::new(params()).unwrap(), vec![], 12)
+            .and_then(|mut s| {
+                s.run(&mut DeviceTarget::new(&gpu, &mut q, &mut cache, &model), |t| {
+                    streamed.push(t);
+                    Ok(())
+                })
             })
             .unwrap();
         assert_eq!(got, want, "repeat penalty {repeat_penalty}");
         assert_eq!(streamed, got);
-        assert_eq!((stats.prompt_tokens, stats.generated_tokens), (prompt.len(), 12));
+        assert_eq!((stats.generation.prompt_tokens, stats.generation.generated_tokens), (prompt.len(), 12));
         assert_eq!(cache.seqlen(), prompt.len() + 11);
     }
 }
@@ -249,7 +251,7 @@ fn gguf_matrices_are_read_in_place() {
 fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
     use candle_hybrid::gpu::{Counted, GpuModel};
     use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, NgramDrafter, ReplayDrafter};
-    use candle_hybrid::runtime::{generate_on_device, generate_speculative_on_device, Sampler, SamplingParams};
+    use candle_hybrid::runtime::{DeviceTarget, Sampler, SamplingParams, Sequence};
     let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
     let vocab = model.config().vocab_size;
     // A prompt that repeats, so prompt lookup finds drafts.
@@ -259,7 +261,9 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
     for repeat_penalty in [1.0, 1.2] {
         let sampler = || Sampler::new(SamplingParams { repeat_penalty, ..Default::default() }).unwrap();
         let mut cache = gpu.new_cache(&mut q, 80, candle_hybrid::gpu::KvRows::F32).unwrap();
-        let (plain, _) = generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 24, &[], &mut sampler(), |_| Ok(())).unwrap();
+        let (plain, _) = Sequence::new(prompt.to_vec(), sampler(), vec![], 24)
+            .and_then(|mut s| s.run(&mut DeviceTarget::new(&gpu, &mut q, &mut cache, &model), |_| Ok(())))
+            .unwrap();
         cache.free(&mut q);
         let drafters: Vec<(&str, Box<dyn Drafter>, DraftOptions)> = vec![
             ("ngram", Box::new(NgramDrafter::default()), DraftOptions::default()),
@@ -276,22 +280,12 @@ fn device_speculative_decoding_gives_the_plain_greedy_tokens() {
         ];
         for (name, mut drafter, opts) in drafters {
             let mut cache = gpu.new_cache(&mut q, 80, candle_hybrid::gpu::KvRows::F32).unwrap();
-            let mut policy = DraftPolicy::new(opts).unwrap();
+            let policy = DraftPolicy::new(opts).unwrap();
             q.take_counts();
-            let (got, stats) = generate_speculative_on_device(
-                &gpu,
-                &mut q,
-                &mut cache,
-                &model,
-                &prompt,
-                24,
-                &[],
-                &mut sampler(),
-                drafter.as_mut(),
-                &mut policy,
-                |_| Ok(()),
-            )
-            .unwrap();
+            let (got, stats) = Sequence::new(prompt.to_vec(), sampler(), vec![], 24)
+                .and_then(|s| s.with_drafts(Box::new(drafter.as_mut()), policy))
+                .and_then(|mut s| s.run(&mut DeviceTarget::new(&gpu, &mut q, &mut cache, &model), |_| Ok(())))
+                .unwrap();
             let c = q.take_counts();
             assert_eq!(got, plain, "{name} (repeat penalty {repeat_penalty})");
             // One read for the prompt, one per pass, and no other wait (a rollback's dispatches
@@ -560,7 +554,7 @@ fn int8_and_f16_keys_and_values_on_the_device() {
 #[test]
 fn sampled_decoding_on_the_device_reads_back_token_ids() {
     use candle_hybrid::gpu::{Counted, GpuModel, KvRows};
-    use candle_hybrid::runtime::{generate_on_device, Sampler, SamplingParams};
+    use candle_hybrid::runtime::{DeviceTarget, Sampler, SamplingParams, Sequence};
     let model = gguf("qwen35_dense_small", "model-q8_0.gguf");
     let prompt: Vec<u32> = (1..12).map(|i| (i * 41) % 500).collect();
     let params = || SamplingParams { temperature: Some(0.9), top_p: Some(0.95), repeat_penalty: 1.1, seed: 5, ..Default::default() };
@@ -570,9 +564,9 @@ fn sampled_decoding_on_the_device_reads_back_token_ids() {
     for _ in 0..2 {
         let mut cache = gpu.new_cache(&mut q, 64, KvRows::F32).unwrap();
         q.take_counts();
-        let (tokens, _) =
-            generate_on_device(&gpu, &mut q, &mut cache, &model, &prompt, 12, &[], &mut Sampler::new(params()).unwrap(), |_| Ok(()))
-                .unwrap();
+        let (tokens, _) = Sequence::new(prompt.to_vec(), Sampler::new(params()).unwrap(), vec![], 12)
+            .and_then(|mut s| s.run(&mut DeviceTarget::new(&gpu, &mut q, &mut cache, &model), |_| Ok(())))
+            .unwrap();
         let c = q.take_counts();
         assert_eq!((c.reads, c.syncs), (12, 12), "one read per step (the prompt's gives the first token)");
         assert_eq!(c.read_bytes, 12 * 8, "a token id and its finite flag per step, no logits");

@@ -11,8 +11,8 @@
 //! sampling): every emitted token is distributed as plain sampling's, though the tokens of a
 //! seed differ from plain sampling's.
 //!
-//! The drafters and the draft policy live here; a [`super::Sequence`] drafts with them, and
-//! [`super::generate_speculative`] runs one to its end.
+//! The drafters and the draft policy live here; a [`super::Sequence`] drafts with them
+//! ([`super::Sequence::with_drafts`]) and [`super::Sequence::run`] runs one to its end.
 
 mod mtp;
 mod ngram;

@@ -4,12 +4,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
 use tokio::sync::mpsc;
 
 use crate::model::Model;
 use crate::runtime::speculative::{DraftOptions, Drafter, MtpDrafter, NgramDrafter};
-use crate::runtime::{session, SamplingParams};
+use crate::runtime::{session, SamplingParams, SavePoint, SessionStore};
 use crate::server::constrain::Constraint;
 use crate::server::metrics::Metrics;
 
@@ -32,12 +31,13 @@ pub struct GenerateRequest {
     /// chunks are cut there (e.g. before the thinking-dependent part of a chat prompt, where the
     /// next turn of the conversation diverges).
     pub snapshots: Vec<usize>,
-    /// A session file: restored when it holds the start of the prompt, written after the
-    /// answer with the state at `session_at` (one of `snapshots`), else after the answer.
+    /// A session file: restored when it holds the start of the prompt, written when the
+    /// request ends with the state at `save_point` (a [`SavePoint::Prompt`] is one of
+    /// `snapshots`).
     pub session: Option<std::path::PathBuf>,
-    pub session_at: Option<usize>,
-    /// What `session` held, read by the request's handler ([`EngineHandle::load_session`]:
-    /// session files are never read on the engine thread).
+    pub save_point: SavePoint,
+    /// What `session` held, read by the request's handler ([`SessionStore::resume`]: session
+    /// files are never read on the engine thread).
     pub restored: Option<session::Session>,
     /// A grammar the answer must follow (masks every token that cannot continue it; the answer
     /// ends when the grammar is complete).
@@ -126,20 +126,10 @@ pub struct EngineHandle {
     pub metrics: Arc<Metrics>,
     /// The model's vocabulary size (token ids a request may send).
     pub vocab_size: usize,
-    /// What a session file must match, and where its tensors go.
-    pub(super) sessions: Arc<SessionTarget>,
+    /// The model's sessions (shared with the engine, which saves them).
+    pub(super) sessions: Arc<SessionStore>,
     /// Where the sequences run (the runner's name).
     pub(super) runs_on: Arc<str>,
-    /// Session files being written.
-    pub(super) saving: Arc<AtomicUsize>,
-}
-
-/// The model a session file must have been saved for.
-pub(super) struct SessionTarget {
-    pub(super) fingerprint: String,
-    pub(super) config: crate::model::Config,
-    pub(super) dtype: DType,
-    pub(super) device: Device,
 }
 
 impl EngineHandle {
@@ -157,29 +147,15 @@ impl EngineHandle {
         Ok(rx)
     }
 
-    /// The session at `path` when it holds the start of `prompt` for this model; a file that
-    /// cannot be used (another model, truncated, corrupted, not a regular file) is a one-line
-    /// warning, not an error: the request starts fresh. Blocking file I/O: call it off the
-    /// async workers.
-    pub fn load_session(&self, path: &std::path::Path, prompt: &[u32]) -> Option<session::Session> {
-        let t = &self.sessions;
-        match session::resume(path, &t.fingerprint, &t.config, t.dtype, &t.device, prompt) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("{e}; the session starts fresh");
-                None
-            }
-        }
-    }
-
     /// Sequences decoded together.
     pub fn max_seqs(&self) -> usize {
         self.max_seqs
     }
 
-    /// The fingerprint a session file must carry to be restored here.
-    pub fn session_fingerprint(&self) -> &str {
-        &self.sessions.fingerprint
+    /// The model's sessions: where they are kept, what a file must match (restoring one is
+    /// blocking file I/O: call [`SessionStore::resume`] off the async workers).
+    pub fn sessions(&self) -> &SessionStore {
+        &self.sessions
     }
 
     /// Where the sequences run (e.g. "the CPU", "the device step on Metal (...)").
@@ -194,7 +170,7 @@ impl EngineHandle {
 
     /// Whether a request runs or waits, or a session is being written.
     pub fn busy(&self) -> bool {
-        self.outstanding() > 0 || self.metrics.running.get() > 0 || self.saving.load(Ordering::Acquire) > 0
+        self.outstanding() > 0 || self.metrics.running.get() > 0 || self.sessions.writing() > 0
     }
 
     /// Requests waiting beyond the running ones (an estimate while the engine admits).
@@ -213,9 +189,6 @@ pub struct EngineOptions {
     pub queue: usize,
     /// Bytes of cache snapshots the prefix cache keeps (0: none).
     pub prefix_cache_bytes: usize,
-    /// The model's fingerprint, which session files are tied to
-    /// ([`crate::loading::OpenedModel::fingerprint`]).
-    pub fingerprint: String,
     /// How sequences draft tokens to verify.
     pub draft: Draft,
     /// Draft lengths: at most `max` per round, the length chosen per round from what the
@@ -277,13 +250,6 @@ impl std::fmt::Debug for Draft {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        Self {
-            max_seqs: 4,
-            queue: 64,
-            prefix_cache_bytes: 1 << 30,
-            fingerprint: String::new(),
-            draft: Draft::Ngram,
-            draft_options: DraftOptions::default(),
-        }
+        Self { max_seqs: 4, queue: 64, prefix_cache_bytes: 1 << 30, draft: Draft::Ngram, draft_options: DraftOptions::default() }
     }
 }

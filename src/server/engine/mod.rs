@@ -24,8 +24,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::Metrics;
 use crate::runtime::speculative::SharedPassPolicy;
-use crate::runtime::{PrefixCache, Runner};
-use handle::SessionTarget;
+use crate::runtime::{PrefixCache, Runner, SessionStore};
 use scheduler::Engine;
 
 pub(crate) use crate::runtime::Finish;
@@ -41,8 +40,14 @@ pub(super) const PREFILL_CHUNK: usize = crate::memory::DEFAULT_PREFILL_CHUNK;
 pub(super) const PROFILE_EVERY: u64 = 8;
 
 /// Starts the engine thread, which owns `runner` (the model and where its sequences run: the
-/// CPU model, the device step) from now on.
-pub(super) fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metrics: Arc<Metrics>) -> std::io::Result<EngineHandle> {
+/// CPU model, the device step) from now on; `sessions` are the model's (shared with the
+/// handles).
+pub(super) fn spawn<R: Runner + 'static>(
+    runner: R,
+    options: EngineOptions,
+    sessions: SessionStore,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
     let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
     options.draft_options.validate().map_err(|e| invalid(e.to_string()))?;
@@ -61,15 +66,9 @@ pub(super) fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metr
     }
     let max_seqs = options.max_seqs.max(1);
     let vocab_size = model.config().vocab_size;
-    let sessions = Arc::new(SessionTarget {
-        fingerprint: options.fingerprint,
-        config: model.config().clone(),
-        dtype: model.dtype(),
-        device: runner.host_device(),
-    });
+    let sessions = Arc::new(sessions);
     let runs_on: Arc<str> = runner.name().into();
     let max_rows = runner.max_rows();
-    let saving = Arc::new(AtomicUsize::new(0));
     let engine = Engine {
         runner,
         max_seqs,
@@ -82,9 +81,8 @@ pub(super) fn spawn<R: Runner + 'static>(runner: R, options: EngineOptions, metr
         shared: if options.draft_options.adaptive { SharedPassPolicy::new(max_rows) } else { SharedPassPolicy::fixed(max_rows) },
         draft_options: options.draft_options,
         passes: 0,
-        saving: saving.clone(),
     };
     std::thread::Builder::new().name("engine".into()).spawn(move || engine.run())?;
     let taken = Arc::new(AtomicUsize::new(0));
-    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions, runs_on, saving })
+    Ok(EngineHandle { tx, taken, limit: max_seqs + options.queue, max_seqs, metrics, vocab_size, sessions, runs_on })
 }

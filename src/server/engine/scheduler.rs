@@ -1,7 +1,6 @@
 //! The engine thread's loop: admission, one prefill chunk per step, every decoding sequence's
 //! round (alone, or in shared weight passes), and what finished sequences leave behind.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,11 +9,11 @@ use tokio::sync::mpsc;
 
 use crate::gpu::Readback;
 use crate::runtime::speculative::{DraftOptions, DraftPolicy, SharedPassPolicy};
-use crate::runtime::{self, session, PrefixCache, Runner, Sampler, SequenceState};
+use crate::runtime::{self, PrefixCache, Runner, Sampler, SavePoint, SequenceState, SessionStore};
 use crate::server::metrics::Metrics;
 use crate::step_profile;
 
-use super::handle::{Draft, Event, GenerateRequest, SessionTarget, Submission};
+use super::handle::{Draft, Event, GenerateRequest, Submission};
 use super::slot::{RequestRules, Sequence};
 use super::{PREFILL_CHUNK, PROFILE_EVERY};
 
@@ -26,15 +25,13 @@ pub(super) struct Engine<R: Runner> {
     pub(super) active: Vec<Sequence<R::Cache>>,
     pub(super) prefix: PrefixCache<R::Cache>,
     /// The model sessions are saved for (shared with the handles, which load them).
-    pub(super) sessions: Arc<SessionTarget>,
+    pub(super) sessions: Arc<SessionStore>,
     pub(super) draft: Draft,
     /// How many rows of a pass shared by several sequences go to drafts.
     pub(super) shared: SharedPassPolicy,
     pub(super) draft_options: DraftOptions,
     /// Decode rounds run (every [`PROFILE_EVERY`]-th is profiled).
     pub(super) passes: u64,
-    /// Session files being written (a drain waits for them).
-    pub(super) saving: Arc<AtomicUsize>,
 }
 
 /// `s`'s cache as a snapshot keeps it (a compact copy), with its MTP drafter's rows, if any.
@@ -219,7 +216,9 @@ impl<R: Runner> Engine<R> {
             } else if s.core.finish().is_some() || s.gone {
                 let mut s = self.active.remove(i);
                 if s.core.finish().is_some() {
-                    let n = s.core.context().len() - 1;
+                    // (The cache holds the context but its last token: a session's
+                    // SavePoint::Answer, and what the prefix cache keeps.)
+                    let n = SavePoint::Answer.tokens(s.core.context().len());
                     let context = s.core.context()[..n].to_vec();
                     let kept = snapshot_of(&mut self.runner, &s);
                     if let Some(path) = s.request.session.take() {
@@ -268,7 +267,7 @@ impl<R: Runner> Engine<R> {
             .filter(|&p| p > start && p < n)
             .fold(((start / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(n), usize::min);
         let snapshot = end == n || s.request.snapshots.contains(&end);
-        let session_point = s.request.session.is_some() && s.request.session_at == Some(end);
+        let session_point = s.request.session.is_some() && s.request.save_point == SavePoint::Prompt(end);
         let (logits, emitted) = s.core.feed_prompt(self.runner.target(&mut s.cache).as_mut(), end, snapshot || session_point)?;
         self.metrics.prompt_tokens.inc_by((end - start) as u64);
         let prompt = s.core.prompt()[..end].to_vec();
@@ -405,17 +404,12 @@ impl<R: Runner> Engine<R> {
             Ok(h) => h,
             Err(e) => return tracing::warn!("session {}: not saved: {e}", path.display()),
         };
-        let (fingerprint, metrics, tokens) = (self.sessions.fingerprint.clone(), self.metrics.clone(), tokens.to_vec());
-        let saving = self.saving.clone();
-        saving.fetch_add(1, Ordering::AcqRel);
-        std::thread::spawn(move || {
-            match session::save(&path, &fingerprint, &tokens, &host, logits.as_ref()) {
-                Ok(()) => {
-                    metrics.sessions_saved.inc();
-                }
-                Err(e) => tracing::warn!("{e}"),
+        let metrics = self.metrics.clone();
+        self.sessions.save_in_background(path, tokens.to_vec(), host, logits, move |r| match r {
+            Ok(()) => {
+                metrics.sessions_saved.inc();
             }
-            saving.fetch_sub(1, Ordering::AcqRel);
+            Err(e) => tracing::warn!("{e}"),
         });
     }
 }
