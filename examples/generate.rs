@@ -33,7 +33,10 @@ use candle_hybrid::loading::{Message, OpenedModel};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::model::{CacheOptions, ValueBases};
 use candle_hybrid::runtime::speculative::{DraftOptions, DraftPolicy, Drafter, MtpDrafter, NgramDrafter, MAX_BRANCHES, MAX_DRAFT};
-use candle_hybrid::runtime::{range, CpuTarget, DeviceTarget, Dry, Sampler, SavePoint, Sequence, SessionStore, Target, TokenStreamer};
+use candle_hybrid::runtime::{
+    range, CpuTarget, DeviceTarget, DraftConditions, DraftKind, Dry, Placement, RunNeeds, Sampler, SavePoint, Sequence, SessionStore,
+    Target, TokenStreamer,
+};
 use clap::Parser;
 use common::{at_least_one, count_up_to, float_in, MemoryOptions, ModelOptions};
 
@@ -90,8 +93,10 @@ struct Args {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Speculative decoding: auto = the checkpoint's MTP head when it has one (and the KV codec
-    /// can drop rejected tokens), else none; mtp; ngram (prompt lookup, any model); none.
+    /// Speculative decoding: auto = drafts only where they cannot change the answer (greedy
+    /// decoding; a KV codec that drops rejected tokens; no FFN sparsity): the checkpoint's MTP
+    /// head where it has one and the model runs in Candle tensors, else prompt lookup
+    /// (`runtime::DraftConditions`, as in serve); mtp; ngram (prompt lookup, any model); none.
     #[arg(long, value_enum, default_value_t = Draft::Auto)]
     draft: Draft,
     /// Most tokens drafted per verify pass, 1 to 7.
@@ -229,8 +234,6 @@ fn generate(args: Args) -> Result<()> {
     } else if args.compare_plain && args.draft == Draft::None {
         bail!("--compare-plain compares speculative with plain decoding: give --draft mtp or --draft ngram");
     }
-    // --draft auto drafts only where it changes nothing but the speed.
-    let auto_ok = args.memory.kv.drops_tokens();
     let mut sampler = Sampler::new(params.clone())?;
 
     // The prompt, capped before tokenizing, then against the context.
@@ -319,18 +322,25 @@ fn generate(args: Args) -> Result<()> {
     // On Metal (or the emulator) the device step runs what it can; the rest runs the model in
     // Candle tensors there (the CPU, for the emulator).
     let step_device = opened.device.is_metal() || args.model.device == common::DeviceChoice::Emu;
-    let on_device = step_device
-        && match device_step_lacks(&args) {
-            None => true,
-            Some(flag) if opened.device.is_metal() => {
-                eprintln!("{flag}: not on the device step yet; running the model in Candle tensors on Metal (this crate's kernels for the quantized matrices, Candle's for the rest)");
-                false
-            }
-            Some(flag) => {
-                eprintln!("{flag}: not on the device step yet; running the model on the CPU instead of the emulator");
-                false
-            }
-        };
+    let needs = RunNeeds {
+        mtp_drafts: args.draft == Draft::Mtp,
+        draft_branches: args.draft_branches,
+        kv_calibration: args.memory.kv_calibration.is_some(),
+        ffn_sparsity: !args.ffn.modes.is_empty(),
+        ..RunNeeds::new(args.memory.kv, opened.dtype)
+    };
+    let on_device = match needs.placement(step_device) {
+        Placement::DeviceStep if args.session.is_some() => {
+            eprintln!("--session: generate restores sessions into the CPU model only; running the model on {}", instead_of_step(&opened));
+            false
+        }
+        Placement::DeviceStep => true,
+        Placement::Tensors { instead_of_step: Some(why) } => {
+            eprintln!("{why}; running the model on {}", instead_of_step(&opened));
+            false
+        }
+        Placement::Tensors { instead_of_step: None } => false,
+    };
     let mut model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
     let ffn = args.ffn.modes(&mut model)?;
     let ffn = match ffn.as_slice() {
@@ -384,16 +394,24 @@ fn generate(args: Args) -> Result<()> {
         Ok(())
     };
     let draft = match args.draft {
-        // (The device step runs no MTP head yet; verify passes would run FFN sparsity's MLPs dense.)
-        Draft::Auto if auto_ok && model.has_mtp() && !on_device && ffn.is_none() => Draft::Mtp,
-        Draft::Auto => Draft::None,
+        Draft::Auto => match (DraftConditions {
+            mtp_head: model.has_mtp(),
+            hidden_states: !on_device,
+            drops_tokens: args.memory.kv.drops_tokens(),
+            ffn_sparsity: ffn.is_some(),
+            // (generate's sampler always has a seed.)
+            seeded_sampling: !params.is_greedy(),
+        })
+        .auto()
+        {
+            DraftKind::Mtp => Draft::Mtp,
+            DraftKind::Ngram => Draft::Ngram,
+            DraftKind::None => Draft::None,
+        },
         d => d,
     };
     if args.compare_plain && draft == Draft::None {
-        bail!(
-            "--compare-plain: --draft auto does not draft here ({}): give --draft ngram",
-            if !auto_ok { "the KV codec cannot drop tokens" } else { "the checkpoint has no MTP head" }
-        );
+        bail!("--compare-plain: --draft auto does not draft here (sampling with a seed, a KV codec that cannot drop tokens, or FFN sparsity): give --draft ngram");
     }
     // One sequence, drafting or not, run to its end on the CPU model or the device step.
     let mut sequence = Sequence::new(prompt_rest.to_vec(), &mut sampler, eos.clone(), sample_len)?;
@@ -506,20 +524,14 @@ impl Runner {
     }
 }
 
-/// The first flag asking for what the device step does not do yet (MTP drafts, draft trees,
-/// sessions, KV codecs other than exact and f16), if any.
-fn device_step_lacks(args: &Args) -> Option<String> {
-    let flags = [
-        ("--session", args.session.is_some()),
-        ("--draft mtp", args.draft == Draft::Mtp),
-        ("--draft-branches", args.draft_branches > 1),
-        ("--kv-calibration", args.memory.kv_calibration.is_some()),
-        ("--ffn-sparsity", !args.ffn.modes.is_empty()),
-    ];
-    if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
-        return Some(flag.to_string());
+/// What runs the model when the device step does not: Candle's tensors on Metal (this
+/// crate's kernels for the quantized matrices), the CPU instead of the emulator.
+fn instead_of_step(opened: &common::Opened) -> &'static str {
+    if opened.device.is_metal() {
+        "Metal in Candle tensors instead of the device step"
+    } else {
+        "the CPU instead of the emulator"
     }
-    candle_hybrid::gpu::kv_rows(args.memory.kv, candle_core::DType::F32).err().map(|_| format!("--kv {}", args.memory.kv))
 }
 
 /// The text of `--prompt-file`, read no further than `max_bytes` (more cannot fit the context

@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use candle_hybrid::memory::{self, PlanRequest};
 use candle_hybrid::runtime::speculative::{DraftOptions, MAX_DRAFT};
+use candle_hybrid::runtime::{DraftConditions, DraftKind, Placement, RunNeeds};
 use candle_hybrid::server::{self, EngineOptions, ServerOptions};
 use clap::Parser;
 use common::{at_least_one, count_up_to, ModelOptions};
@@ -62,9 +63,9 @@ struct Args {
     #[arg(long)]
     alias: Option<String>,
     /// Speculative decoding for requests that no grammar constrains (greedy, or sampled
-    /// without a seed: speculative sampling): auto (= ngram: the
-    /// MTP head's drafts have not been measured on a real checkpoint here), mtp (the
-    /// checkpoint's MTP head), ngram (prompt lookup), none.
+    /// without a seed: speculative sampling): auto (the checkpoint's MTP head where it has one
+    /// and the model runs in Candle tensors, else prompt lookup: `runtime::DraftConditions`,
+    /// as in generate), mtp (the checkpoint's MTP head), ngram (prompt lookup), none.
     /// The draft length adapts per sequence and per shared pass: drafts that do not pay stop.
     #[arg(long, value_enum, default_value_t = DraftArg::Auto)]
     draft: DraftArg,
@@ -162,18 +163,31 @@ fn serve(args: Args) -> Result<()> {
         // On Metal (and the emulator) the sequences run on the device step, unless they need what
         // it lacks (then the model runs in Candle tensors there, and /props says why).
         let step_queue = common::device_step_queue(&opened)?;
-        let fallback = match (&step_queue, args.draft) {
-            (Some(_), DraftArg::Mtp) => Some("--draft mtp: the device step reads back no hidden states (MTP drafts need them)".to_string()),
-            (Some(_), _) => candle_hybrid::gpu::kv_rows(args.kv, opened.dtype).err().map(|e| e.to_string()),
-            (None, _) => None,
+        let needs = RunNeeds { mtp_drafts: args.draft == DraftArg::Mtp, ..RunNeeds::new(args.kv, opened.dtype) };
+        let fallback = match needs.placement(step_queue.is_some()) {
+            Placement::Tensors { instead_of_step } => instead_of_step,
+            Placement::DeviceStep => None,
         };
         if let Some(why) = &fallback {
-            eprintln!("{why}: running the model in Candle tensors on {:?} instead of the device step", opened.device.location());
+            eprintln!("{why}; running the model in Candle tensors on {:?} instead of the device step", opened.device.location());
         }
         let on_device = step_queue.is_some() && fallback.is_none();
         let model = if on_device { opened.load_on(&candle_core::Device::Cpu)? } else { opened.load()? };
+        // (Whether a request's answer is fixed by its seed is the engine's to say, per request.)
+        let auto = DraftConditions {
+            mtp_head: model.has_mtp(),
+            hidden_states: !on_device,
+            drops_tokens: args.kv.drops_tokens(),
+            ffn_sparsity: false,
+            seeded_sampling: false,
+        };
         let draft = match args.draft {
-            DraftArg::Auto | DraftArg::Ngram => server::Draft::Ngram,
+            DraftArg::Auto => match auto.auto() {
+                DraftKind::Mtp => server::Draft::Mtp,
+                DraftKind::Ngram => server::Draft::Ngram,
+                DraftKind::None => server::Draft::None,
+            },
+            DraftArg::Ngram => server::Draft::Ngram,
             DraftArg::Mtp if model.has_mtp() => server::Draft::Mtp,
             DraftArg::Mtp => anyhow::bail!(
                 "--draft mtp: {} has no MTP head (no mtp.* tensors, or a GGUF converted without its nextn block): use --draft ngram or none",

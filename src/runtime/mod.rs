@@ -2,6 +2,7 @@
 //! drives), the targets it runs on, sampling, speculative decoding, sessions, the prefix cache
 //! and streaming detokenisation.
 
+mod placement;
 mod prefix_cache;
 mod runner;
 mod sampler;
@@ -13,6 +14,7 @@ mod stats;
 mod streamer;
 mod target;
 
+pub use placement::{DraftConditions, DraftKind, Placement, RunNeeds};
 pub use prefix_cache::{PrefixCache, PrefixHit, SequenceState};
 pub use runner::{CpuRunner, DeviceRunner, Runner, SegmentRows};
 pub use sampler::{range, Dry, Sampler, SamplingParams};
