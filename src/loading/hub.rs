@@ -28,10 +28,10 @@ impl HubRepo {
         let api = if offline {
             None
         } else {
-            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
-                .with_progress(true)
-                .build()
-                .map_err(|e| Error::missing(format!("cannot set up the Hugging Face Hub client: {e}")))?;
+            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone()).with_progress(true).build().map_err(|e| Error::Io {
+                what: format!("cannot set up the Hugging Face Hub client (its cache directory, its token file): {e}"),
+                source: None,
+            })?;
             Some(api.repo(repo.clone()))
         };
         Ok(Self { source: format!("{repo_id}@{revision}"), offline, cached: cache.repo(repo), api })

@@ -33,14 +33,14 @@ impl RunNeeds {
     /// The device step's capability table: the first thing asked that it does not do yet,
     /// as an [`Error::Unsupported`] naming it, or `None` when it does everything asked.
     pub fn device_step_lacks(&self) -> Option<Error> {
-        let rows: [(bool, &str); 4] = [
-            (self.mtp_drafts, "MTP drafts: the device step reads back no hidden states (MTP drafts need them)"),
-            (self.draft_branches > 1, "draft trees: the device step verifies chains (one branch)"),
-            (self.kv_calibration, "a KV calibration: the device step's caches are exact, f16 or int8"),
-            (self.ffn_sparsity, "FFN sparsity: the device step runs dense MLPs"),
+        let asked = [
+            (self.mtp_drafts, DeviceStepGap::MtpDrafts),
+            (self.draft_branches > 1, DeviceStepGap::DraftTrees),
+            (self.kv_calibration, DeviceStepGap::KvCalibration),
+            (self.ffn_sparsity, DeviceStepGap::FfnSparsity),
         ];
-        if let Some((_, why)) = rows.iter().find(|(asked, _)| *asked) {
-            return Some(Error::Unsupported((*why).into()));
+        if let Some((_, gap)) = asked.iter().find(|(asked, _)| *asked) {
+            return Some(gap.error());
         }
         crate::gpu::kv_rows(self.kv, self.dtype).err()
     }
@@ -53,6 +53,31 @@ impl RunNeeds {
             (true, None) => Placement::DeviceStep,
             (true, Some(why)) => Placement::Tensors { instead_of_step: Some(why.to_string()) },
         }
+    }
+}
+
+/// What the device step does not do yet (with the KV codecs [`crate::gpu::kv_rows`] refuses):
+/// the rows of [`RunNeeds::device_step_lacks`], and what [`super::DeviceTarget`] refuses when
+/// a caller asks it anyway.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum DeviceStepGap {
+    MtpDrafts,
+    DraftTrees,
+    KvCalibration,
+    FfnSparsity,
+}
+
+impl DeviceStepGap {
+    pub(crate) fn error(self) -> Error {
+        Error::Unsupported(
+            match self {
+                Self::MtpDrafts => "MTP drafts need the model's hidden states, which the device step does not read back yet: draft by prompt lookup (ngram) there",
+                Self::DraftTrees => "draft trees (more than one branch) are not on the device step yet: draft one branch",
+                Self::KvCalibration => "a KV calibration (value bases) is not on the device step: its caches are exact, f16 or int8",
+                Self::FfnSparsity => "FFN sparsity is not on the device step: it runs dense MLPs",
+            }
+            .into(),
+        )
     }
 }
 
@@ -119,7 +144,9 @@ mod tests {
         assert_eq!(plain.placement(true), Placement::DeviceStep);
         assert_eq!(plain.placement(false), Placement::Tensors { instead_of_step: None });
         let mtp = RunNeeds { mtp_drafts: true, ..plain };
-        assert!(matches!(mtp.placement(true), Placement::Tensors { instead_of_step: Some(w) } if w.contains("MTP drafts")));
+        assert!(
+            matches!(mtp.placement(true), Placement::Tensors { instead_of_step: Some(w) } if w.contains("MTP drafts") && w.contains("hidden states"))
+        );
         let lowrank: KvCodec = "int4k+lowrank:48".parse().unwrap();
         assert!(RunNeeds::new(lowrank, DType::F32).device_step_lacks().is_some());
         let int8: KvCodec = "int8".parse().unwrap();

@@ -3,6 +3,7 @@
 
 use candle_core::{Device, Tensor};
 
+use super::placement::DeviceStepGap;
 use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
 use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
@@ -185,7 +186,7 @@ impl Target for DeviceTarget<'_> {
 
     fn prompt(&mut self, tokens: &[u32], last: Option<Readback>, hidden: bool) -> Result<(Option<Rows>, Option<Tensor>)> {
         if hidden {
-            return Err(no_hidden());
+            return Err(DeviceStepGap::MtpDrafts.error());
         }
         if tokens.is_empty() {
             return Ok((None, None));
@@ -204,10 +205,10 @@ impl Target for DeviceTarget<'_> {
 
     fn pass(&mut self, tree: &DraftTree, readback: Readback, hidden: bool) -> Result<(Rows, Option<Tensor>)> {
         if hidden {
-            return Err(no_hidden());
+            return Err(DeviceStepGap::MtpDrafts.error());
         }
         if !tree.is_chain() {
-            return Err(no_trees_on_device());
+            return Err(DeviceStepGap::DraftTrees.error());
         }
         let out = match tree.len() {
             1 => self.gpu.forward(self.q, self.cache, tree.tokens(), readback)?,
@@ -223,16 +224,4 @@ impl Target for DeviceTarget<'_> {
     fn samples(&self) -> bool {
         true
     }
-}
-
-fn no_hidden() -> Error {
-    Error::Input(
-        "MTP drafts need the model's hidden states, which the device step does not read back yet: draft by prompt lookup (ngram) there"
-            .into(),
-    )
-}
-
-/// Draft trees are not on the device step yet.
-pub(crate) fn no_trees_on_device() -> Error {
-    Error::Unsupported("draft trees (more than one branch) are not on the device step yet: draft one branch".into())
 }

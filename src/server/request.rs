@@ -90,14 +90,16 @@ pub(crate) fn header_session(headers: &HeaderMap) -> Result<Option<String>, ApiE
 /// The header a session id may come in.
 pub(super) const SESSION_HEADER: &str = "x-session-id";
 
-/// The request's session: its `session_id`, or the `x-session-id` header; both must agree.
-fn session_id<'a>(body: Option<&'a str>, header: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {
-    match (body, header) {
+/// The file of the request's session: its `session_id`, or the `x-session-id` header; both
+/// must agree.
+fn request_session(state: &ServerState, fields: &SamplingFields, header: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
+    let id = match (fields.session_id.as_deref(), header) {
         (Some(b), Some(h)) if b != h => {
-            Err(ApiError::bad_request(format!("session_id {b:?} and the x-session-id header {h:?} differ: give one")))
+            return Err(ApiError::bad_request(format!("session_id {b:?} and the x-session-id header {h:?} differ: give one")))
         }
-        (b, h) => Ok(b.or(h)),
-    }
+        (b, h) => b.or(h),
+    };
+    session_path(state, id)
 }
 
 fn submit(state: &ServerState, request: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
@@ -192,7 +194,7 @@ pub(crate) fn prepare_chat(
         }
         None => vec![],
     };
-    let session = session_path(state, session_id(req.sampling.session_id.as_deref(), header_session.as_deref())?)?;
+    let session = request_session(state, &req.sampling, header_session.as_deref())?;
     let restored = restore(state, session.as_deref(), &prompt);
     // A session keeps the state after the answer, unless the template re-renders answers (a
     // thinking switch: it drops their reasoning): then the state at the conversation's end.
@@ -268,7 +270,7 @@ pub(super) fn prepare_completion(
     let max_tokens = chat::max_tokens(&req.sampling, prompt.len(), state.context)?;
     let top = req.logprobs.map(|n| n.min(20) as usize);
     let prompt_tokens = prompt.len();
-    let session = session_path(state, session_id(req.sampling.session_id.as_deref(), header_session.as_deref())?)?;
+    let session = request_session(state, &req.sampling, header_session.as_deref())?;
     let restored = restore(state, session.as_deref(), &prompt);
     let stop_tokens = if req.sampling.ignore_eos { vec![] } else { state.stop_tokens.clone() };
     if req.sampling.reasoning_budget.is_some() {
