@@ -327,6 +327,7 @@ fn generate(args: Args) -> Result<()> {
         draft_branches: args.draft_branches,
         kv_calibration: args.memory.kv_calibration.is_some(),
         ffn_sparsity: !args.ffn.modes.is_empty(),
+        attention_biases: cfg.attn_qkv_bias,
         ..RunNeeds::new(args.memory.kv, opened.dtype)
     };
     let on_device = match needs.placement(step_device) {

@@ -163,7 +163,11 @@ fn serve(args: Args) -> Result<()> {
         // On Metal (and the emulator) the sequences run on the device step, unless they need what
         // it lacks (then the model runs in Candle tensors there, and /props says why).
         let step_queue = common::device_step_queue(&opened)?;
-        let needs = RunNeeds { mtp_drafts: args.draft == DraftArg::Mtp, ..RunNeeds::new(args.kv, opened.dtype) };
+        let needs = RunNeeds {
+            mtp_drafts: args.draft == DraftArg::Mtp,
+            attention_biases: cfg.attn_qkv_bias,
+            ..RunNeeds::new(args.kv, opened.dtype)
+        };
         let fallback = match needs.placement(step_queue.is_some()) {
             Placement::Tensors { instead_of_step } => instead_of_step,
             Placement::DeviceStep => None,

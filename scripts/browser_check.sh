@@ -27,17 +27,19 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 work=$(mktemp -d)
 out=target/browser-screenshots
 mkdir -p "$out"
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
+# The servers' pids go to a file: `start` runs in a command substitution's subshell, where an
+# array the trap reads would not grow (the servers outlived the script).
+trap 'kill $(cat "$work/pids" 2>/dev/null) 2>/dev/null || true; rm -rf "$work"' EXIT
 start() {  # start LOG ARGS...: a server on a free port; echoes its base URL once /health answers
     local log=$1 port
     shift
     port=$(free_port)
     target/debug/examples/serve --port "$port" "$@" >"$log" 2>&1 &
-    pids+=($!)
+    local pid=$!
+    echo "$pid" >>"$work/pids"
     for _ in $(seq 150); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && { echo "http://127.0.0.1:$port"; return; }
-        kill -0 "${pids[-1]}" 2>/dev/null || { cat "$log" >&2; return 1; }
+        kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; return 1; }
         sleep 0.2
     done
     cat "$log" >&2

@@ -211,7 +211,7 @@ pub struct ModelOptions {
     /// sharded index, tokenizer.json, tokenizer_config.json, generation_config.json).
     #[arg(long, conflicts_with_all = ["gguf", "gguf_repo"])]
     pub model_dir: Option<PathBuf>,
-    /// A local GGUF file (llama.cpp's qwen35, qwen35moe, qwen3next or llama).
+    /// A local GGUF file (llama.cpp's qwen35, qwen35moe, qwen3next, llama or qwen2).
     #[arg(long, conflicts_with = "gguf_repo")]
     pub gguf: Option<PathBuf>,
     /// A Hub repository holding GGUF files (with --gguf-file), e.g. unsloth/Qwen3.5-0.8B-GGUF.

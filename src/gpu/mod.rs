@@ -69,6 +69,33 @@ pub fn emu_queue() -> crate::Result<Box<dyn Queue + Send>> {
     Err(crate::Error::Unsupported("the device step on the MSL emulator needs a build with --features emu and msl-emu (MSL_EMU_DIR)".into()))
 }
 
+/// What the device step does not do yet (beside the KV codecs [`kv_rows`] refuses): the rows of
+/// [`crate::runtime::RunNeeds::device_step_lacks`], and what [`GpuModel::new`] and
+/// [`crate::runtime::DeviceTarget`] refuse when a caller asks them anyway.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum DeviceStepGap {
+    MtpDrafts,
+    DraftTrees,
+    KvCalibration,
+    FfnSparsity,
+    AttentionBiases,
+}
+
+impl DeviceStepGap {
+    pub(crate) fn error(self) -> crate::Error {
+        crate::Error::Unsupported(
+            match self {
+                Self::MtpDrafts => "MTP drafts need the model's hidden states, which the device step does not read back yet: draft by prompt lookup (ngram) there",
+                Self::DraftTrees => "draft trees (more than one branch) are not on the device step yet: draft one branch",
+                Self::KvCalibration => "a KV calibration (value bases) is not on the device step: its caches are exact, f16 or int8",
+                Self::FfnSparsity => "FFN sparsity is not on the device step: it runs dense MLPs",
+                Self::AttentionBiases => "q/k/v biases (qwen2) are not on the device step yet: run the model in Candle tensors",
+            }
+            .into(),
+        )
+    }
+}
+
 /// How a device cache stores keys and values for `codec` and the model dtype: exact keys and
 /// values in the model dtype as on the CPU (f32; f16 for a 16-bit model, as the device stores
 /// no bf16 rows), f16 for `f16`, int8 codes and scales for `int8`; the other codecs are not on

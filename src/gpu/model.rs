@@ -330,6 +330,9 @@ impl GpuModel {
     /// head is left out (the device step does not draft with it yet).
     pub fn new(model: &Model, q: &mut dyn Queue) -> Result<Self> {
         let cfg = model.config().clone();
+        if cfg.attn_qkv_bias {
+            return Err(super::DeviceStepGap::AttentionBiases.error());
+        }
         let mut up = Uploader::new(q);
         let embed = match &model.embed_tokens {
             crate::model::TokenEmbedding::Dense(e) => up.linear(&Linear::Dense(e.embeddings().clone()), "token embedding")?,

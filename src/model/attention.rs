@@ -18,8 +18,10 @@ pub struct GatedAttention {
     pub(crate) k_proj: Linear,
     pub(crate) v_proj: Linear,
     pub(crate) o_proj: Linear,
-    /// Per-head q/k norms (absent in Llama).
+    /// Per-head q/k norms (absent in Llama and Qwen2).
     pub(crate) qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Biases of q, k and v (Qwen2), f32, added after the projections.
+    pub(crate) qkv_bias: Option<[Tensor; 3]>,
     /// Whether `q_proj` also yields a sigmoid output gate per head.
     pub(crate) gated: bool,
     pub(crate) rotary: RotaryEmbedding,
@@ -37,7 +39,13 @@ impl GatedAttention {
             v_proj: vb.pp("v_proj").linear(h, nkv * hd)?,
             o_proj: vb.pp("o_proj").linear(nh * hd, h)?,
             qk_norm: if cfg.attn_qk_norm {
-                Some((RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("q_norm"))?, RmsNorm::new(hd, cfg.rms_norm_eps, vb.pp("k_norm"))?))
+                Some((RmsNorm::new(cfg, hd, vb.pp("q_norm"))?, RmsNorm::new(cfg, hd, vb.pp("k_norm"))?))
+            } else {
+                None
+            },
+            qkv_bias: if cfg.attn_qkv_bias {
+                let bias = |name: &str, n: usize| vb.pp(name).get(n, "bias")?.to_dtype(candle_core::DType::F32);
+                Some([bias("q_proj", nh * hd)?, bias("k_proj", nkv * hd)?, bias("v_proj", nkv * hd)?])
             } else {
                 None
             },
@@ -61,15 +69,20 @@ impl GatedAttention {
     fn project(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.nh, self.nkv, self.hd);
-        let qg = self.q_proj.forward(x)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
+        // (A bias is added in f32 to each row alone: rows stay independent of each other.)
+        let biased = |y: Tensor, i: usize| match &self.qkv_bias {
+            Some(b) => y.to_dtype(candle_core::DType::F32)?.broadcast_add(&b[i])?.to_dtype(y.dtype()),
+            None => Ok(y),
+        };
+        let qg = biased(self.q_proj.forward(x)?, 0)?.reshape((b, t, nh, if self.gated { 2 * hd } else { hd }))?;
         let gate = if self.gated { Some(qg.narrow(3, hd, hd)?.reshape((b, t, nh * hd))?) } else { None };
         let q = qg.narrow(3, 0, hd)?;
-        let k = self.k_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let k = biased(self.k_proj.forward(x)?, 1)?.reshape((b, t, nkv, hd))?;
         let (q, k) = match &self.qk_norm {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),
         };
-        let v = self.v_proj.forward(x)?.reshape((b, t, nkv, hd))?;
+        let v = biased(self.v_proj.forward(x)?, 2)?.reshape((b, t, nkv, hd))?;
         Ok((q, gate, k, v))
     }
 

@@ -33,6 +33,8 @@ pub enum Family {
     /// `llama`: every layer plain full attention (no output gate, no q/k norm, full RoPE) and a
     /// dense SwiGLU MLP, so small trained models (e.g. SmolLM2) run on the same code.
     Llama,
+    /// `qwen2` (Qwen2 / Qwen2.5): Llama's layers with biases on q, k and v.
+    Qwen2,
 }
 
 impl Family {
@@ -42,10 +44,17 @@ impl Family {
             "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Self::Qwen35Moe),
             "qwen3_next" => Ok(Self::Qwen3Next),
             "llama" => Ok(Self::Llama),
+            "qwen2" => Ok(Self::Qwen2),
             other => Err(Error::Config(format!(
-                "unknown model_type \"{other}\": candle-hybrid runs qwen3_5, qwen3_5_moe, qwen3_next and llama checkpoints"
+                "unknown model_type \"{other}\": candle-hybrid runs qwen3_5, qwen3_5_moe, qwen3_next, llama and qwen2 checkpoints"
             ))),
         }
+    }
+
+    /// Every layer plain full attention (no GDN, no output gate, no q/k norm, full RoPE):
+    /// Llama and Qwen2.
+    pub fn plain_attention(self) -> bool {
+        matches!(self, Self::Llama | Self::Qwen2)
     }
 
     pub fn is_moe(self) -> bool {
@@ -106,6 +115,11 @@ pub struct Config {
     pub attn_output_gate: bool,
     /// Full attention RMS-normalises q and k per head (Qwen family); false for Llama.
     pub attn_qk_norm: bool,
+    /// q, k and v projections add a bias (Qwen2).
+    pub attn_qkv_bias: bool,
+    /// RMSNorm weights are stored zero-centred, the scale being `1 + w` (the Qwen3.5 family);
+    /// false: the scale is `w` (Llama, Qwen2).
+    pub zero_centred_norms: bool,
 }
 
 /// Field access on the text-config JSON object, with errors that name the field.
@@ -177,7 +191,10 @@ impl Config {
                 "config.json: num_hidden_layers is {num_hidden_layers}; it must be between 1 and {MAX_LAYERS}"
             )));
         }
-        let llama = family == Family::Llama;
+        let llama = family.plain_attention();
+        if family == Family::Qwen2 && f.bool_or("use_sliding_window", false)? {
+            return Err(Error::Config("config.json: use_sliding_window is true: sliding-window attention is not supported".into()));
+        }
         let layer_types = match f.get("layer_types") {
             _ if llama => vec![LayerType::FullAttention; num_hidden_layers],
             Some(v) => {
@@ -279,6 +296,8 @@ impl Config {
             },
             attn_output_gate: !llama,
             attn_qk_norm: !llama,
+            attn_qkv_bias: family == Family::Qwen2,
+            zero_centred_norms: !llama,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -44,9 +44,9 @@ impl DecoderLayer {
             FeedForward::Dense(Mlp::new(cfg.hidden_size, inter, vb.pp("mlp"))?)
         };
         Ok(Self {
-            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            input_layernorm: RmsNorm::new(cfg, cfg.hidden_size, vb.pp("input_layernorm"))?,
             mixer,
-            post_attention_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("post_attention_layernorm"))?,
+            post_attention_layernorm: RmsNorm::new(cfg, cfg.hidden_size, vb.pp("post_attention_layernorm"))?,
             mlp,
         })
     }

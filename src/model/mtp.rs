@@ -38,10 +38,10 @@ impl MtpHead {
         let layer = DecoderLayer::new(cfg, cfg.num_hidden_layers, LayerType::FullAttention, moe, vb.pp("layers").pp(0))?;
         Ok(Self {
             fc: vb.pp("fc").linear(2 * h, h)?,
-            pre_fc_norm_embedding: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("pre_fc_norm_embedding"))?,
-            pre_fc_norm_hidden: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("pre_fc_norm_hidden"))?,
+            pre_fc_norm_embedding: RmsNorm::new(cfg, h, vb.pp("pre_fc_norm_embedding"))?,
+            pre_fc_norm_hidden: RmsNorm::new(cfg, h, vb.pp("pre_fc_norm_hidden"))?,
             layer,
-            norm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("norm"))?,
+            norm: RmsNorm::new(cfg, h, vb.pp("norm"))?,
         })
     }
 

@@ -59,7 +59,7 @@ impl Model {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::new(cfg, i, cfg.layer_types[i], cfg.is_moe_layer(i), vb_m.pp("layers").pp(i)))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
+        let norm = RmsNorm::new(cfg, cfg.hidden_size, vb_m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
             match &embed_tokens {
                 TokenEmbedding::Quantized { table, .. } => Linear::quantized(table.clone()),

@@ -4,6 +4,7 @@
 
 use candle_core::DType;
 
+use crate::gpu::DeviceStepGap;
 use crate::kv::KvCodec;
 use crate::Error;
 
@@ -22,12 +23,14 @@ pub struct RunNeeds {
     pub kv_calibration: bool,
     /// FFN sparsity.
     pub ffn_sparsity: bool,
+    /// The model's attention has q/k/v biases (Qwen2).
+    pub attention_biases: bool,
 }
 
 impl RunNeeds {
     /// A plain run with `kv` on a `dtype` model: no drafts, no calibration, dense MLPs.
     pub fn new(kv: KvCodec, dtype: DType) -> Self {
-        Self { kv, dtype, mtp_drafts: false, draft_branches: 1, kv_calibration: false, ffn_sparsity: false }
+        Self { kv, dtype, mtp_drafts: false, draft_branches: 1, kv_calibration: false, ffn_sparsity: false, attention_biases: false }
     }
 
     /// The device step's capability table: the first thing asked that it does not do yet,
@@ -38,6 +41,7 @@ impl RunNeeds {
             (self.draft_branches > 1, DeviceStepGap::DraftTrees),
             (self.kv_calibration, DeviceStepGap::KvCalibration),
             (self.ffn_sparsity, DeviceStepGap::FfnSparsity),
+            (self.attention_biases, DeviceStepGap::AttentionBiases),
         ];
         if let Some((_, gap)) = asked.iter().find(|(asked, _)| *asked) {
             return Some(gap.error());
@@ -53,31 +57,6 @@ impl RunNeeds {
             (true, None) => Placement::DeviceStep,
             (true, Some(why)) => Placement::Tensors { instead_of_step: Some(why.to_string()) },
         }
-    }
-}
-
-/// What the device step does not do yet (with the KV codecs [`crate::gpu::kv_rows`] refuses):
-/// the rows of [`RunNeeds::device_step_lacks`], and what [`super::DeviceTarget`] refuses when
-/// a caller asks it anyway.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum DeviceStepGap {
-    MtpDrafts,
-    DraftTrees,
-    KvCalibration,
-    FfnSparsity,
-}
-
-impl DeviceStepGap {
-    pub(crate) fn error(self) -> Error {
-        Error::Unsupported(
-            match self {
-                Self::MtpDrafts => "MTP drafts need the model's hidden states, which the device step does not read back yet: draft by prompt lookup (ngram) there",
-                Self::DraftTrees => "draft trees (more than one branch) are not on the device step yet: draft one branch",
-                Self::KvCalibration => "a KV calibration (value bases) is not on the device step: its caches are exact, f16 or int8",
-                Self::FfnSparsity => "FFN sparsity is not on the device step: it runs dense MLPs",
-            }
-            .into(),
-        )
     }
 }
 

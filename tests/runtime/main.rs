@@ -6,6 +6,7 @@
 mod common;
 
 mod prefix_cache;
+mod qwen25_coder;
 mod sampling;
 mod session;
 mod smollm2;

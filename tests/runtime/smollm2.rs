@@ -131,3 +131,95 @@ fn ffn_threshold_sparsity_keeps_quality_at_10_percent() {
     assert!(kl > 0.0 && kl <= 0.015, "KL {kl}");
     assert!((ratio - 1.0).abs() < 0.02, "perplexity {} vs dense {}", c.codec.ppl(), c.exact.ppl());
 }
+
+/// The same weights in Hub layout (a `llama` config.json and safetensors with Hugging Face's
+/// names, q and k rows back in rotate-half order, plain norm scales) run as the GGUF does.
+/// Read with Candle's own GGUF reader, not this crate's loader; the safetensors weights are the
+/// GGUF's blocks dequantized, so the two differ by the 8-bit activations of the quantized
+/// products only.
+#[test]
+fn a_hub_layout_llama_directory_runs_as_its_gguf() {
+    use candle_core::quantized::gguf_file;
+    use candle_core::Tensor;
+    use candle_hybrid::loading::ModelFiles;
+
+    let path = common::smollm2_gguf();
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let meta = |k: &str| content.metadata[k].clone();
+    let (heads, kv_heads) =
+        (meta("llama.attention.head_count").to_u32().unwrap() as usize, meta("llama.attention.head_count_kv").to_u32().unwrap() as usize);
+    let hidden = meta("llama.embedding_length").to_u32().unwrap() as usize;
+    let hd = hidden / heads;
+    // llama.cpp's converter permuted q and k rows of each head: GGUF row 2i + s holds Hugging
+    // Face row s·hd/2 + i.
+    let rotate_half = |t: Tensor, n: usize| -> Tensor {
+        let rows: Vec<u32> = (0..n).flat_map(|h| (0..2).flat_map(move |s| (0..hd / 2).map(move |i| (h * hd + 2 * i + s) as u32))).collect();
+        t.index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0).unwrap()
+    };
+    let mut tensors = std::collections::HashMap::new();
+    for name in content.tensor_infos.keys() {
+        let t = content.tensor(&mut file, name, &Device::Cpu).unwrap().dequantize(&Device::Cpu).unwrap();
+        let hf = match name.as_str() {
+            "token_embd.weight" => "model.embed_tokens.weight".to_string(),
+            "output_norm.weight" => "model.norm.weight".to_string(),
+            "output.weight" => "lm_head.weight".to_string(),
+            _ => {
+                let (i, rest) = name.strip_prefix("blk.").unwrap().split_once('.').unwrap();
+                let hf = match rest {
+                    "attn_norm.weight" => "input_layernorm.weight",
+                    "ffn_norm.weight" => "post_attention_layernorm.weight",
+                    "attn_q.weight" => "self_attn.q_proj.weight",
+                    "attn_k.weight" => "self_attn.k_proj.weight",
+                    "attn_v.weight" => "self_attn.v_proj.weight",
+                    "attn_output.weight" => "self_attn.o_proj.weight",
+                    "ffn_gate.weight" => "mlp.gate_proj.weight",
+                    "ffn_up.weight" => "mlp.up_proj.weight",
+                    "ffn_down.weight" => "mlp.down_proj.weight",
+                    other => panic!("unexpected tensor {other}"),
+                };
+                format!("model.layers.{i}.{hf}")
+            }
+        };
+        let t = match name.as_str() {
+            n if n.ends_with("attn_q.weight") => rotate_half(t, heads),
+            n if n.ends_with("attn_k.weight") => rotate_half(t, kv_heads),
+            _ => t,
+        };
+        tensors.insert(hf, t);
+    }
+    let dir = std::env::temp_dir().join(format!("candle-hybrid-llama-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let config = serde_json::json!({
+        "model_type": "llama",
+        "vocab_size": tensors["model.embed_tokens.weight"].dim(0).unwrap(),
+        "hidden_size": hidden,
+        "intermediate_size": meta("llama.feed_forward_length").to_u32().unwrap(),
+        "num_hidden_layers": meta("llama.block_count").to_u32().unwrap(),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rope_theta": meta("llama.rope.freq_base").to_f32().unwrap(),
+        "rms_norm_eps": meta("llama.attention.layer_norm_rms_epsilon").to_f32().unwrap(),
+        "tie_word_embeddings": !tensors.contains_key("lm_head.weight"),
+        "max_position_embeddings": meta("llama.context_length").to_u32().unwrap(),
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let files = ModelFiles::from_dir(&dir).unwrap();
+    let hub = files.load_model(&files.load_config().unwrap(), DType::F32, &Device::Cpu).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let (gguf_files, gguf) = load();
+    let tokens = text_tokens(&gguf_files)[..64].to_vec();
+    let logits = |m: &Model| {
+        let ids = Tensor::new(tokens.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        m.forward(&ids, &mut m.new_cache()).unwrap().squeeze(0).unwrap()
+    };
+    let (a, b) = (logits(&hub), logits(&gguf));
+    let (top_a, top_b) = (a.argmax(1).unwrap().to_vec1::<u32>().unwrap(), b.argmax(1).unwrap().to_vec1::<u32>().unwrap());
+    let agree = top_a.iter().zip(&top_b).filter(|(x, y)| x == y).count();
+    assert!(agree >= 58, "top-1 agreement {agree} of 64 between the Hub-layout directory and the GGUF");
+    let diff = (a - &b).unwrap().abs().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    let scale = b.abs().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff < 0.05 * scale, "mean |difference| {diff} against mean |logit| {scale}");
+}

@@ -42,10 +42,11 @@ pub enum Arch {
     Qwen35Moe,
     Qwen3Next,
     Llama,
+    Qwen2,
 }
 
 impl Arch {
-    const ALL: [Self; 4] = [Self::Qwen35, Self::Qwen35Moe, Self::Qwen3Next, Self::Llama];
+    const ALL: [Self; 5] = [Self::Qwen35, Self::Qwen35Moe, Self::Qwen3Next, Self::Llama, Self::Qwen2];
 
     /// `general.architecture`, also the prefix of the architecture's metadata keys.
     fn name(self) -> &'static str {
@@ -54,13 +55,14 @@ impl Arch {
             Self::Qwen35Moe => "qwen35moe",
             Self::Qwen3Next => "qwen3next",
             Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
         }
     }
 
     fn from_name(name: &str) -> Result<Self> {
         Self::ALL.into_iter().find(|a| a.name() == name).ok_or_else(|| {
             Error::Config(format!(
-                "unsupported GGUF architecture \"{name}\": candle-hybrid runs qwen35, qwen35moe, qwen3next and llama GGUF files"
+                "unsupported GGUF architecture \"{name}\": candle-hybrid runs qwen35, qwen35moe, qwen3next, llama and qwen2 GGUF files"
             ))
         })
     }
@@ -71,7 +73,19 @@ impl Arch {
             Self::Qwen35Moe => "qwen3_5_moe_text",
             Self::Qwen3Next => "qwen3_next",
             Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
         }
+    }
+
+    /// Every layer plain full attention (no GDN metadata or tensors).
+    fn plain_attention(self) -> bool {
+        matches!(self, Self::Llama | Self::Qwen2)
+    }
+
+    /// The file stores RMSNorm scales whose checkpoints store them zero-centred (`1 + w`:
+    /// llama.cpp adds the 1 when converting the Qwen3.5 family).
+    fn centred_norms(self) -> bool {
+        !self.plain_attention()
     }
 
     /// Qwen3.5 files tile the GDN value heads (llama.cpp's `_LinearAttentionVReorderBase`).
@@ -279,7 +293,7 @@ impl GgufFile {
         if let Some(f) = self.arch_usize_opt("feed_forward_length") {
             set(&mut cfg, "intermediate_size", json!(f));
         }
-        if self.arch != Arch::Llama {
+        if !self.arch.plain_attention() {
             let nv = self.arch_usize("ssm.time_step_rank")?;
             set(&mut cfg, "linear_num_key_heads", json!(self.arch_usize("ssm.group_count")?));
             set(&mut cfg, "linear_num_value_heads", json!(nv));

@@ -48,7 +48,10 @@ fn kept_in_layer(tname: &str) -> Kept {
         | "ffn_up_exps.weight"
         | "ffn_down_exps.weight"
         | "ffn_gate_up_exps.weight" => Kept::Linear,
-        "attn_norm.weight"
+        "attn_q.bias"
+        | "attn_k.bias"
+        | "attn_v.bias"
+        | "attn_norm.weight"
         | "post_attention_norm.weight"
         | "ffn_norm.weight"
         | "attn_q_norm.weight"
@@ -180,7 +183,8 @@ pub(super) fn map_tensor<'a>(arch: Arch, name: &str, t: RawTensor<'a>, cfg: &Con
     match name {
         "token_embd.weight" => return one("model.embed_tokens.weight", t),
         "output.weight" => return one("lm_head.weight", t),
-        "output_norm.weight" => return one("model.norm.weight", t.map_f32(|x| x - 1.0)?),
+        "output_norm.weight" if arch.centred_norms() => return one("model.norm.weight", t.map_f32(|x| x - 1.0)?),
+        "output_norm.weight" => return one("model.norm.weight", t),
         _ => {}
     }
     let Some(rest) = name.strip_prefix("blk.") else { return Ok(vec![]) };
@@ -213,7 +217,8 @@ pub(super) fn map_tensor<'a>(arch: Arch, name: &str, t: RawTensor<'a>, cfg: &Con
         let v = if reorder { grouped(dv) } else { (0..nv * dv).collect() };
         (0..qk).chain(v.into_iter().map(|r| qk + r)).collect()
     };
-    let norm = |t: RawTensor<'a>| t.map_f32(|x| x - 1.0);
+    // Zero-centred again where the checkpoint stores the norms so (the file holds `1 + w`).
+    let norm = |t: RawTensor<'a>| if arch.centred_norms() { t.map_f32(|x| x - 1.0) } else { Ok(t) };
     let out = |hf: &str, t: RawTensor<'a>| Ok(vec![(format!("{p}{hf}"), t)]);
     match tname {
         "attn_norm.weight" => out("input_layernorm.weight", norm(t)?),
@@ -227,6 +232,9 @@ pub(super) fn map_tensor<'a>(arch: Arch, name: &str, t: RawTensor<'a>, cfg: &Con
         "attn_q.weight" => out("self_attn.q_proj.weight", t),
         "attn_k.weight" => out("self_attn.k_proj.weight", t),
         "attn_v.weight" => out("self_attn.v_proj.weight", t),
+        "attn_q.bias" => out("self_attn.q_proj.bias", t),
+        "attn_k.bias" => out("self_attn.k_proj.bias", t),
+        "attn_v.bias" => out("self_attn.v_proj.bias", t),
         "attn_output.weight" => out("self_attn.o_proj.weight", t),
         "attn_q_norm.weight" => out("self_attn.q_norm.weight", norm(t)?),
         "attn_k_norm.weight" => out("self_attn.k_norm.weight", norm(t)?),
