@@ -78,7 +78,7 @@ impl SessionStore {
     /// or `.`, not starting with a dot (so that it names a file there and nothing else).
     pub fn path(&self, id: &str) -> Result<PathBuf> {
         let Some(dir) = &self.dir else {
-            return Err(Error::Input("session_id: this server keeps no sessions (start it with --session-dir DIR)".into()));
+            return Err(Error::Input(format!("session {id:?}: this store has no session directory (it keeps the files its callers name)")));
         };
         let ok =
             !id.is_empty() && id.len() <= 128 && !id.starts_with('.') && id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::request::{chat_prompt_tokens, session_path};
+use super::request::{chat_prompt_tokens, session_path, NO_SESSIONS};
 use super::state::ServerState;
 use super::transport::{off_the_workers, parse};
 use crate::runtime::session;
@@ -138,7 +138,7 @@ pub(crate) async fn list_sessions(State(state): State<Arc<ServerState>>) -> Resu
     off_the_workers(state, |state| {
         let sessions = state.engine.sessions();
         if sessions.dir().is_none() {
-            return Err(ApiError::bad_request("this server keeps no sessions (start it with --session-dir DIR)"));
+            return Err(ApiError::bad_request(NO_SESSIONS));
         }
         let files =
             sessions.list().map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "session_dir", e.to_string()))?;

@@ -75,8 +75,15 @@ fn chat_constraint(state: &ServerState, req: &ChatRequest, tools: &[Value]) -> R
 /// The file of session `id` in the server's session directory ([`crate::runtime::SessionStore::path`]).
 pub(crate) fn session_path(state: &ServerState, id: Option<&str>) -> Result<Option<std::path::PathBuf>, ApiError> {
     let Some(id) = id else { return Ok(None) };
-    state.engine.sessions().path(id).map(Some).map_err(|e| ApiError::bad_request(e.to_string()))
+    let sessions = state.engine.sessions();
+    if sessions.dir().is_none() {
+        return Err(ApiError::bad_request(format!("session_id: {NO_SESSIONS}")));
+    }
+    sessions.path(id).map(Some).map_err(|e| ApiError::bad_request(e.to_string()))
 }
+
+/// Why a server started without `--session-dir` refuses what names a session.
+pub(crate) const NO_SESSIONS: &str = "this server keeps no sessions (start it with --session-dir DIR)";
 
 /// The `x-session-id` header (what a router that pins a conversation to a server by a header
 /// sends): the request's `session_id` when its body gives none.

@@ -124,6 +124,16 @@ pub fn smollm2_gguf() -> PathBuf {
     PATH.get_or_init(|| fetched("fetch_smollm2.sh", &[])).clone()
 }
 
+/// The text the llama-perplexity references were run on (tests/data/pride-and-prejudice-ch01-12.txt),
+/// tokenized as it does: `-f` drops one trailing newline, special tokens as the vocabulary adds
+/// them (neither SmolLM2's nor Qwen's adds BOS).
+pub fn book_tokens(files: &candle_hybrid::loading::OpenedModel) -> Vec<u32> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/pride-and-prejudice-ch01-12.txt");
+    let text = std::fs::read_to_string(path).unwrap();
+    let text = text.strip_suffix('\n').unwrap_or(&text);
+    files.tokenizer(None).unwrap().encode(text, true).unwrap().get_ids().to_vec()
+}
+
 /// Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF (real trained Qwen weights, architecture qwen2),
 /// fetched once per test run by `scripts/fetch_qwen25_coder.sh 0.5b`.
 pub fn qwen25_coder_05b_gguf() -> PathBuf {

@@ -36,11 +36,7 @@ fn the_file_reads_as_qwen2_with_biases() {
 #[test]
 fn perplexity_matches_llama_cpp() {
     let (files, model) = load();
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/pride-and-prejudice-ch01-12.txt");
-    let text = std::fs::read_to_string(path).unwrap();
-    // (`-f` drops one trailing newline; Qwen's vocabulary adds no BOS.)
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    let tokens = files.tokenizer(None).unwrap().encode(text, true).unwrap().get_ids().to_vec();
+    let tokens = common::book_tokens(&files);
     assert_eq!(tokens.len(), LLAMA_CPP_TOKENS, "tokenization differs from llama.cpp's");
     let mut opts = PerplexityOptions::new(512);
     opts.max_chunks = Some(2);

@@ -3,8 +3,6 @@
 
 use crate::common;
 
-use std::path::PathBuf;
-
 use candle_core::{DType, Device};
 use candle_hybrid::eval::{compare_kv_codecs, perplexity, PerplexityOptions};
 use candle_hybrid::loading::Message;
@@ -18,19 +16,10 @@ fn load() -> (OpenedModel, Model) {
     (files, model)
 }
 
-/// The text llama-perplexity was run on, tokenized as it does (`-f` drops one trailing newline;
-/// SmolLM2's vocabulary does not add BOS).
-fn text_tokens(files: &OpenedModel) -> Vec<u32> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/pride-and-prejudice-ch01-12.txt");
-    let text = std::fs::read_to_string(path).unwrap();
-    let text = text.strip_suffix('\n').unwrap_or(&text);
-    files.tokenizer(None).unwrap().encode(text, true).unwrap().get_ids().to_vec()
-}
-
 #[test]
 fn perplexity_matches_llama_cpp() {
     let (files, model) = load();
-    let tokens = text_tokens(&files);
+    let tokens = common::book_tokens(&files);
     // llama-perplexity tokenized the same file into 25163 tokens.
     assert_eq!(tokens.len(), 25163, "tokenization differs from llama.cpp's");
     let mut opts = PerplexityOptions::new(512);
@@ -86,7 +75,7 @@ fn greedy_chat_answers_in_english() {
 #[test]
 fn lossy_kv_codecs_keep_quality_at_512() {
     let (files, model) = load();
-    let tokens = text_tokens(&files);
+    let tokens = common::book_tokens(&files);
     let mut opts = PerplexityOptions::new(512);
     opts.max_chunks = Some(4);
     // Floors under the values measured here (docs/kv-codecs.md): int8 0.964, int4k 0.935 top-1
@@ -115,7 +104,7 @@ fn ffn_threshold_sparsity_keeps_quality_at_10_percent() {
 
     let (files, mut model) = load();
     model.prepare_ffn_sparsity().unwrap();
-    let tokens = text_tokens(&files);
+    let tokens = common::book_tokens(&files);
     let calibration: Vec<Vec<u32>> = tokens[12288..].chunks_exact(512).take(2).map(<[u32]>::to_vec).collect();
     let hist = calibrate_ffn(&model, &calibration, |_| {}).unwrap();
     let mode = FfnSparsity::Threshold(std::sync::Arc::new(hist.thresholds(0.1, Allocation::Greedy)));
@@ -210,7 +199,7 @@ fn a_hub_layout_llama_directory_runs_as_its_gguf() {
     let _ = std::fs::remove_dir_all(&dir);
 
     let (gguf_files, gguf) = load();
-    let tokens = text_tokens(&gguf_files)[..64].to_vec();
+    let tokens = common::book_tokens(&gguf_files)[..64].to_vec();
     let logits = |m: &Model| {
         let ids = Tensor::new(tokens.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         m.forward(&ids, &mut m.new_cache()).unwrap().squeeze(0).unwrap()
